@@ -1,0 +1,165 @@
+"""Power-series algebra on the coefficient vectors of lower-triangular Toeplitz matrices.
+
+``Toep(c)`` — the n×n lower-triangular Toeplitz matrix with first column ``c`` — is the
+truncation of the power series c(x) = Σ_j c_j x^j: ``Toep(a)·Toep(b) = Toep(a*b mod xⁿ)``, its
+inverse is the reciprocal series, its square root the series square root. Every function here
+takes and returns coefficient vectors of shape (n,), float64, and never forms an n×n array.
+
+Cost: products are exact direct convolutions up to ``_DIRECT_MAX`` coefficients and FFT
+convolutions beyond (O(n log n)); inverse and (inverse) square root use Newton iteration with
+those products (O(M(n)), i.e. O(n log n) for large n).
+
+References:
+    Brent & Kung, "Fast algorithms for manipulating formal power series", J. ACM 25 (1978):
+    Newton iteration for reciprocal and square root of power series.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.signal import fftconvolve
+
+from dpmf._validation import check_int, check_real, check_vector
+
+__all__ = [
+    "binomial_series",
+    "toeplitz_product",
+    "inverse_coefficients",
+    "sqrt_coefficients",
+    "inverse_sqrt_coefficients",
+    "band",
+    "is_nonincreasing_nonnegative",
+]
+
+_DIRECT_MAX = 8192
+
+
+def binomial_series(exponent: float, n: int, ratio: float = 1.0) -> np.ndarray:
+    """Coefficients of (1 − ratio·x)^exponent, shape (n,).
+
+    c_0 = 1, c_j = c_{j−1}·ratio·(j − 1 − exponent)/j. With exponent = −1/2 these are
+    r_j = binom(2j, j)/4^j (the square root of the prefix sum, A₁^{1/2} = Toep(r)); with
+    exponent = 1/2 they are 1, −1/2, −1/8, −1/16, −5/128, … (A₁^{−1/2}). With ratio = α they
+    are α^j·r_j, the square root of Toep(α^j) (exponential learning-rate decay).
+
+    Raises:
+        ValueError: n < 1 or a non-finite exponent/ratio.
+    """
+    n = check_int("n", n, minimum=1)
+    e = check_real("exponent", exponent)
+    ratio = check_real("ratio", ratio)
+    j = np.arange(1, n, dtype=np.float64)
+    steps = ratio * (j - 1.0 - e) / j
+    out = np.empty(n)
+    out[0] = 1.0
+    out[1:] = np.cumprod(steps)
+    return out
+
+
+def toeplitz_product(a, b, n: int | None = None) -> np.ndarray:
+    """First n coefficients of a(x)·b(x): ``Toep(a)·Toep(b) = Toep(result)``.
+
+    Args:
+        a, b: coefficient vectors, shapes (len_a,), (len_b,).
+        n: length of the result (default ``max(len_a, len_b)``).
+
+    Returns:
+        float64 array of shape (n,).
+    """
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    if n is None:
+        n = max(a.shape[0], b.shape[0])
+    a, b = a[:n], b[:n]
+    if a.size == 0 or b.size == 0:
+        return np.zeros(n)
+    if min(a.shape[0], b.shape[0]) <= 64 or max(a.shape[0], b.shape[0]) <= _DIRECT_MAX:
+        full = np.convolve(a, b)
+    else:
+        full = fftconvolve(a, b)
+    out = np.zeros(n)
+    m = min(n, full.shape[0])
+    out[:m] = full[:m]
+    return out
+
+
+def inverse_coefficients(c) -> np.ndarray:
+    """Coefficients g of the reciprocal series, ``Toep(c)⁻¹ = Toep(g)``, shape (n,).
+
+    Newton iteration g ← g·(2 − c·g), doubling the number of correct terms each step.
+
+    Raises:
+        ValueError: c empty, non-finite, or c[0] = 0 (singular matrix).
+    """
+    c = check_vector("c", c)
+    if c[0] == 0:
+        raise ValueError("c is invalid: c[0] must be non-zero for Toep(c) to be invertible")
+    n = c.shape[0]
+    g = np.array([1.0 / c[0]])
+    k = 1
+    while k < n:
+        m = min(2 * k, n)
+        e = toeplitz_product(c[:m], g, m)  # c·g = 1 + O(x^k)
+        g = np.concatenate([g, -toeplitz_product(g[: m - k], e[k:m], m - k)])
+        k = m
+    return g
+
+
+def inverse_sqrt_coefficients(c) -> np.ndarray:
+    """Coefficients y with ``Toep(y) = Toep(c)^{−1/2}`` (y_0 = c_0^{−1/2} > 0), shape (n,).
+
+    Newton iteration y ← y − y·(c·y² − 1)/2.
+
+    Raises:
+        ValueError: c empty, non-finite, or c[0] ≤ 0.
+    """
+    c = check_vector("c", c)
+    if c[0] <= 0:
+        raise ValueError(f"c is invalid: c[0]={c[0]!r} must be > 0 for a real square root")
+    n = c.shape[0]
+    y = np.array([1.0 / np.sqrt(c[0])])
+    k = 1
+    while k < n:
+        m = min(2 * k, n)
+        yy = np.concatenate([y, np.zeros(m - k)])
+        e = toeplitz_product(c[:m], toeplitz_product(yy, yy, m), m)  # 1 + O(x^k)
+        y = np.concatenate([y, -0.5 * toeplitz_product(y[: m - k], e[k:m], m - k)])
+        k = m
+    return y
+
+
+def sqrt_coefficients(c) -> np.ndarray:
+    """Coefficients s with ``Toep(s) = Toep(c)^{1/2}`` (the principal root, s_0 = √c_0 > 0).
+
+    Computed as c·c^{−1/2}. Shape (n,).
+
+    Raises:
+        ValueError: c empty, non-finite, or c[0] ≤ 0.
+    """
+    y = inverse_sqrt_coefficients(c)
+    return toeplitz_product(np.asarray(c, dtype=np.float64), y, y.shape[0])
+
+
+def band(c, p: int) -> np.ndarray:
+    """Keep the first p coefficients (p diagonals) of c and zero the rest; shape of c.
+
+    ``Toep(band(c, p))`` is the p-banded truncation band_p(Toep(c)). p ≥ n keeps everything.
+
+    Raises:
+        ValueError: p < 1.
+    """
+    c = check_vector("c", c)
+    p = check_int("bands", p, minimum=1)
+    out = c.copy()
+    out[p:] = 0.0
+    return out
+
+
+def is_nonincreasing_nonnegative(c, *, rtol: float = 1e-12) -> bool:
+    """True when c_0 ≥ c_1 ≥ … ≥ 0, up to round-off of ``rtol·max|c|``.
+
+    This is the condition under which the Toeplitz min_sep sensitivity closed form holds.
+    """
+    c = np.asarray(c, dtype=np.float64)
+    tol = rtol * float(np.max(np.abs(c))) if c.size else 0.0
+    return bool(np.all(c >= -tol) and np.all(np.diff(c) <= tol))

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create the virtual environment VENV (default .venv) with dpmf and everything it needs.
+# Installs the CPU build of PyTorch 2.13.0 first (no multi-GB CUDA download), then dpmf with its
+# extras, and Debian's Fashion-MNIST package where the system allows it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${1:-.venv}
+PYTHON=${PYTHON:-python3}
+
+if [ ! -d /usr/share/datasets/fashion-mnist ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing Debian's dataset-fashion-mnist"
+    (apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 \
+      || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1)) \
+      || echo "setup: could not install dataset-fashion-mnist; training falls back to scikit-learn's digits"
+  else
+    echo "setup: not root or no apt-get; Fashion-MNIST not installed (training falls back to digits)"
+  fi
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+"$VENV/bin/python" -m pip install -q "torch==2.13.0"
+"$VENV/bin/python" -m pip install -q -e ".[torch,test,bench]"
+touch "$VENV/.installed"
+echo "setup: ready in $VENV"
