@@ -1,10 +1,24 @@
 """Factorizations A = B·C: power-series algebra, strategies, sensitivity, errors, bounds."""
 
+from dpmf.mechanisms.banded_opt import BandedResult, optimize_banded
+from dpmf.mechanisms.blt import (
+    BLTFactorization,
+    BLTResult,
+    BufferedToeplitz,
+    blt_coefficients,
+    blt_inverse_parameters,
+    blt_noise,
+    blt_prefix_error,
+    blt_sensitivity,
+    optimize_blt,
+)
 from dpmf.mechanisms.bounds import lower_bound, nuclear_norm
+from dpmf.mechanisms.dense import DenseResult, optimize_dense, reverse_cholesky
 from dpmf.mechanisms.errors import Evaluation, b_row_norms, evaluate, max_se, mean_se
 from dpmf.mechanisms.factorizations import (
     BANDED,
     FACTORIZATIONS,
+    OPTIMIZED,
     Factorization,
     factorize,
     parse_factorization,
@@ -23,7 +37,13 @@ from dpmf.mechanisms.toeplitz import (
 
 __all__ = [
     "BANDED",
+    "BLTFactorization",
+    "BLTResult",
+    "BandedResult",
+    "BufferedToeplitz",
+    "DenseResult",
     "FACTORIZATIONS",
+    "OPTIMIZED",
     "PARTICIPATIONS",
     "DenseLowerTriangular",
     "Evaluation",
@@ -33,6 +53,11 @@ __all__ = [
     "Sensitivity",
     "b_row_norms",
     "band",
+    "blt_coefficients",
+    "blt_inverse_parameters",
+    "blt_noise",
+    "blt_prefix_error",
+    "blt_sensitivity",
     "binomial_series",
     "evaluate",
     "factorize",
@@ -43,7 +68,11 @@ __all__ = [
     "max_se",
     "mean_se",
     "nuclear_norm",
+    "optimize_banded",
+    "optimize_blt",
+    "optimize_dense",
     "parse_factorization",
+    "reverse_cholesky",
     "sensitivity",
     "sqrt_coefficients",
     "toeplitz_product",

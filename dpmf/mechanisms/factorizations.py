@@ -12,7 +12,14 @@ lr_aware             Toep(χ)^{1/2}                          A·C⁻¹
 bsr:p                band_p(T^{1/2})                        A·C⁻¹
 bisr:p               (band_p(T^{−1/2}))⁻¹                   A·band_p(T^{−1/2})
 lr_bsr:p, lr_bisr:p  as bsr / bisr with T = Toep(χ)         A·C⁻¹
+dense                optimized dense C (``dense.py``)       A·C⁻¹
+bisr_opt:p           (Toep(g))⁻¹, p optimized g             A·Toep(g)
+bsr_opt:p            Toep(c), p optimized c                 A·C⁻¹
+blt:d                (BLT(θ, ω))⁻¹, d optimized buffers     A·BLT(θ, ω)
 ==================== ====================================== =====================
+
+The last four are optimized for the workload and a participation pattern (``factorize``'s
+``participation`` and options; see ``dpmf.mechanisms.dense``, ``banded_opt`` and ``blt``).
 
 r_j = binom(2j, j)/4^j; D = diag(χ) is the workload's learning-rate scale; T, the Toeplitz
 matrix a banded strategy is built from, is the workload's Toeplitz factor (A itself when A is
@@ -43,7 +50,14 @@ from dpmf.mechanisms.toeplitz import (
 from dpmf.mechanisms.triangular import sqrtm_lower_triangular
 from dpmf.workloads.workload import Workload
 
-__all__ = ["FACTORIZATIONS", "BANDED", "Factorization", "factorize", "parse_factorization"]
+__all__ = [
+    "FACTORIZATIONS",
+    "BANDED",
+    "OPTIMIZED",
+    "Factorization",
+    "factorize",
+    "parse_factorization",
+]
 
 FACTORIZATIONS = (
     "identity",
@@ -56,8 +70,13 @@ FACTORIZATIONS = (
     "bisr",
     "lr_bsr",
     "lr_bisr",
+    "dense",
+    "bisr_opt",
+    "bsr_opt",
+    "blt",
 )
-BANDED = ("bsr", "bisr", "lr_bsr", "lr_bisr")
+BANDED = ("bsr", "bisr", "lr_bsr", "lr_bisr", "bisr_opt", "bsr_opt")
+OPTIMIZED = ("dense", "bisr_opt", "bsr_opt", "blt")
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,7 +85,8 @@ class Factorization:
 
     Attributes:
         name: the factorization's name (see ``FACTORIZATIONS``).
-        bands: p for banded factorizations, else None.
+        bands: p for banded factorizations, else None (a BLT's buffer count is not a band
+            count: ``blt.BLTFactorization`` keeps it in ``buffers``).
         workload: the workload A.
         C: the strategy matrix (structured: ``ScaledToeplitz`` or ``DenseLowerTriangular``).
         C_inverse: C⁻¹, the noise correlation: step t receives the noise (C⁻¹Z)_t.
@@ -126,9 +146,11 @@ class Factorization:
 def parse_factorization(spec: str, bands: int | None = None) -> tuple[str, int | None]:
     """Split ``"bisr:16"`` into ``("bisr", 16)``; ``bands`` fills in a missing p.
 
+    For ``blt`` the number after the colon is the number of buffers (``"blt:4"``).
+
     Raises:
-        ValueError: unknown name, missing or invalid p for a banded factorization, or a p given
-            to a factorization that takes none.
+        ValueError: unknown name, missing or invalid p for a banded factorization (or buffers
+            for ``blt``), or a p given to a factorization that takes none.
     """
     if not isinstance(spec, str):
         raise TypeError(f"factorization={spec!r} is invalid: must be a string such as 'bisr:16'")
@@ -139,6 +161,10 @@ def parse_factorization(spec: str, bands: int | None = None) -> tuple[str, int |
             bands = int(p)
         except ValueError:
             raise ValueError(f"bands={p!r} is invalid in {spec!r}: must be an integer >= 1") from None
+    if name == "blt":
+        if bands is None:
+            raise ValueError(f"factorization={spec!r} is invalid: blt needs buffers, e.g. 'blt:4'")
+        return name, check_int("buffers", bands, minimum=1)
     if name in BANDED:
         if bands is None:
             raise ValueError(f"factorization={spec!r} is invalid: {name} needs bands, e.g. '{name}:16'")
@@ -148,24 +174,49 @@ def parse_factorization(spec: str, bands: int | None = None) -> tuple[str, int |
     return name, None
 
 
-def factorize(workload: Workload, spec: str, bands: int | None = None) -> Factorization:
+def factorize(
+    workload: Workload,
+    spec: str,
+    bands: int | None = None,
+    *,
+    participation=None,
+    **options,
+) -> Factorization:
     """Build the factorization ``spec`` (e.g. ``"lr_aware"``, ``"bisr:16"``) of ``workload``.
 
     Args:
         workload: the n×n workload A.
-        spec: a name from ``FACTORIZATIONS``, banded ones with ``:p``.
-        bands: p, when not given in ``spec``. p ≥ n keeps every diagonal.
+        spec: a name from ``FACTORIZATIONS``, banded ones with ``:p``, ``blt`` with ``:d``
+            buffers.
+        bands: p (or d for ``blt``), when not given in ``spec``. p ≥ n keeps every diagonal.
+        participation: the ``Participation`` the optimized strategies (``OPTIMIZED``: dense,
+            bisr_opt, bsr_opt, blt) are optimized for; default single participation. The
+            other strategies do not depend on it.
+        **options: keyword options of the optimizer, for the optimized strategies only:
+            ``dense.optimize_dense`` (objective, tol, max_iterations, warm_start, …),
+            ``banded_opt.optimize_banded`` (objective, start, max_iterations) and
+            ``blt.optimize_blt`` (objective, max_iterations, starts).
 
     Returns:
         ``Factorization`` with structured C and C⁻¹ (O(n) memory for Toeplitz strategies;
-        the square root of a non-Toeplitz workload is dense, O(n²)).
+        the square root of a non-Toeplitz workload and ``dense`` are dense, O(n²)). Use the
+        ``optimize_*`` functions directly for the optimizers' convergence reports.
 
     Raises:
-        ValueError: unknown name or invalid bands (see ``parse_factorization``).
+        TypeError: options given to a strategy that is not optimized, or unknown options.
+        ValueError: unknown name or invalid bands (see ``parse_factorization``), or invalid
+            options (raised by the optimizer).
     """
     if not isinstance(workload, Workload):
         raise TypeError(f"workload={workload!r} is invalid: must be a dpmf.workloads.Workload")
     name, p = parse_factorization(spec, bands)
+    if name in OPTIMIZED:
+        return _optimized(workload, name, p, participation, options)
+    if options:
+        raise TypeError(
+            f"options {sorted(options)} are invalid for factorization={spec!r}: only the "
+            f"optimized strategies ({', '.join(OPTIMIZED)}) take options"
+        )
     n = workload.n
     chi = workload.schedule_values
     base = workload.toeplitz_coeffs if workload.is_toeplitz else np.asarray(workload.coeffs)
@@ -194,6 +245,21 @@ def factorize(workload: Workload, spec: str, bands: int | None = None) -> Factor
             noise = ScaledToeplitz(band(inverse_sqrt_coefficients(T), p))
             return Factorization(name, p, workload, noise.inverse(), noise)
     return Factorization(name, p, workload, C, C.inverse(), B_matrix)
+
+
+def _optimized(workload: Workload, name: str, p: int | None, participation, options: dict):
+    """Dispatch to the optimizers (imported here: they build on this module)."""
+    if name == "dense":
+        from dpmf.mechanisms.dense import optimize_dense
+
+        return optimize_dense(workload, participation, **options).factorization
+    if name == "blt":
+        from dpmf.mechanisms.blt import optimize_blt
+
+        return optimize_blt(workload, p, participation, **options).factorization
+    from dpmf.mechanisms.banded_opt import optimize_banded
+
+    return optimize_banded(workload, name, p, participation, **options).factorization
 
 
 def _unit(n: int) -> np.ndarray:
