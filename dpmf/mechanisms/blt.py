@@ -402,29 +402,15 @@ def optimize_blt(
     if objective == "max_se" and not workload.is_toeplitz:
         last_row_sq(workload, np.ones(n))  # raises the ValueError naming the workload
 
-    candidates = []  # (value, theta, omega, lbfgs result)
-    tried = 0
-    for param in ("strategy", "noise"):
-        fun = _objective(workload, participation, objective, d, param)
-        for x0 in _starting_points(workload, participation, d, starts, param):
-            if fun(x0) is None:
-                continue
-            tried += 1
-            res = minimize_lbfgs(fun, x0, max_iterations=max_iterations) if max_iterations else None
-            x, val = (res.x, res.value) if res else (x0, fun(x0)[0])
-            th, om = _unpack(x, d)
-            if param == "strategy":
-                try:  # the noise generator needs C⁻¹ as a real BLT
-                    th, om = blt_inverse_parameters(th, om)
-                except ValueError:
-                    continue
-            candidates.append((val, th, om, res))
-    if not candidates:
+    stats = {"tried": 0}
+    best = _search(workload, participation, objective, d, starts, max_iterations, stats)
+    if best is None:
         raise ValueError(
             f"buffers={d} is invalid for {workload.name!r} under {participation.label}: no "
             "starting point gives a BLT in the region of the closed-form sensitivity"
         )
-    _, theta, omega, res = min(candidates, key=lambda t: t[0])
+    _, theta, omega, res = best
+    tried = stats["tried"]
     fact = blt_factorization(workload, theta, omega)
     ev = evaluate(fact, participation, with_lower_bound=False)
     try:
@@ -460,6 +446,83 @@ def optimize_blt(
     )
 
 
+def _search(workload, participation, objective, d, starts, max_iterations, stats):
+    """The best (value, θ, ω, L-BFGS result) over the starting points of both
+    parametrizations, C⁻¹ = BLT(θ, ω) real; None when no start is feasible.
+
+    With multiple participations the closed-form region can stop the line search at its
+    boundary, so d buffers also start from the optimum for d − 1 buffers with one more buffer
+    of zero output scale (the same strategy): more buffers never do worse than fewer."""
+    multi = participation.kind != "single" and participation.participations(workload.n) > 1
+    extra = []
+    if multi and d > 1:
+        prev = _search(workload, participation, objective, d - 1, starts, max_iterations, stats)
+        if prev is not None:
+            # a new decay away from the others (on the timescale 1/(1 − θ))
+            tau = 1.0 / (1.0 - prev[1])
+            fresh = 1.0 - 1.0 / (np.sqrt(2.0) * float(np.max(tau)) + 1.0)
+            th_n = np.append(prev[1], fresh)
+            extra.append(
+                ("noise", np.concatenate([np.log(th_n / (1.0 - th_n)), np.append(prev[2], 0.0)]))
+            )
+            try:
+                th_c, om_c = blt_inverse_parameters(prev[1], prev[2])
+            except ValueError:
+                th_c = None
+            if th_c is not None and np.all(th_c > 0):
+                tau_c = 1.0 / (1.0 - th_c)
+                th_s = np.append(th_c, 1.0 - 1.0 / (np.sqrt(2.0) * float(np.max(tau_c)) + 1.0))
+                x0 = np.concatenate([np.log(th_s / (1.0 - th_s)), np.append(om_c, 0.0)])
+                extra.append(("strategy", x0))
+    candidates = []
+    for param in ("strategy", "noise"):
+        fun = _objective(workload, participation, objective, d, param)
+        points = list(_starting_points(workload, participation, d, starts, param))
+        points += [x for kind, x in extra if kind == param]
+        for x0 in points:
+            if fun(x0) is None:
+                continue
+            stats["tried"] += 1
+            res = minimize_lbfgs(fun, x0, max_iterations=max_iterations) if max_iterations else None
+            x, val = (res.x, res.value) if res else (x0, fun(x0)[0])
+            th, om = _unpack(x, d)
+            if param == "strategy":
+                try:  # the noise generator needs C⁻¹ as a real BLT
+                    th, om = blt_inverse_parameters(th, om)
+                except ValueError:
+                    continue
+            if not _well_conditioned(th, om):
+                continue
+            candidates.append((val, th, om, res))
+    return min(candidates, key=lambda t: t[0]) if candidates else None
+
+
+_MAX_OUTPUT_SCALE = 10.0
+_MIN_DECAY_GAP = 1e-6
+
+
+def _well_conditioned(theta: np.ndarray, omega: np.ndarray) -> bool:
+    """Noise parameters the streaming generator can run in low precision: decays in (0, 1)
+    that are distinct (relative gap of 1 − θ at least 1e-6) and output scales |ω| ≤ 10 (two
+    nearly equal decays with huge opposite scales emulate a double pole by cancellation)."""
+    if np.any(theta <= 0.0) or np.any(theta >= 1.0) or np.any(np.abs(omega) > _MAX_OUTPUT_SCALE):
+        return False
+    if theta.shape[0] > 1:
+        r = np.sort(1.0 - theta)
+        if np.any(np.diff(r) <= _MIN_DECAY_GAP * r[1:]):
+            return False
+    return True
+
+
+def _real_inverse(theta: np.ndarray, omega: np.ndarray) -> bool:
+    """Whether BLT(θ, ω)⁻¹ is a well-conditioned real BLT (what the noise generator needs)."""
+    try:
+        th, om = blt_inverse_parameters(theta, omega)
+    except ValueError:
+        return False
+    return _well_conditioned(th, om)
+
+
 def _unpack(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
     theta = 1.0 / (1.0 + np.exp(-x[:d]))
     return theta, x[d:].copy()
@@ -476,6 +539,10 @@ def _objective(workload, participation, objective, d, param):
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             theta, omega = _unpack(x, d)
             if np.any(theta >= 1.0) or np.any(theta <= 0.0):
+                return None
+            if param == "strategy" and not _real_inverse(theta, omega):
+                return None
+            if param == "noise" and not _well_conditioned(theta, omega):
                 return None
             powers = np.exp(ks[None, :] * np.log(theta)[:, None])  # θ_i^{k−1}, k = 1..n−1
             u = np.empty(n)

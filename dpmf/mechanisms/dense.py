@@ -46,9 +46,13 @@ factorization (normalized to be exactly feasible) an upper bound.
 
 MaxSE (max_i (A X⁻¹ Aᵀ)_ii) is minimized through the saddle point
 min_X max_{p∈Δ} tr(Aᵀ diag(p) A X⁻¹) = max_{p∈Δ} OPT(Aᵀ diag(p) A): the inner problem is the
-MeanSE problem with weighted rows, and the weights follow the multiplicative update
-p ← p∘e/⟨p, e⟩ (e the squared row errors, the gradient of the concave outer function); the
-gap max_i e_i − ⟨p, e⟩ certifies it.
+MeanSE problem with weighted rows (solved inexactly, warm-started, a few Newton steps per
+update), and the weights follow the multiplicative update p ← p∘(e/⟨p, e⟩)^γ, γ = 4 (e the
+squared row errors, the gradient of the concave outer function). The dual value of the inner
+problem is a lower bound on MaxSE², max_i e_i of the normalized X an upper bound; convergence is
+sublinear (default tolerance 1e-4). MaxSE is offered for single and fixed_epochs participation;
+with the min_sep cutting planes the two loops did not converge reliably, so that combination is
+refused.
 """
 
 from __future__ import annotations
@@ -551,7 +555,7 @@ def optimize_dense(
         TypeError: ``workload`` or ``participation`` of the wrong type.
         ValueError: bad objective, tol, iteration counts, warm_start; n > ``DENSE_MAX_STEPS``;
             n incompatible with the participation; min_sep with more admissible (set, sign)
-            pairs than ``search_limit``.
+            pairs than ``search_limit``, or with objective ``max_se`` (not supported).
 
     Cost: O(n³) per Newton step (an eigendecomposition and a few matrix products per
     Hessian-vector product); O(n²) memory. Small problems run single-threaded (BLAS threads
@@ -587,6 +591,12 @@ def optimize_dense(
     k = participation.participations(n)
     b = participation.min_sep
     kind = participation.kind if k > 1 else "single"
+    if kind == "min_sep" and objective == "max_se":
+        raise ValueError(
+            "objective='max_se' is invalid with min_sep participation for the dense strategy "
+            "(the weight updates and the cutting planes do not converge together reliably); "
+            "use objective='mean_se', or fixed_epochs participation"
+        )
     if kind == "min_sep":
         count = count_admissible_sets(n, b, k, signed=True)
         if count > search_limit:
@@ -718,26 +728,10 @@ class _Solver:
         return run, cons, float(np.sqrt(max(run.point.value, 0.0) / n))
 
     def max_se(self, cons, y0, tol):
-        """Saddle point over row weights p (see the module docstring); for min_sep, cutting
-        planes around it: solve on the current constraints, add the violated ones, repeat."""
+        """Saddle point over row weights p (see the module docstring); single and
+        fixed_epochs participation."""
         n = self.A.shape[0]
-        p = np.full(n, 1.0 / n)
-        if self.kind != "min_sep":
-            return self._max_se_on(cons, y0, p, tol)
-        rounds = 0
-        while True:
-            run, cons, lower, p = self._max_se_on(cons, y0, p, tol)
-            found, _ = _most_violated(
-                _primal(run.point), self.b, self.k, 1.0 + 1e-9, limit=max(n, 16)
-            )
-            old_sets = _sets_of(cons)
-            known = {_key(idx, u) for idx, u in old_sets}
-            new = [(idx, u) for _, idx, u in found if _key(idx, u) not in known]
-            rounds += 1
-            if not new or rounds >= 50:
-                return run, cons, lower, p
-            y0 = np.concatenate([run.point.y, np.zeros(len(new))])
-            cons = _rank_one_constraints(n, old_sets + new, cons.label)
+        return self._max_se_on(cons, y0, np.full(n, 1.0 / n), tol)
 
     def _max_se_on(self, cons, y0, p, tol):
         """Multiplicative weight updates p ← p∘(e/⟨p, e⟩)^γ with warm-started inexact inner
