@@ -407,7 +407,10 @@ def _maximize_dual(
     precise = False
     pt = _evaluate_dual(F, W, cons, y, precise)
     if pt is None:
-        raise ValueError("warm_start is invalid: its multipliers do not give a positive definite Λ")
+        raise ValueError(
+            "warm_start is invalid: its multipliers do not give a positive definite Λ "
+            "(they must be positive on the inequality constraints)"
+        )
     # Best scaling t·y (g is maximized in closed form along the ray).
     ry = float(cons.rhs @ y)
     if ry > 0:
@@ -503,8 +506,10 @@ def _most_violated(X: np.ndarray, b: int, k: int, threshold: float, limit: int):
             Q = X[S[:, :, None], S[:, None, :]]
             vals = np.einsum("ui,nij,uj->nu", signs, Q, signs, optimize=True)
             best = max(best, float(vals.max()))
-            hit = np.argwhere(vals > threshold)
-            for si, ui in hit:
+            flat = np.flatnonzero(vals > threshold)
+            if flat.shape[0] > limit:
+                flat = flat[np.argpartition(-vals.ravel()[flat], limit)[:limit]]
+            for si, ui in zip(*np.unravel_index(flat, vals.shape), strict=True):
                 found.append((float(vals[si, ui]), S[si].copy(), signs[ui].copy()))
     found.sort(key=lambda t: -t[0])
     return found[:limit], best
