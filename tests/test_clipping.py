@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpmf.optim.clipping import (
+
     NonFiniteGradientError,
     check_per_example_safe,
     clip_factors,
@@ -13,6 +14,15 @@ from dpmf.optim.clipping import (
     per_example_gradients,
     trainable_parameters,
 )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small tensors: one intra-op thread avoids spinning threads on a shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 class ChannelScale(nn.Module):
