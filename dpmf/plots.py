@@ -17,7 +17,7 @@ from matplotlib.colors import TwoSlopeNorm  # noqa: E402
 
 from dpmf._io import atomic_savefig  # noqa: E402
 
-__all__ = ["plot_curves", "plot_gain"]
+__all__ = ["plot_curves", "plot_gain", "figure_curves", "figure_gain"]
 
 
 def _label(row) -> str:
@@ -25,8 +25,20 @@ def _label(row) -> str:
 
 
 def plot_curves(rows: Sequence, path, *, title: str | None = None) -> Path:
-    """Two panels (MaxSE, MeanSE) against n on a log-x axis: one line per factorization and the
-    lower bound dashed. ``rows`` are ``dpmf.mechanisms.sweeps.CurveRow``. Returns the path."""
+    """Write ``figure_curves(rows)`` to ``path`` (PNG) atomically; return the path."""
+    fig = figure_curves(rows, title=title)
+    out = atomic_savefig(fig, path, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def figure_curves(rows: Sequence, *, title: str | None = None):
+    """Two panels (MaxSE, MeanSE) against n, log-log: one line per factorization and the lower
+    bound dashed. ``rows`` are ``dpmf.mechanisms.sweeps.CurveRow``. Returns the Figure.
+
+    Raises:
+        ValueError: no rows.
+    """
     if not rows:
         raise ValueError("rows is invalid: nothing to plot")
     labels = list(dict.fromkeys(_label(r) for r in rows))
@@ -51,19 +63,29 @@ def plot_curves(rows: Sequence, path, *, title: str | None = None) -> Path:
         else (f"{r0.participation} b={r0.min_sep} k={r0.max_participations}")
     )
     fig.suptitle(title or f"{r0.schedule} schedule, β={r0.beta:g}, {part} participation")
+    return fig
+
+
+def plot_gain(grid, path, *, title: str | None = None) -> Path:
+    """Write ``figure_gain(grid)`` to ``path`` (PNG) atomically; return the path."""
+    fig = figure_gain(grid, title=title)
     out = atomic_savefig(fig, path, dpi=120)
     plt.close(fig)
     return out
 
 
-def plot_gain(grid, path, *, title: str | None = None) -> Path:
-    """Heatmap of ``grid.gain`` (n on x, β on y, both log) with a diverging colormap centred at 1:
-    red where the numerator factorization is better (gain < 1), blue where worse. Returns the
-    path. ``grid`` is a ``dpmf.mechanisms.sweeps.GainGrid``."""
+def figure_gain(grid, *, title: str | None = None, ax=None):
+    """Heatmap of ``grid.gain`` (n on x, β on y) with a diverging colormap centred at 1: red where
+    the numerator factorization is better (gain < 1), blue where worse, the level 1 drawn black.
+    ``grid`` is a ``dpmf.mechanisms.sweeps.GainGrid``; draws into ``ax`` when given. Returns the
+    Figure."""
     gain = np.asarray(grid.gain)
     lo, hi = float(gain.min()), float(gain.max())
     norm = TwoSlopeNorm(vcenter=1.0, vmin=min(lo, 1.0 - 1e-9), vmax=max(hi, 1.0 + 1e-9))
-    fig, ax = plt.subplots(figsize=(7, 5), constrained_layout=True)
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(7, 5), constrained_layout=True)
+    else:
+        fig = ax.figure
     x = np.arange(len(grid.ns))
     y = np.arange(len(grid.betas))
     mesh = ax.pcolormesh(x, y, gain, cmap="RdBu", norm=norm, shading="nearest")
@@ -81,6 +103,4 @@ def plot_gain(grid, path, *, title: str | None = None) -> Path:
         or f"Gain of {grid.numerator} over {grid.denominator} ({metric}, {grid.schedule})\n"
         "red: numerator better (ratio < 1), blue: worse; black line: ratio = 1"
     )
-    out = atomic_savefig(fig, path, dpi=120)
-    plt.close(fig)
-    return out
+    return fig
