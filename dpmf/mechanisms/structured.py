@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.linalg.lapack import dtrtri
 from scipy.linalg import toeplitz as _dense_toeplitz
+from scipy.linalg.lapack import dtrtri
 from scipy.signal import fftconvolve
 
 from dpmf._validation import check_vector
