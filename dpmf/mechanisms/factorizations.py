@@ -29,6 +29,7 @@ BISR.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -69,7 +70,8 @@ class Factorization:
         bands: p for banded factorizations, else None.
         workload: the workload A.
         C: the strategy matrix (structured: ``ScaledToeplitz`` or ``DenseLowerTriangular``).
-        C_inverse: C⁻¹, the noise correlation: step t receives the noise (C⁻¹Z)_t.
+        noise: C⁻¹ when it is known when the factorization is built (banded inverse
+            strategies); otherwise None and ``C_inverse`` computes it on first use.
         B_matrix: B as an explicit array when it is known directly (square root of a
             non-Toeplitz A); otherwise None and B = A·C⁻¹.
     """
@@ -78,8 +80,14 @@ class Factorization:
     bands: int | None
     workload: Workload
     C: LowerTriangular
-    C_inverse: LowerTriangular
+    noise: LowerTriangular | None = None
     B_matrix: np.ndarray | None = None
+
+    @cached_property
+    def C_inverse(self) -> LowerTriangular:
+        """C⁻¹, the noise correlation: step t receives the noise (C⁻¹Z)_t (same structure as C:
+        power-series inversion for Toeplitz C, O(n³) triangular inversion for dense C)."""
+        return self.noise if self.noise is not None else self.C.inverse()
 
     @property
     def label(self) -> str:
@@ -193,7 +201,7 @@ def factorize(workload: Workload, spec: str, bands: int | None = None) -> Factor
         else:
             noise = ScaledToeplitz(band(inverse_sqrt_coefficients(T), p))
             return Factorization(name, p, workload, noise.inverse(), noise)
-    return Factorization(name, p, workload, C, C.inverse(), B_matrix)
+    return Factorization(name, p, workload, C, None, B_matrix)
 
 
 def _unit(n: int) -> np.ndarray:
