@@ -1,23 +1,21 @@
-"""Atomic files and checkpoints: write to a temporary file in the same folder, then rename.
+"""Checkpoints written atomically, and the global random generators' states.
 
-A reader (or a resumed run after a kill) sees either the previous complete file or the new
-complete file, never a partial one: ``os.replace`` is atomic on POSIX and Windows within one
-file system.
+A checkpoint is written to a temporary file in the same folder, then renamed over the old
+one (``dpmf._io.atomic_path``): a resumed run after a kill sees either the previous or the new
+complete checkpoint, never a partial one.
 """
 
 from __future__ import annotations
 
-import io
 import os
 import random
-import tempfile
 
 import numpy as np
 import torch
 
+from dpmf._io import atomic_path
+
 __all__ = [
-    "atomic_write_bytes",
-    "atomic_write_text",
     "save_checkpoint",
     "load_checkpoint",
     "rng_state",
@@ -25,36 +23,17 @@ __all__ = [
 ]
 
 
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temporary file, fsync, rename)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+def save_checkpoint(path, state: dict) -> None:
+    """``torch.save(state)`` to ``path`` atomically (temporary file in the same folder, fsync,
+    rename), so a kill during the write leaves the previous checkpoint intact."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
-def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` (UTF-8) to ``path`` atomically."""
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def save_checkpoint(path: str, state: dict) -> None:
-    """``torch.save(state)`` to ``path`` atomically."""
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    atomic_write_bytes(path, buf.getvalue())
-
-
-def load_checkpoint(path: str) -> dict:
+def load_checkpoint(path) -> dict:
     """Load a checkpoint written by ``save_checkpoint`` (tensors on CPU).
 
     Raises:

@@ -158,6 +158,8 @@ class TrainConfig:
             if name not in known:
                 raise ValueError(f"config key {key!r} is invalid: must be one of {', '.join(sorted(known))}")
             clean[name] = value
+        if clean.get("noise_multiplier") is not None and "epsilon" not in clean:
+            clean["epsilon"] = None  # σ given: ε is computed, not targeted
         return cls(**clean)
 
     @classmethod

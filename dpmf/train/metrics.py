@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import csv
-import io
 
-from dpmf.train.checkpoint import atomic_write_bytes, atomic_write_text
+from dpmf._io import atomic_savefig, atomic_write_csv
 
 __all__ = ["METRIC_COLUMNS", "write_metrics_csv", "read_metrics_csv", "plot_training_curves"]
 
@@ -24,12 +23,7 @@ METRIC_COLUMNS = (
 
 def write_metrics_csv(path: str, rows: list[dict]) -> None:
     """Write ``rows`` (dicts with ``METRIC_COLUMNS``) as CSV, atomically."""
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(METRIC_COLUMNS), extrasaction="ignore", lineterminator="\n")
-    writer.writeheader()
-    for row in rows:
-        writer.writerow({k: _fmt(row.get(k)) for k in METRIC_COLUMNS})
-    atomic_write_text(path, buf.getvalue())
+    atomic_write_csv(path, METRIC_COLUMNS, [[_fmt(row.get(k)) for k in METRIC_COLUMNS] for row in rows])
 
 
 def read_metrics_csv(path: str) -> list[dict]:
@@ -72,6 +66,4 @@ def plot_training_curves(path: str, rows: list[dict], *, title: str = "") -> Non
         ax.grid(True, alpha=0.3)
     if title:
         fig.suptitle(title)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    atomic_write_bytes(path, buf.getvalue())
+    atomic_savefig(fig, path, dpi=110)
