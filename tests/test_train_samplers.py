@@ -60,7 +60,7 @@ def test_balls_in_bins_fixed_bins_partition_every_epoch_and_keep_their_steps():
     N, B = 103, 10
     s = BallsInBinsSampler(N, B, 3 * steps_per_epoch(N, B), seed=3)
     b = s.bins
-    assert b == 10 and s.expected_batch_size == pytest.approx(10.3)
+    assert b == 11 and s.expected_batch_size == pytest.approx(103 / 11)  # b = ⌈N/B⌉
     batches = run(s)
     for e in range(3):
         epoch = batches[e * b : (e + 1) * b]
@@ -88,13 +88,13 @@ def test_shuffled_fixed_batches_are_shuffled_once_then_cycled():
     N, B = 25, 4
     s = ShuffledFixedSampler(N, B, 3 * steps_per_epoch(N, B), seed=6)
     batches = run(s)
-    spe = 6
-    assert all(x.size == B for x in batches)
+    spe = 7  # ⌈25/4⌉
+    assert [x.size for x in batches[:spe]] == [4, 4, 4, 4, 3, 3, 3]
+    assert s.expected_batch_size == pytest.approx(25 / 7)
     assert not np.array_equal(s.order, np.arange(N))
     for t in range(spe, 3 * spe):
         assert np.array_equal(batches[t], batches[t - spe])  # the same fixed order each epoch
-    used = np.concatenate(batches[:spe])
-    assert np.unique(used).size == spe * B  # disjoint within an epoch; 1 example left over
+    assert np.array_equal(np.sort(np.concatenate(batches[:spe])), np.arange(N))  # a partition
 
 
 @pytest.mark.parametrize("scheme", ["poisson", "cyclic_poisson", "balls_in_bins", "epoch_balls_in_bins",

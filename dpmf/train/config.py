@@ -22,7 +22,7 @@ from dpmf.workloads.schedules import SCHEDULES
 __all__ = ["OPTIMIZERS", "ACCOUNTANTS", "TrainConfig"]
 
 OPTIMIZERS = ("dp-sgd", "dp-adam", "dp-muon", "dp-muon-s", "dp-muon-bc")
-ACCOUNTANTS = ("pld", "rdp", "prv")
+ACCOUNTANTS = ("pld", "rdp", "prv", "monte_carlo")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -40,10 +40,10 @@ class TrainConfig:
             ``bisr:16``, ``bsr:8``, ``lr_aware``, …).
         scheme: batch sampling and its accounting (``poisson``, ``cyclic_poisson``,
             ``balls_in_bins``, ``epoch_balls_in_bins``, ``fixed_order``, ``single_release``).
-        epochs: E ≥ 1; the run has E·⌊N/B⌋ steps.
+        epochs: E ≥ 1; the run has E·⌈N/B⌉ steps.
         batch_size: B, the expected (logical) batch size, 1 ≤ B ≤ N.
         epsilon: target ε > 0 (σ is calibrated); exactly one of epsilon / noise_multiplier.
-        noise_multiplier: σ ≥ 0 given directly (ε is then computed).
+        noise_multiplier: σ > 0 given directly (ε is then computed).
         delta: δ in (0, 1).
         clip_norm: ζ > 0.
         lr: base learning rate η > 0; step t uses η·χ_t.
@@ -53,7 +53,8 @@ class TrainConfig:
         seed: seeds the model's initial weights, the sampler and the noise.
         device: ``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``.
         micro_batch_size: per-example gradients held at once (None: the whole batch).
-        accountant: ``pld`` (default), ``rdp`` or ``prv``.
+        accountant: ``pld``, ``rdp``, ``prv`` or ``monte_carlo``; None: the scheme's default
+            (Monte Carlo for the balls-in-bins schemes, PLD otherwise).
         samples: Monte Carlo samples for balls-in-bins accounting (None: the accountant's default).
         eval_batch_size: batch size of the test evaluation (no privacy cost).
         epsilon_each_epoch: account ε after every epoch (True) or only for the whole run.
@@ -80,7 +81,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     micro_batch_size: int | None = None
-    accountant: str = "pld"
+    accountant: str | None = None
     samples: int | None = None
     eval_batch_size: int = 1024
     epsilon_each_epoch: bool = True
@@ -105,7 +106,9 @@ class TrainConfig:
             object.__setattr__(self, "epsilon", check_real("epsilon", self.epsilon, low=0.0, low_inclusive=False))
         if self.noise_multiplier is not None:
             object.__setattr__(
-                self, "noise_multiplier", check_real("noise_multiplier", self.noise_multiplier, low=0.0)
+                self,
+                "noise_multiplier",
+                check_real("noise_multiplier", self.noise_multiplier, low=0.0, low_inclusive=False),
             )
         object.__setattr__(
             self, "delta", check_real("delta", self.delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
@@ -128,7 +131,8 @@ class TrainConfig:
             object.__setattr__(
                 self, "micro_batch_size", check_int("micro_batch_size", self.micro_batch_size, minimum=1)
             )
-        check_choice("accountant", self.accountant, ACCOUNTANTS)
+        if self.accountant is not None:
+            check_choice("accountant", self.accountant, ACCOUNTANTS)
         if self.samples is not None:
             object.__setattr__(self, "samples", check_int("samples", self.samples, minimum=1))
         object.__setattr__(

@@ -7,16 +7,17 @@ sampler                   rule                                                  
                           probability q = B/N (variable, possibly empty batches)
 ``CyclicPoissonSampler``  examples split once into b groups; step t samples      ``cyclic_poisson``
                           group t mod b with probability q = B·b/N
-``BallsInBinsSampler``    every example thrown once into one of b = ⌊N/B⌋ bins;   ``balls_in_bins``
+``BallsInBinsSampler``    every example thrown once into one of b = ⌈N/B⌉ bins;   ``balls_in_bins``
                           step t uses bin t mod b (fixed bins for the whole run)
 ``EpochBallsInBinsSampler``  as above, bins redrawn at the start of every epoch   ``epoch_balls_in_bins``
-``ShuffledFixedSampler``  one shuffle, then b = ⌊N/B⌋ fixed batches of exactly B  ``fixed_order``,
-                          in the same cyclic order every epoch (the N − bB        ``single_release``
-                          leftover examples are never used)
+``ShuffledFixedSampler``  one shuffle, then b = ⌈N/B⌉ fixed batches (near-equal   ``fixed_order``,
+                          sizes ⌊N/b⌋ or ⌈N/b⌉, at most B) in the same cyclic     ``single_release``
+                          order every epoch
 ========================  ======================================================  =================
 
-The expected batch size B̄ (``expected_batch_size``), a public number, is what the private
-gradient is divided by. Every sampler returns index arrays (int64, sorted), one per step,
+An epoch is b = ⌈N/B⌉ steps for every scheme (the accountants' convention). The expected batch
+size B̄ (``expected_batch_size``: B for the Poisson schemes, N/b for bins and fixed batches), a
+public number, is what the private gradient is divided by. Every sampler returns index arrays (int64, sorted), one per step,
 for exactly ``steps`` steps; an empty array is a step too (a noise-only update, counted by
 the accountant). Randomness comes from one ``numpy.random.Generator`` per sampler whose state
 is checkpointed with ``state_dict()``.
@@ -57,7 +58,7 @@ SCHEMES = (
 
 
 def steps_per_epoch(dataset_size: int, batch_size: int) -> int:
-    """b = ⌊N/B⌋, the number of steps that make one pass over the data on average.
+    """b = ⌈N/B⌉, the number of steps of one epoch (one pass over the data on average).
 
     Raises:
         ValueError: N < 1, B < 1, or B > N (a batch larger than the data set).
@@ -69,7 +70,7 @@ def steps_per_epoch(dataset_size: int, batch_size: int) -> int:
             f"batch_size={b} is invalid: larger than the data set (dataset_size={n}); "
             f"must be in [1, {n}]"
         )
-    return n // b
+    return -(-n // b)
 
 
 class BatchSampler:
@@ -203,7 +204,7 @@ class CyclicPoissonSampler(BatchSampler):
 
 
 class BallsInBinsSampler(BatchSampler):
-    """Each example thrown once, uniformly, into one of b = ⌊N/B⌋ bins; step t uses bin t mod b.
+    """Each example thrown once, uniformly, into one of b = ⌈N/B⌉ bins; step t uses bin t mod b.
 
     Batches have random sizes (Binomial(N, 1/b)) with mean B̄ = N/b.
     """
@@ -246,10 +247,11 @@ class EpochBallsInBinsSampler(BallsInBinsSampler):
 
 
 class ShuffledFixedSampler(BatchSampler):
-    """One shuffle, then b = ⌊N/B⌋ fixed batches of exactly B examples, cycled every epoch.
+    """One shuffle, then b = ⌈N/B⌉ fixed batches of near-equal size (⌊N/b⌋ or ⌈N/b⌉ ≤ B),
+    cycled every epoch; B̄ = N/b.
 
-    Each example is in one batch (or in none: the N − b·B leftovers), so it participates at
-    steps s, s + b, s + 2b, … — the ``fixed_epochs(b, k)`` participation of the accountant.
+    Each example is in exactly one batch, so it participates at steps s, s + b, s + 2b, … — the
+    ``fixed_epochs(b, k)`` participation of the accountant.
     """
 
     scheme = "fixed_order"
@@ -260,9 +262,17 @@ class ShuffledFixedSampler(BatchSampler):
     def _fixed(self):
         return {"order": self.order}
 
+    @property
+    def expected_batch_size(self) -> float:
+        return self.dataset_size / self.steps_per_epoch
+
     def _draw(self, t):
-        s = t % self.steps_per_epoch
-        return self.order[s * self.batch_size : (s + 1) * self.batch_size]
+        b = self.steps_per_epoch
+        s = t % b
+        # np.array_split's boundaries: the first N mod b batches hold one more example
+        size, extra = divmod(self.dataset_size, b)
+        start = s * size + min(s, extra)
+        return self.order[start : start + size + (1 if s < extra else 0)]
 
 
 def make_sampler(
@@ -279,7 +289,8 @@ def make_sampler(
     Args:
         scheme: one of ``SCHEMES``.
         dataset_size, batch_size, steps, seed: as ``BatchSampler``.
-        groups: b for ``cyclic_poisson`` (the strategy's bands); default ⌊N/B⌋.
+        groups: b' for ``cyclic_poisson``: the strategy's bands p (or a min_sep ≥ p);
+            default 1 (plain Poisson sampling).
 
     Raises:
         ValueError: unknown scheme, a batch larger than the data set, bad groups.
@@ -288,7 +299,7 @@ def make_sampler(
     if scheme == "poisson":
         return PoissonSampler(dataset_size, batch_size, steps, seed=seed)
     if scheme == "cyclic_poisson":
-        b = groups if groups is not None else steps_per_epoch(dataset_size, batch_size)
+        b = 1 if groups is None else groups
         return CyclicPoissonSampler(dataset_size, batch_size, steps, groups=b, seed=seed)
     if scheme == "balls_in_bins":
         return BallsInBinsSampler(dataset_size, batch_size, steps, seed=seed)
