@@ -139,8 +139,9 @@ def test_model_seed_fixes_the_weights_and_leaves_the_global_generator():
     b = build_model("cnn", (1, 28, 28), 10, seed=5)
     assert torch.equal(torch.get_rng_state(), state)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
-    with pytest.raises(ValueError, match="divisible by 4"):
-        build_model("cnn", (1, 30, 30), 10)
+    assert build_model("cnn", (1, 30, 30), 10)(torch.zeros(1, 1, 30, 30)).shape == (1, 10)
+    with pytest.raises(ValueError, match="divisible by 8"):
+        build_model("cnn3", (3, 30, 30), 10)
     with pytest.raises(ValueError, match="model"):
         build_model("resnet", (1, 28, 28), 10)
 
