@@ -50,7 +50,7 @@ def test_dp_muon_matches_design_formulas_step_by_step():
     # wide linear, tall linear, very tall (aspect capped), conv kernel, bias
     shapes = [(3, 5), (7, 3), (20, 2), (4, 2, 2, 2), (6,)]
     params = make_params(shapes, seed=1)
-    opt = DPMuon(params, lr=lr, beta=beta, momentum=mu, vector_lr=vlr)
+    opt = DPMuon(params, lr=lr, beta=beta, vector_momentum=mu, vector_lr=vlr)
     theta = [p.detach().numpy().copy() for p in params]
     M = [np.zeros(s) for s in shapes]
     buf = np.zeros(6)
@@ -306,6 +306,8 @@ def test_bad_hyperparameters_named():
             make()
     with pytest.raises(TypeError, match="unexpected keyword"):
         DPMuon(p, momentun=0.9)
+    with pytest.raises(TypeError, match="vector_momentum"):
+        DPMuon(p, momentum=0.9)
     with pytest.raises(TypeError, match="filter"):
         DPSGD(p, lr=0.1, filter="lowpass")
 
@@ -361,7 +363,7 @@ def test_custom_transform_group():
     torch.testing.assert_close(p.detach(), theta0 - 0.1 * 2.0 * 0.5 * G)
 
 
-@pytest.mark.parametrize("cls", [DPMuonS, DPAdam, DPMuon])
+@pytest.mark.parametrize("cls", [DPMuonS, DPAdam, DPMuon, DPMuonBC])
 def test_resume_from_state_dict_is_exact(cls, tmp_path):
     shapes = [(6, 4), (4,)]
     grads = [grads_for(make_params(shapes), seed=70 + t) for t in range(5)]
@@ -369,14 +371,16 @@ def test_resume_from_state_dict_is_exact(cls, tmp_path):
     def run(split):
         params = make_params(shapes, seed=17, dtype=torch.float32)
         opt = cls(params, lr=0.05)
+        opt.set_noise_std(0.2)
         for t, gs in enumerate(grads):
             if t == split:
                 path = tmp_path / f"{cls.__name__}.pt"
                 torch.save({"p": [p.detach() for p in params], "opt": opt.state_dict()}, path)
-                saved = torch.load(path, weights_only=False)
+                saved = torch.load(path, weights_only=True)  # plain data and tensors only
                 params = [torch.nn.Parameter(x.clone()) for x in saved["p"]]
                 opt = cls(params, lr=0.05)
-                opt.load_state_dict(saved["opt"])
+                opt.load_state_dict(saved["opt"])  # restores noise std and probe generator
+                assert opt.noise_std == 0.2
             for p, g in zip(params, gs, strict=True):
                 p.grad = g.float()
             opt.step()

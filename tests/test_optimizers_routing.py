@@ -148,7 +148,7 @@ def test_schedule_drives_steps_as_the_workload_a_chi(name):
     np.testing.assert_array_equal(LearningRateSchedule(schedule, n).workload().schedule_values, chi)
 
 
-def test_learning_rate_schedule_bounds_and_state_dict():
+def test_learning_rate_schedule_bounds_and_state_dict(tmp_path):
     schedule = LearningRateSchedule(Schedule("cosine", beta=0.1), 5)
     np.testing.assert_array_equal(schedule.multipliers, Schedule("cosine", beta=0.1).values(5))
     assert schedule(0) == 1.0 and schedule(4) == pytest.approx(0.1) and schedule(5) == schedule(4)
@@ -168,7 +168,9 @@ def test_learning_rate_schedule_bounds_and_state_dict():
     for _ in range(2):
         opt.step()
         sched.step()
-    saved = sched.state_dict()
+    path = tmp_path / "sched.pt"
+    torch.save(sched.state_dict(), path)
+    saved = torch.load(path, weights_only=True)  # plain data only
     opt2 = DPSGD([p], lr=1.0)
     sched2 = lr_scheduler(opt2, LearningRateSchedule(Schedule("cosine", beta=0.1), 5))
     sched2.load_state_dict(saved)

@@ -92,6 +92,7 @@ _BASE_DEFAULTS = dict(
     power_iterations=2,
     order=1,
     probes=1,
+    antithetic=True,
     # extension points
     filter=None,
     transform=None,
@@ -151,7 +152,7 @@ def dp_muon_s(
 
 def dp_muon_bc(
     beta=0.95, lookahead=True, ns_steps=5, ns_coefficients=QUINTIC_COEFFICIENTS,
-    order=1, probes=1, weight_decay=0.0, filter=None,
+    order=1, probes=1, weight_decay=0.0, filter=None, antithetic=True,
 ) -> Transform:
     """DP-MuonBC: DP-Muon with X₅ replaced by the order-K heat-extrapolated Newton–Schulz
     (``dpmf.optim.bias_correction``); the fresh-noise std of M̂_t is (1−β)(1+β) times that of
@@ -159,7 +160,7 @@ def dp_muon_bc(
     return chain(
         filter,
         EmaMomentum(beta, lookahead),
-        OrthogonalizeBiasCorrected(order, probes, True, ns_steps, ns_coefficients),
+        OrthogonalizeBiasCorrected(order, probes, antithetic, ns_steps, ns_coefficients),
         ScaleByShape(4.0),
         AddDecayedWeights(weight_decay),
     )
@@ -192,7 +193,8 @@ def build_transform(group: dict) -> Transform:
         return dp_muon(**common)
     if rule == "muon_s":
         return dp_muon_s(power_iterations=group["power_iterations"], **common)
-    return dp_muon_bc(order=group["order"], probes=group["probes"], **common)
+    return dp_muon_bc(order=group["order"], probes=group["probes"],
+                      antithetic=group["antithetic"], **common)
 
 
 def _pair(name, value):
@@ -236,8 +238,9 @@ class DPOptimizer(torch.optim.Optimizer):
     weight_decay (L2 for sgd/adam, decoupled for the muon rules and for adam with
     decoupled_weight_decay); momentum, nesterov (sgd); betas, eps, decoupled_weight_decay
     (adam); beta, lookahead, ns_steps, ns_coefficients (muon rules); power_iterations
-    (muon_s); order, probes (muon_bc); filter (a ``Transform`` run first on the privatized
-    gradient, e.g. a temporal filter); transform (a ``Transform`` replacing the rule).
+    (muon_s); order, probes, antithetic (muon_bc); filter (a ``Transform`` run first on the
+    privatized gradient, e.g. a temporal filter); transform (a ``Transform`` replacing the
+    rule).
 
     Raises:
         ValueError / TypeError: invalid hyperparameters, an unknown rule, or a parameter
@@ -492,7 +495,7 @@ class DPMuon(DPOptimizer):
         p ← p − lr·(√min(4, max(1, m/n))·X₅ + λ·p);
 
     Parameters with fewer than two dimensions (biases, norm scales) use DP-SGD with heavy-ball
-    momentum ``momentum`` (learning rate ``vector_lr``, default ``lr``). Groups with a rule
+    momentum ``vector_momentum`` (learning rate ``vector_lr``, default ``lr``). Groups with a rule
     (e.g. from ``route_parameters``) keep it; its placeholders "matrix"/"vector" become
     "muon"/"sgd".
 
@@ -503,7 +506,9 @@ class DPMuon(DPOptimizer):
         lookahead: Nesterov look-ahead M̂_t (True in DP-Muon); False uses M_t.
         ns_steps, ns_coefficients: the Newton–Schulz iteration.
         weight_decay: decoupled weight decay λ of the matrices (L2 for the "sgd" vectors).
-        momentum, nesterov: heavy-ball momentum of the 1-D parameters.
+        vector_momentum, vector_nesterov: heavy-ball momentum μ of the 1-D parameters (group
+            keys ``momentum`` and ``nesterov`` of the "sgd" rule). The matrices' momentum is
+            ``beta``; passing ``momentum=`` is refused to avoid mixing the two up.
         vector_lr: learning rate of the 1-D parameters (None: lr).
         filter: a ``Transform`` applied first to the privatized gradient (temporal filter).
 
@@ -515,11 +520,16 @@ class DPMuon(DPOptimizer):
     _matrix_rule = "muon"
 
     def __init__(self, params, lr=0.02, beta=0.95, *, lookahead=True, ns_steps=5,
-                 ns_coefficients=QUINTIC_COEFFICIENTS, weight_decay=0.0, momentum=0.9,
-                 nesterov=False, vector_lr=None, filter=None, check_finite=True, **extra):
+                 ns_coefficients=QUINTIC_COEFFICIENTS, weight_decay=0.0, vector_momentum=0.9,
+                 vector_nesterov=False, vector_lr=None, filter=None, check_finite=True, **extra):
+        if "momentum" in extra or "nesterov" in extra:
+            raise TypeError(
+                f"{type(self).__name__}: the matrices' EMA momentum is beta (and lookahead); the "
+                "1-D parameters' heavy-ball momentum is vector_momentum (and vector_nesterov)"
+            )
         defaults = dict(lr=lr, rule="auto", beta=beta, lookahead=lookahead, ns_steps=ns_steps,
                         ns_coefficients=tuple(ns_coefficients), weight_decay=weight_decay,
-                        momentum=momentum, nesterov=nesterov, filter=filter)
+                        momentum=vector_momentum, nesterov=vector_nesterov, filter=filter)
         probe_seed = extra.pop("probe_seed", 0)
         unknown = sorted(set(extra) - set(_BASE_DEFAULTS))
         if unknown:
@@ -550,15 +560,16 @@ class DPMuonBC(DPMuon):
 
     Args:
         order: extrapolation order K >= 1 (bias O(s^(2K+2))).
-        probes: antithetic probe pairs per order level, >= 1 (cost: 1 + 2·probes·order
+        probes: probes per order level, >= 1, each used as ±ξ (cost: 1 + 2·probes·order
             Newton–Schulz evaluations per matrix, in one batch).
+        antithetic: False uses each probe once (+ξ only: 1 + probes·order evaluations).
         probe_seed: seed of the probe generator (saved in ``state_dict``).
         Other arguments as ``DPMuon``.
     """
 
     _matrix_rule = "muon_bc"
 
-    def __init__(self, params, lr=0.02, beta=0.95, *, order=1, probes=1, probe_seed=0,
-                 **kwargs):
-        super().__init__(params, lr, beta, order=order, probes=probes, probe_seed=probe_seed,
-                         **kwargs)
+    def __init__(self, params, lr=0.02, beta=0.95, *, order=1, probes=1, antithetic=True,
+                 probe_seed=0, **kwargs):
+        super().__init__(params, lr, beta, order=order, probes=probes, antithetic=antithetic,
+                         probe_seed=probe_seed, **kwargs)

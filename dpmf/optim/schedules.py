@@ -77,7 +77,8 @@ def lr_scheduler(
     steps: int | None = None,
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """A ``LambdaLR`` giving step t the learning rate base_lr·χ_t; call its ``step()`` after
-    each ``optimizer.step()``.
+    each ``optimizer.step()``. Its ``state_dict()`` holds plain data only (the step count and
+    learning rates); to resume, rebuild it with the same schedule and load that state.
 
     Args:
         optimizer: any torch optimizer (its groups' ``lr`` are the base learning rates).
@@ -98,4 +99,11 @@ def lr_scheduler(
         if steps is None:
             raise ValueError("steps is required with a Schedule: the run's number of steps n")
         fn = LearningRateSchedule(schedule, steps)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+
+    def multiplier(k: int) -> float:
+        # A plain function: LambdaLR then keeps it out of its state dict, which stays plain
+        # data (loadable with torch.load(weights_only=True)); the schedule is rebuilt from
+        # the run's configuration on resume.
+        return fn(k)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
