@@ -16,6 +16,8 @@ of its state tensors and the next stage may read it. A named optimizer is a shor
     DP-Muon-S  Chain(EmaMomentum(β), Orthogonalize(), ScaleBySpectralNorm(), ScaleByShape(None))
     DP-MuonBC  Chain(EmaMomentum(β), OrthogonalizeBiasCorrected(order), ScaleByShape(cap=4))
 
+(the muon chains end with AddDecayedWeights(λ): decoupled weight decay).
+
 A temporal filter (a low-pass IIR, a Kalman filter) is one more stage, placed first, between
 the privatized gradient and the momentum (the ``filter`` hook of ``dpmf.optim.optimizers``).
 
