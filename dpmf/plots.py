@@ -1,4 +1,4 @@
-"""Figures: error curves, gain colormaps (matplotlib, headless Agg backend).
+"""Figures: error curves, gain colormaps (matplotlib; headless machines use its Agg backend).
 
 Every figure has labelled axes with units, a legend and a title, and is written atomically.
 """
@@ -8,14 +8,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.colors import TwoSlopeNorm
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.colors import TwoSlopeNorm  # noqa: E402
-
-from dpmf._io import atomic_savefig  # noqa: E402
+from dpmf._io import atomic_savefig
 
 __all__ = ["plot_curves", "plot_gain", "figure_curves", "figure_gain"]
 

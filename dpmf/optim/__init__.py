@@ -1,0 +1,97 @@
+"""Torch side of dpmf: DP optimizers and their update stages (more modules join here).
+
+Optimizers (post-processing of the privatized gradient): ``DPSGD``, ``DPAdam``, ``DPMuon``,
+``DPMuonS``, ``DPMuonBC``; parameter routing ``route_parameters``; learning-rate schedules
+``lr_scheduler``; the stages they are composed of (``dpmf.optim.transforms``); Newton–Schulz
+orthogonalization and its bias correction.
+"""
+
+# Optimizers and their building blocks.
+from dpmf.optim.bias_correction import bias_corrected, newton_schulz_bc, richardson_weights
+from dpmf.optim.matrix import aspect_factor, check_matrix_parameter, matrix_shape, matrix_view
+from dpmf.optim.newton_schulz import QUINTIC_COEFFICIENTS, newton_schulz
+from dpmf.optim.optimizers import (
+    DPSGD,
+    MATRIX_RULES,
+    PLACEHOLDER_RULES,
+    RULES,
+    DPAdam,
+    DPMuon,
+    DPMuonBC,
+    DPMuonS,
+    DPOptimizer,
+    build_transform,
+    dp_adam,
+    dp_muon,
+    dp_muon_bc,
+    dp_muon_s,
+    dp_sgd,
+)
+from dpmf.optim.power_iteration import top_singular_value
+from dpmf.optim.routing import route_parameters, rule_of
+from dpmf.optim.schedules import LearningRateSchedule, lr_scheduler
+from dpmf.optim.transforms import (
+    AddDecayedWeights,
+    Chain,
+    EmaMomentum,
+    HeavyBall,
+    Identity,
+    Orthogonalize,
+    OrthogonalizeBiasCorrected,
+    Scale,
+    ScaleByAdam,
+    ScaleByShape,
+    ScaleBySpectralNorm,
+    StepContext,
+    Transform,
+    chain,
+)
+
+__all__ = [
+    # optimizers
+    "DPOptimizer",
+    "DPSGD",
+    "DPAdam",
+    "DPMuon",
+    "DPMuonS",
+    "DPMuonBC",
+    "RULES",
+    "MATRIX_RULES",
+    "PLACEHOLDER_RULES",
+    "build_transform",
+    "dp_sgd",
+    "dp_adam",
+    "dp_muon",
+    "dp_muon_s",
+    "dp_muon_bc",
+    "route_parameters",
+    "rule_of",
+    "LearningRateSchedule",
+    "lr_scheduler",
+    # stages
+    "Transform",
+    "StepContext",
+    "Chain",
+    "chain",
+    "Identity",
+    "Scale",
+    "AddDecayedWeights",
+    "HeavyBall",
+    "EmaMomentum",
+    "ScaleByAdam",
+    "Orthogonalize",
+    "OrthogonalizeBiasCorrected",
+    "ScaleBySpectralNorm",
+    "ScaleByShape",
+    # matrix maps
+    "QUINTIC_COEFFICIENTS",
+    "newton_schulz",
+    "newton_schulz_bc",
+    "bias_corrected",
+    "richardson_weights",
+    "top_singular_value",
+    "matrix_view",
+    "matrix_shape",
+    "check_matrix_parameter",
+    "aspect_factor",
+]
