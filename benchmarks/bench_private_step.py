@@ -41,8 +41,15 @@ SIGMA, CLIP = 1.0, 1.0
 def ours(name, x, y, steps):
     model = build_model(name, SHAPES[name], 10, seed=0)
     d = sum(p.numel() for p in model.parameters())
-    priv = Privatizer(model, F.cross_entropy, clip_norm=CLIP, noise_multiplier=SIGMA, sensitivity=1.0,
-                      expected_batch_size=x.shape[0], noise=identity_noise(d, seed=0, steps=steps))
+    priv = Privatizer(
+        model,
+        F.cross_entropy,
+        clip_norm=CLIP,
+        noise_multiplier=SIGMA,
+        sensitivity=1.0,
+        expected_batch_size=x.shape[0],
+        noise=identity_noise(d, seed=0, steps=steps),
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def step():
@@ -61,9 +68,16 @@ def opacus_step(name, x, y, mode):
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=x.shape[0])
     engine = PrivacyEngine()
     criterion = nn.CrossEntropyLoss()
-    out = engine.make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=SIGMA,
-                              max_grad_norm=CLIP, poisson_sampling=False, grad_sample_mode=mode,
-                              criterion=criterion)
+    out = engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=loader,
+        noise_multiplier=SIGMA,
+        max_grad_norm=CLIP,
+        poisson_sampling=False,
+        grad_sample_mode=mode,
+        criterion=criterion,
+    )
     model, opt = out[0], out[1]
     if mode == "ghost":
         criterion = out[2]
@@ -89,8 +103,10 @@ def main() -> int:
     warnings.filterwarnings("ignore")
     import opacus
 
-    print(f"torch {torch.__version__}, opacus {opacus.__version__}, threads {torch.get_num_threads()}, "
-          f"batch {args.batch_size}, {args.repeat} interleaved rounds, CPU")
+    print(
+        f"torch {torch.__version__}, opacus {opacus.__version__}, threads {torch.get_num_threads()}, "
+        f"batch {args.batch_size}, {args.repeat} interleaved rounds, CPU"
+    )
     for name in args.models.split(","):
         g = torch.Generator().manual_seed(0)
         x = torch.randn(args.batch_size, *SHAPES[name], generator=g)

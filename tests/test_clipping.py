@@ -6,7 +6,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpmf.optim.clipping import (
-
     NonFiniteGradientError,
     check_per_example_safe,
     clip_factors,
@@ -116,16 +115,20 @@ def test_each_clipped_gradient_has_norm_at_most_the_clip_norm():
 
 def test_empty_batch_gives_a_zero_sum():
     model = small_cnn()
-    out = clipped_sum(model, F.cross_entropy, torch.zeros(0, 1, 8, 8), torch.zeros(0, dtype=torch.long),
-                      clip_norm=1.0)
+    out = clipped_sum(
+        model, F.cross_entropy, torch.zeros(0, 1, 8, 8), torch.zeros(0, dtype=torch.long), clip_norm=1.0
+    )
     assert out.batch_size == 0 and out.norms.numel() == 0 and out.clipped_fraction == 0.0
     assert all(torch.count_nonzero(g) == 0 for g in out.grads)
 
 
 @pytest.mark.parametrize(
     "layer,label",
-    [(nn.BatchNorm2d(4), "BatchNorm2d"), (nn.SyncBatchNorm(4), "SyncBatchNorm"),
-     (nn.InstanceNorm2d(4, track_running_stats=True), "InstanceNorm2d")],
+    [
+        (nn.BatchNorm2d(4), "BatchNorm2d"),
+        (nn.SyncBatchNorm(4), "SyncBatchNorm"),
+        (nn.InstanceNorm2d(4, track_running_stats=True), "InstanceNorm2d"),
+    ],
 )
 def test_batch_coupled_model_is_refused_naming_module_and_fix(layer, label):
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Sequential(nn.ReLU(), layer), nn.Flatten())
@@ -174,4 +177,6 @@ def test_bad_clip_norm_and_micro_batch_are_refused():
         clipped_sum(model, F.cross_entropy, x, y, clip_norm=1.0, micro_batch_size=0)
     frozen = nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameter"):
-        clipped_sum(frozen, F.cross_entropy, torch.zeros(1, 2), torch.zeros(1, dtype=torch.long), clip_norm=1.0)
+        clipped_sum(
+            frozen, F.cross_entropy, torch.zeros(1, 2), torch.zeros(1, dtype=torch.long), clip_norm=1.0
+        )

@@ -64,7 +64,9 @@ def _cases():
     }
 
     def from_fz(spec, mode=None):
-        return lambda dim, seed, dtype: noise_for_factorization(fz[spec], dim, seed=seed, dtype=dtype, mode=mode)
+        return lambda dim, seed, dtype: noise_for_factorization(
+            fz[spec], dim, seed=seed, dtype=dtype, mode=mode
+        )
 
     def inv(spec):
         # C⁻¹ as the inverse of the dense C (numpy), not the power series of the mechanism
@@ -120,6 +122,8 @@ def test_stream_equals_dense_inverse_times_raw_noise(label, make, M):
     ys = torch.stack([gen.next() for _ in range(N)]).numpy()
     Z = torch.stack([gen.raw_noise(t) for t in range(N)]).numpy()
     np.testing.assert_allclose(ys, M @ Z, rtol=1e-10, atol=1e-12)
+    # the coefficient of the fresh noise z_t is the diagonal of C⁻¹
+    np.testing.assert_allclose([gen.innovation(t) for t in range(N)], np.diag(M), rtol=1e-12)
 
 
 def _cov_stat(samples, M):

@@ -42,8 +42,10 @@ def fake_fmnist(folder, n_train=12, n_test=5, gz=True):
 @pytest.mark.parametrize("gz", [True, False])
 def test_read_idx_and_fashion_mnist_from_a_folder(tmp_path, gz):
     arrays = fake_fmnist(tmp_path, gz=gz)
-    assert np.array_equal(read_idx(str(tmp_path / ("t10k-labels-idx1-ubyte" + (".gz" if gz else "")))),
-                          arrays["t10k-labels-idx1-ubyte"])
+    assert np.array_equal(
+        read_idx(str(tmp_path / ("t10k-labels-idx1-ubyte" + (".gz" if gz else "")))),
+        arrays["t10k-labels-idx1-ubyte"],
+    )
     ds = load_dataset("fashion-mnist", str(tmp_path))
     assert ds.train_x.shape == (12, 1, 28, 28) and ds.test_x.shape == (5, 1, 28, 28)
     assert ds.train_x.dtype == torch.float32 and ds.train_y.dtype == torch.int64
@@ -81,8 +83,13 @@ def test_cifar10_from_the_python_batches(tmp_path):
     rng = np.random.default_rng(1)
     for name, n in [(f"data_batch_{i}", 3) for i in range(1, 6)] + [("test_batch", 2)]:
         with open(base / name, "wb") as f:
-            pickle.dump({b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
-                         b"labels": list(rng.integers(0, 10, n))}, f)
+            pickle.dump(
+                {
+                    b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+                    b"labels": list(rng.integers(0, 10, n)),
+                },
+                f,
+            )
     ds = load_dataset("cifar10", str(tmp_path))
     assert ds.train_x.shape == (15, 3, 32, 32) and ds.test_x.shape == (2, 3, 32, 32)
     with open(base / "test_batch", "rb") as f:
@@ -102,7 +109,9 @@ def test_digits_fallback_with_a_notice(monkeypatch, tmp_path):
         load_dataset("fashion-mnist", fallback=False)
 
 
-@pytest.mark.skipif(not os.path.isdir("/usr/share/datasets/fashion-mnist"), reason="Fashion-MNIST not installed")
+@pytest.mark.skipif(
+    not os.path.isdir("/usr/share/datasets/fashion-mnist"), reason="Fashion-MNIST not installed"
+)
 def test_installed_fashion_mnist():
     ds = load_dataset("fashion-mnist")
     assert ds.name == "fashion-mnist" and len(ds) == 60000 and ds.test_x.shape == (10000, 1, 28, 28)
@@ -119,8 +128,19 @@ def _conv(cin, cout, k, bias=True):
     [
         ("cnn", (1, 28, 28), _conv(1, 16, 3) + 32 + _conv(16, 32, 3) + 64 + 32 * 49 * 10 + 10),
         ("cnn", (1, 8, 8), _conv(1, 16, 3) + 32 + _conv(16, 32, 3) + 64 + 32 * 4 * 10 + 10),
-        ("cnn3", (3, 32, 32), _conv(3, 32, 3) + _conv(32, 32, 3) + _conv(32, 64, 3) + _conv(64, 64, 3)
-         + _conv(64, 128, 3) + _conv(128, 128, 3) + 2 * (2 * 32 + 2 * 64 + 2 * 128) + 128 * 16 * 10 + 10),
+        (
+            "cnn3",
+            (3, 32, 32),
+            _conv(3, 32, 3)
+            + _conv(32, 32, 3)
+            + _conv(32, 64, 3)
+            + _conv(64, 64, 3)
+            + _conv(64, 128, 3)
+            + _conv(128, 128, 3)
+            + 2 * (2 * 32 + 2 * 64 + 2 * 128)
+            + 128 * 16 * 10
+            + 10,
+        ),
         ("mlp", (1, 28, 28), 784 * 256 + 256 + 2570),
         ("wrn16-4", (3, 32, 32), 2_748_890),  # WRN-16-4: ≈ 2.7 M parameters (Zagoruyko & Komodakis)
     ],
@@ -158,15 +178,17 @@ def test_config_from_yaml_and_json_with_overrides(tmp_path):
 
 @pytest.mark.parametrize(
     "kwargs,match",
-    [({"noise_multiplier": -1.0, "epsilon": None}, "noise_multiplier"),
-     ({"noise_multiplier": 1.0}, "exactly one"),
-     ({"epsilon": None}, "exactly one"),
-     ({"batch_size": 0}, "batch_size"),
-     ({"delta": 1.0}, "delta"),
-     ({"factorization": "bisr"}, "needs bands"),
-     ({"scheme": "shuffle"}, "scheme"),
-     ({"optimizer": "sgd"}, "optimizer"),
-     ({"momentum": 1.0}, "momentum")],
+    [
+        ({"noise_multiplier": -1.0, "epsilon": None}, "noise_multiplier"),
+        ({"noise_multiplier": 1.0}, "exactly one"),
+        ({"epsilon": None}, "exactly one"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"delta": 1.0}, "delta"),
+        ({"factorization": "bisr"}, "needs bands"),
+        ({"scheme": "shuffle"}, "scheme"),
+        ({"optimizer": "sgd"}, "optimizer"),
+        ({"momentum": 1.0}, "momentum"),
+    ],
 )
 def test_config_refuses_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -1,16 +1,14 @@
 """The training loop: determinism, kill-and-resume, empty batches, numerical failures."""
 
-import os
-
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from dpmf.mechanisms import factorize
 from dpmf.optim.clipping import NonFiniteGradientError
 from dpmf.optim.noise import identity_noise, noise_for_factorization
 from dpmf.optim.privatize import Privatizer
-from dpmf.mechanisms import factorize
 from dpmf.train.checkpoint import load_checkpoint
 from dpmf.train.data import load_dataset
 from dpmf.train.loop import NonFiniteWeightsError, Trainer
@@ -29,14 +27,24 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-
 @pytest.fixture(scope="module")
 def digits():
     return load_dataset("digits")
 
 
-def make_trainer(data, out, *, epochs=3, batch=128, scheme="poisson", spec="bisr:4", seed=3,
-                 lr=0.5, sigma=0.8, progress=False):
+def make_trainer(
+    data,
+    out,
+    *,
+    epochs=3,
+    batch=128,
+    scheme="poisson",
+    spec="bisr:4",
+    seed=3,
+    lr=0.5,
+    sigma=0.8,
+    progress=False,
+):
     n = len(data)
     spe = -(-n // batch)
     steps = epochs * spe
@@ -45,14 +53,33 @@ def make_trainer(data, out, *, epochs=3, batch=128, scheme="poisson", spec="bisr
     fz = factorize(prefix_sum(steps), spec)
     noise = noise_for_factorization(fz, d, seed=seed + 1)
     sampler = make_sampler(scheme, n, batch, steps, seed=seed + 2)
-    priv = Privatizer(model, F.cross_entropy, clip_norm=1.0, noise_multiplier=sigma, sensitivity=1.3,
-                      expected_batch_size=sampler.expected_batch_size, noise=noise)
+    priv = Privatizer(
+        model,
+        F.cross_entropy,
+        clip_norm=1.0,
+        noise_multiplier=sigma,
+        sensitivity=1.3,
+        expected_batch_size=sampler.expected_batch_size,
+        noise=noise,
+    )
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     chi = np.linspace(1.0, 0.2, steps)
-    return Trainer(model=model, data=data, sampler=sampler, privatizer=priv, optimizer=opt, base_lr=lr,
-                   lr_multipliers=chi, epochs=epochs, out_dir=str(out), device="cpu",
-                   run_identity={"seed": seed, "spec": spec}, epsilon_at=lambda t: 0.01 * t,
-                   final_epsilon=9.0, delta=1e-5, progress=progress)
+    return Trainer(
+        model=model,
+        data=data,
+        sampler=sampler,
+        privatizer=priv,
+        optimizer=opt,
+        lr_multipliers=chi,
+        epochs=epochs,
+        out_dir=str(out),
+        device="cpu",
+        run_identity={"seed": seed, "spec": spec},
+        epsilon_at=lambda t: 0.01 * t,
+        final_epsilon=9.0,
+        delta=1e-5,
+        progress=progress,
+    )
 
 
 def strip_time(rows):
@@ -105,7 +132,8 @@ def test_kill_after_epoch_two_and_resume_gives_identical_final_weights(digits, t
     for pa, pb in zip(ref.model.parameters(), second.model.parameters(), strict=True):
         assert torch.equal(pa, pb)
     assert strip_time(read_metrics_csv(tmp_path / "ref" / "metrics.csv")) == strip_time(
-        read_metrics_csv(tmp_path / "run" / "metrics.csv"))
+        read_metrics_csv(tmp_path / "run" / "metrics.csv")
+    )
 
 
 def test_existing_checkpoint_needs_resume_and_the_same_run(digits, tmp_path):
@@ -150,9 +178,25 @@ def test_trainer_refuses_a_short_noise_stream(digits, tmp_path):
     tr = make_trainer(digits, tmp_path, epochs=1)
     model = tr.model
     d = sum(p.numel() for p in model.parameters())
-    short = Privatizer(model, F.cross_entropy, clip_norm=1.0, noise_multiplier=1.0, sensitivity=1.0,
-                       expected_batch_size=128, noise=identity_noise(d, seed=0, steps=3))
+    short = Privatizer(
+        model,
+        F.cross_entropy,
+        clip_norm=1.0,
+        noise_multiplier=1.0,
+        sensitivity=1.0,
+        expected_batch_size=128,
+        noise=identity_noise(d, seed=0, steps=3),
+    )
     with pytest.raises(ValueError, match="noise stream covers 3 steps"):
-        Trainer(model=model, data=digits, sampler=tr.sampler, privatizer=short, optimizer=tr.optimizer,
-                base_lr=0.1, lr_multipliers=np.ones(tr.total_steps), epochs=1, out_dir=str(tmp_path),
-                device="cpu", run_identity={})
+        Trainer(
+            model=model,
+            data=digits,
+            sampler=tr.sampler,
+            privatizer=short,
+            optimizer=tr.optimizer,
+            lr_multipliers=np.ones(tr.total_steps),
+            epochs=1,
+            out_dir=str(tmp_path),
+            device="cpu",
+            run_identity={},
+        )

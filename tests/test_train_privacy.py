@@ -40,8 +40,15 @@ def test_noise_std_on_the_summed_gradient_is_sigma_zeta_sens():
     model = wide_model()
     d = sum(p.numel() for p in model.parameters())
     sigma, zeta, sens, b_bar = 1.7, 0.3, 2.5, 64.0
-    priv = Privatizer(model, F.cross_entropy, clip_norm=zeta, noise_multiplier=sigma, sensitivity=sens,
-                      expected_batch_size=b_bar, noise=identity_noise(d, seed=1, steps=4))
+    priv = Privatizer(
+        model,
+        F.cross_entropy,
+        clip_norm=zeta,
+        noise_multiplier=sigma,
+        sensitivity=sens,
+        expected_batch_size=b_bar,
+        noise=identity_noise(d, seed=1, steps=4),
+    )
     x, y = batch(20)
     ref = clipped_sum(model, F.cross_entropy, x, y, clip_norm=zeta)
     info = priv.privatize(x, y)
@@ -62,8 +69,15 @@ def test_correlated_noise_on_the_sum_is_sigma_zeta_sens_times_C_inverse_Z():
     n = 6
     fz = factorize(prefix_sum(n), "bsr:3")
     sigma, zeta, sens = 0.9, 2.0, 1.4
-    priv = Privatizer(model, F.cross_entropy, clip_norm=zeta, noise_multiplier=sigma, sensitivity=sens,
-                      expected_batch_size=8.0, noise=noise_for_factorization(fz, d, seed=3))
+    priv = Privatizer(
+        model,
+        F.cross_entropy,
+        clip_norm=zeta,
+        noise_multiplier=sigma,
+        sensitivity=sens,
+        expected_batch_size=8.0,
+        noise=noise_for_factorization(fz, d, seed=3),
+    )
     got = []
     for _ in range(n):
         priv.privatize(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long))
@@ -76,8 +90,15 @@ def test_correlated_noise_on_the_sum_is_sigma_zeta_sens_times_C_inverse_Z():
 def test_mean_divides_by_the_expected_batch_size_not_the_realised_one():
     model = wide_model(6, 3)
     d = sum(p.numel() for p in model.parameters())
-    priv = Privatizer(model, F.cross_entropy, clip_norm=1.0, noise_multiplier=0.0, sensitivity=1.0,
-                      expected_batch_size=10.0, noise=identity_noise(d, seed=0, steps=2))
+    priv = Privatizer(
+        model,
+        F.cross_entropy,
+        clip_norm=1.0,
+        noise_multiplier=0.0,
+        sensitivity=1.0,
+        expected_batch_size=10.0,
+        noise=identity_noise(d, seed=0, steps=2),
+    )
     x, y = batch(3, d_in=6)
     y = y % 3
     ref = clipped_sum(model, F.cross_entropy, x, y, clip_norm=1.0)
@@ -89,8 +110,15 @@ def test_mean_divides_by_the_expected_batch_size_not_the_realised_one():
 def test_every_step_counts_including_empty_batches():
     model = wide_model(6, 3)
     d = sum(p.numel() for p in model.parameters())
-    priv = Privatizer(model, F.cross_entropy, clip_norm=1.0, noise_multiplier=1.0, sensitivity=1.0,
-                      expected_batch_size=2.0, noise=identity_noise(d, seed=0, steps=3))
+    priv = Privatizer(
+        model,
+        F.cross_entropy,
+        clip_norm=1.0,
+        noise_multiplier=1.0,
+        sensitivity=1.0,
+        expected_batch_size=2.0,
+        noise=identity_noise(d, seed=0, steps=3),
+    )
     x, y = batch(2, d_in=6)
     y = y % 3
     steps = [priv.privatize(x[:k], y[:k]).step for k in (2, 0, 1)]
@@ -106,9 +134,16 @@ def test_gradient_accumulation_is_one_step_at_the_logical_batch():
     for micro in (None, 4, 1):
         model = wide_model(6, 3)
         d = sum(p.numel() for p in model.parameters())
-        priv = Privatizer(model, F.cross_entropy, clip_norm=0.5, noise_multiplier=1.3, sensitivity=1.1,
-                          expected_batch_size=13.0, noise=identity_noise(d, seed=2, steps=5),
-                          micro_batch_size=micro)
+        priv = Privatizer(
+            model,
+            F.cross_entropy,
+            clip_norm=0.5,
+            noise_multiplier=1.3,
+            sensitivity=1.1,
+            expected_batch_size=13.0,
+            noise=identity_noise(d, seed=2, steps=5),
+            micro_batch_size=micro,
+        )
         info = priv.privatize(x, y)
         assert info.step == 0 and priv.step == 1 and info.batch_size == 13  # one step, one noise draw
         out.append(grads(model))
@@ -118,15 +153,24 @@ def test_gradient_accumulation_is_one_step_at_the_logical_batch():
 
 @pytest.mark.parametrize(
     "kwargs,match",
-    [({"noise_multiplier": -0.1}, "noise_multiplier"), ({"clip_norm": 0.0}, "clip_norm"),
-     ({"sensitivity": float("nan")}, "sensitivity"), ({"expected_batch_size": 0}, "expected_batch_size"),
-     ({"micro_batch_size": 0}, "micro_batch_size")],
+    [
+        ({"noise_multiplier": -0.1}, "noise_multiplier"),
+        ({"clip_norm": 0.0}, "clip_norm"),
+        ({"sensitivity": float("nan")}, "sensitivity"),
+        ({"expected_batch_size": 0}, "expected_batch_size"),
+        ({"micro_batch_size": 0}, "micro_batch_size"),
+    ],
 )
 def test_bad_privatizer_arguments_are_refused(kwargs, match):
     model = wide_model(6, 3)
     d = sum(p.numel() for p in model.parameters())
-    args = {"clip_norm": 1.0, "noise_multiplier": 1.0, "sensitivity": 1.0, "expected_batch_size": 4.0,
-            "noise": identity_noise(d, seed=0, steps=3)}
+    args = {
+        "clip_norm": 1.0,
+        "noise_multiplier": 1.0,
+        "sensitivity": 1.0,
+        "expected_batch_size": 4.0,
+        "noise": identity_noise(d, seed=0, steps=3),
+    }
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         Privatizer(model, F.cross_entropy, **args)
@@ -135,8 +179,22 @@ def test_bad_privatizer_arguments_are_refused(kwargs, match):
 def test_noise_stream_must_match_the_model():
     model = wide_model(6, 3)
     with pytest.raises(ValueError, match="noise.dim=5"):
-        Privatizer(model, F.cross_entropy, clip_norm=1.0, noise_multiplier=1.0, sensitivity=1.0,
-                   expected_batch_size=4.0, noise=identity_noise(5, seed=0, steps=3))
+        Privatizer(
+            model,
+            F.cross_entropy,
+            clip_norm=1.0,
+            noise_multiplier=1.0,
+            sensitivity=1.0,
+            expected_batch_size=4.0,
+            noise=identity_noise(5, seed=0, steps=3),
+        )
     with pytest.raises(TypeError, match="dtype"):
-        Privatizer(model, F.cross_entropy, clip_norm=1.0, noise_multiplier=1.0, sensitivity=1.0,
-                   expected_batch_size=4.0, noise=identity_noise(21, seed=0, steps=3, dtype=torch.float64))
+        Privatizer(
+            model,
+            F.cross_entropy,
+            clip_norm=1.0,
+            noise_multiplier=1.0,
+            sensitivity=1.0,
+            expected_batch_size=4.0,
+            noise=identity_noise(21, seed=0, steps=3, dtype=torch.float64),
+        )

@@ -97,8 +97,10 @@ def test_shuffled_fixed_batches_are_shuffled_once_then_cycled():
     assert np.array_equal(np.sort(np.concatenate(batches[:spe])), np.arange(N))  # a partition
 
 
-@pytest.mark.parametrize("scheme", ["poisson", "cyclic_poisson", "balls_in_bins", "epoch_balls_in_bins",
-                                    "fixed_order", "single_release"])
+@pytest.mark.parametrize(
+    "scheme",
+    ["poisson", "cyclic_poisson", "balls_in_bins", "epoch_balls_in_bins", "fixed_order", "single_release"],
+)
 def test_state_dict_resumes_the_same_sequence(scheme):
     ref = make_sampler(scheme, 50, 5, 30, seed=7)
     full = run(ref)

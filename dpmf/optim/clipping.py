@@ -155,9 +155,7 @@ def per_example_gradients(
         out = functional_call(model, (p, frozen, buffers), (x.unsqueeze(0),))
         return loss_fn(out, y.unsqueeze(0))
 
-    grads = vmap(grad(loss_of_one), in_dims=(None, 0, 0), randomness="different")(
-        params, inputs, targets
-    )
+    grads = vmap(grad(loss_of_one), in_dims=(None, 0, 0), randomness="different")(params, inputs, targets)
     return [grads[n] for n in names]
 
 

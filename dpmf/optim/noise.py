@@ -125,6 +125,11 @@ class CorrelatedNoise(ABC):
     @abstractmethod
     def _next(self, t: int) -> torch.Tensor: ...
 
+    @abstractmethod
+    def innovation(self, t: int) -> float:
+        """(C⁻¹)_tt: the coefficient of the fresh raw noise z_t in y_t (the part of step t's
+        noise independent of all earlier steps has std |(C⁻¹)_tt|)."""
+
     # -- state ----------------------------------------------------------------------------
     @property
     @abstractmethod
@@ -258,8 +263,16 @@ class ToeplitzInverseNoise(CorrelatedNoise):
         return (self.bands - 1) * self.dim if self.mode == "buffer" else 0
 
     def fingerprint(self) -> dict:
-        return {**super().fingerprint(), "mode": self.mode,
-                "coeffs": _digest(self.coeffs, self.row_scale, self.col_scale)}
+        return {
+            **super().fingerprint(),
+            "mode": self.mode,
+            "coeffs": _digest(self.coeffs, self.row_scale, self.col_scale),
+        }
+
+    def innovation(self, t: int) -> float:
+        r = 1.0 if self.row_scale is None else float(self.row_scale[t])
+        c = 1.0 if self.col_scale is None else float(self.col_scale[t])
+        return float(self.coeffs[0]) * r * c
 
     def _scaled_raw(self, u: int) -> torch.Tensor:
         z = self.raw_noise(u)
@@ -353,6 +366,11 @@ class BandedSqrtNoise(CorrelatedNoise):
     def fingerprint(self) -> dict:
         return {**super().fingerprint(), "coeffs": _digest(self.coeffs, self.row_scale, self.col_scale)}
 
+    def innovation(self, t: int) -> float:
+        r = 1.0 if self.row_scale is None else float(self.row_scale[t])
+        c = 1.0 if self.col_scale is None else float(self.col_scale[t])
+        return 1.0 / (float(self.coeffs[0]) * r * c)
+
     def _next(self, t: int) -> torch.Tensor:
         u = self.raw_noise(t)
         if self.row_scale is not None:
@@ -422,8 +440,15 @@ class BLTNoise(CorrelatedNoise):
         return self.buffers * self.dim
 
     def fingerprint(self) -> dict:
-        return {**super().fingerprint(),
-                "coeffs": _digest(self.omega, self.theta, self.row_scale, self.col_scale)}
+        return {
+            **super().fingerprint(),
+            "coeffs": _digest(self.omega, self.theta, self.row_scale, self.col_scale),
+        }
+
+    def innovation(self, t: int) -> float:
+        r = 1.0 if self.row_scale is None else float(self.row_scale[t])
+        c = 1.0 if self.col_scale is None else float(self.col_scale[t])
+        return r * c
 
     def _next(self, t: int) -> torch.Tensor:
         w = self.raw_noise(t)
@@ -476,6 +501,9 @@ class DenseInverseNoise(CorrelatedNoise):
 
     def fingerprint(self) -> dict:
         return {**super().fingerprint(), "coeffs": _digest(self.matrix)}
+
+    def innovation(self, t: int) -> float:
+        return float(self.matrix[t, t])
 
     def _next(self, t: int) -> torch.Tensor:
         row = self.matrix[t]
@@ -539,8 +567,13 @@ def noise_for_factorization(
         if p_inv <= p_c or p_c >= n:
             chosen = mode or ("buffer" if p_inv < n else "regenerate")
             return ToeplitzInverseNoise(
-                Ci.coeffs[:p_inv], dim, steps=n, row_scale=Ci.row_scale, col_scale=Ci.col_scale,
-                mode=chosen, **common,
+                Ci.coeffs[:p_inv],
+                dim,
+                steps=n,
+                row_scale=Ci.row_scale,
+                col_scale=Ci.col_scale,
+                mode=chosen,
+                **common,
             )
         return BandedSqrtNoise(
             C.coeffs[:p_c], dim, steps=n, row_scale=C.row_scale, col_scale=C.col_scale, **common

@@ -40,6 +40,9 @@ class PrivateStep:
             released by the mechanism; for logging only.
         expected_batch_size: B̄, the divisor.
         noise_std: σ·ζ·sens, the standard deviation of the unit-scale noise stream on the sum.
+        fresh_noise_std: σ·ζ·sens·|(C⁻¹)_tt|/B̄, the per-entry std of the part of this step's
+            noise in ``p.grad`` that is independent of earlier steps (what a bias correction
+            of a non-linear map of the gradient needs).
         clipped_fraction: share of the examples with ‖g_i‖ > ζ (logging only).
         mean_norm: mean unclipped per-example norm (logging only; 0 for an empty batch).
     """
@@ -48,6 +51,7 @@ class PrivateStep:
     batch_size: int
     expected_batch_size: float
     noise_std: float
+    fresh_noise_std: float
     clipped_fraction: float
     mean_norm: float
 
@@ -103,9 +107,7 @@ class Privatizer:
         named = trainable_parameters(model)
         dim = sum(p.numel() for _, p in named)
         if noise.dim != dim:
-            raise ValueError(
-                f"noise.dim={noise.dim} is invalid: the model has {dim} trainable entries"
-            )
+            raise ValueError(f"noise.dim={noise.dim} is invalid: the model has {dim} trainable entries")
         p0 = named[0][1]
         if noise.device.type != p0.device.type or noise.dtype != p0.dtype:
             raise TypeError(
@@ -148,9 +150,14 @@ class Privatizer:
         """
         t = self.noise.step
         summed = clipped_sum(
-            self.model, self.loss_fn, inputs, targets,
-            clip_norm=self.clip_norm, micro_batch_size=self.micro_batch_size,
-            step=t, example_ids=example_ids,
+            self.model,
+            self.loss_fn,
+            inputs,
+            targets,
+            clip_norm=self.clip_norm,
+            micro_batch_size=self.micro_batch_size,
+            step=t,
+            example_ids=example_ids,
         )
         z = self.noise.next()
         scale = self.noise_std
@@ -161,6 +168,13 @@ class Privatizer:
             offset += k
             p.grad = g
         mean_norm = float(summed.norms.mean()) if summed.batch_size else 0.0
+        fresh = scale * abs(self.noise.innovation(t)) / self.expected_batch_size
         return PrivateStep(
-            t, summed.batch_size, self.expected_batch_size, scale, summed.clipped_fraction, mean_norm
+            t,
+            summed.batch_size,
+            self.expected_batch_size,
+            scale,
+            fresh,
+            summed.clipped_fraction,
+            mean_norm,
         )

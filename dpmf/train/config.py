@@ -19,11 +19,14 @@ from dpmf.train.models import MODELS
 from dpmf.train.samplers import SCHEMES
 from dpmf.workloads.schedules import SCHEDULES
 
-__all__ = ["OPTIMIZERS", "ACCOUNTANTS", "TrainConfig"]
+__all__ = ["OPTIMIZERS", "ACCOUNTANTS", "DEFAULT_LR", "TrainConfig"]
 
 OPTIMIZERS = ("dp-sgd", "dp-adam", "dp-muon", "dp-muon-s", "dp-muon-bc")
 ACCOUNTANTS = ("pld", "rdp", "prv", "monte_carlo")
 DEVICES = ("auto", "cpu", "cuda")
+# Base learning rates that work for the small CNN on Fashion-MNIST with B = 512, ζ = 1 (the
+# private gradient is a mean, so its scale is ≈ ζ at most).
+DEFAULT_LR = {"dp-sgd": 2.0, "dp-adam": 2e-3, "dp-muon": 0.02, "dp-muon-s": 0.02, "dp-muon-bc": 0.02}
 
 
 @dataclass(frozen=True)
@@ -46,8 +49,11 @@ class TrainConfig:
         noise_multiplier: σ > 0 given directly (ε is then computed).
         delta: δ in (0, 1).
         clip_norm: ζ > 0.
-        lr: base learning rate η > 0; step t uses η·χ_t.
-        momentum: momentum of the optimizer in [0, 1).
+        lr: base learning rate η > 0 (step t uses η·χ_t); None: the optimizer's default
+            (``DEFAULT_LR``; for DP-Muon the rate of the matrix updates).
+        momentum: heavy-ball momentum in [0, 1) of DP-SGD, and of DP-Muon's 1-D parameters.
+        muon_beta: the EMA momentum β in [0, 1) of DP-Muon's matrix updates.
+        vector_lr: DP-Muon's learning rate of the 1-D parameters (None: ``lr``).
         weight_decay: ≥ 0 (post-processing; decoupled as the optimizer defines it).
         schedule, beta, gamma: the learning-rate schedule χ (also the workload A_χ).
         seed: seeds the model's initial weights, the sampler and the noise.
@@ -72,8 +78,10 @@ class TrainConfig:
     noise_multiplier: float | None = None
     delta: float = 1e-5
     clip_norm: float = 1.0
-    lr: float = 2.0
+    lr: float | None = None
     momentum: float = 0.9
+    muon_beta: float = 0.95
+    vector_lr: float | None = None
     weight_decay: float = 0.0
     schedule: str = "constant"
     beta: float = 1.0
@@ -103,7 +111,9 @@ class TrainConfig:
                 f"(got epsilon={self.epsilon!r}, noise_multiplier={self.noise_multiplier!r})"
             )
         if self.epsilon is not None:
-            object.__setattr__(self, "epsilon", check_real("epsilon", self.epsilon, low=0.0, low_inclusive=False))
+            object.__setattr__(
+                self, "epsilon", check_real("epsilon", self.epsilon, low=0.0, low_inclusive=False)
+            )
         if self.noise_multiplier is not None:
             object.__setattr__(
                 self,
@@ -111,10 +121,24 @@ class TrainConfig:
                 check_real("noise_multiplier", self.noise_multiplier, low=0.0, low_inclusive=False),
             )
         object.__setattr__(
-            self, "delta", check_real("delta", self.delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
+            self,
+            "delta",
+            check_real("delta", self.delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False),
         )
-        object.__setattr__(self, "clip_norm", check_real("clip_norm", self.clip_norm, low=0.0, low_inclusive=False))
-        object.__setattr__(self, "lr", check_real("lr", self.lr, low=0.0, low_inclusive=False))
+        object.__setattr__(
+            self, "clip_norm", check_real("clip_norm", self.clip_norm, low=0.0, low_inclusive=False)
+        )
+        if self.lr is not None:
+            object.__setattr__(self, "lr", check_real("lr", self.lr, low=0.0, low_inclusive=False))
+        object.__setattr__(
+            self,
+            "muon_beta",
+            check_real("muon_beta", self.muon_beta, low=0.0, high=1.0, high_inclusive=False),
+        )
+        if self.vector_lr is not None:
+            object.__setattr__(
+                self, "vector_lr", check_real("vector_lr", self.vector_lr, low=0.0, low_inclusive=False)
+            )
         object.__setattr__(
             self, "momentum", check_real("momentum", self.momentum, low=0.0, high=1.0, high_inclusive=False)
         )
@@ -139,7 +163,14 @@ class TrainConfig:
             self, "eval_batch_size", check_int("eval_batch_size", self.eval_batch_size, minimum=1)
         )
         if not isinstance(self.epsilon_each_epoch, bool):
-            raise TypeError(f"epsilon_each_epoch={self.epsilon_each_epoch!r} is invalid: must be true or false")
+            raise TypeError(
+                f"epsilon_each_epoch={self.epsilon_each_epoch!r} is invalid: must be true or false"
+            )
+
+    @property
+    def base_lr(self) -> float:
+        """η: ``lr``, or the optimizer's default when ``lr`` is None."""
+        return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
@@ -205,6 +236,7 @@ class TrainConfig:
     def run_identity(self) -> dict:
         """The fields that define the run's trajectory (a resumed run must match them)."""
         d = self.to_dict()
+        d["lr"] = self.base_lr
         for k in ("device", "eval_batch_size", "epsilon_each_epoch", "data_dir"):
             d.pop(k)
         return d

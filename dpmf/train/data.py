@@ -92,8 +92,10 @@ class Dataset:
         return int(self.train_x.shape[0])
 
 
-class DatasetNotFoundError(FileNotFoundError):
-    """The requested data set is not in the folder given (nothing is downloaded)."""
+class DatasetNotFoundError(FileNotFoundError, ValueError):
+    """The requested data set is not in the folder given (nothing is downloaded).
+
+    Also a ``ValueError``: a wrong ``data_dir`` is bad input like any other argument."""
 
 
 def read_idx(path: str) -> np.ndarray:

@@ -4,7 +4,7 @@ atomic checkpoints that resume bit-for-bit.
 Each step t (0-based, T = epochs·steps_per_epoch in all):
 
 1. the sampler gives the step's example indices (possibly none);
-2. the learning rate of every parameter group is set to η·χ_t;
+2. the learning rate of every parameter group is set to its base rate η_g times χ_t;
 3. the ``Privatizer`` writes g̃_t = (Σ clip_ζ(g_i) + σζ·sens·(C⁻¹Z)_t)/B̄ into ``p.grad``;
 4. the optimizer steps (post-processing); if a weight became NaN/inf the step is undone and
    an error names it.
@@ -65,7 +65,9 @@ class TrainOutcome:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, batch_size: int, device) -> tuple[float, float]:
+def evaluate(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, batch_size: int, device
+) -> tuple[float, float]:
     """Mean cross-entropy and accuracy of ``model`` on (x, y), in eval mode, no gradients.
 
     Returns:
@@ -94,9 +96,10 @@ class Trainer:
         data: the in-memory ``Dataset`` (CPU tensors; batches are moved to ``device``).
         sampler: the batch sampler, covering ``epochs·steps_per_epoch`` steps.
         privatizer: clip → sum → noise → divide; its noise stream covers the same steps.
-        optimizer: any ``torch.optim.Optimizer`` over the trainable parameters.
-        base_lr: η > 0.
-        lr_multipliers: χ, shape (T,), step t uses η·χ_t.
+        optimizer: any ``torch.optim.Optimizer`` over the trainable parameters, freshly built:
+            each group's ``lr`` is taken as its base rate η_g. If it has ``set_noise_std``
+            (DP-MuonBC), it is given the step's fresh-noise std before every step.
+        lr_multipliers: χ, shape (T,), step t uses η_g·χ_t in group g.
         epochs: E ≥ 1.
         out_dir: folder for the checkpoint, metrics CSV and curves PNG.
         device: torch device of the model.
@@ -120,7 +123,6 @@ class Trainer:
         sampler: BatchSampler,
         privatizer: Privatizer,
         optimizer: torch.optim.Optimizer,
-        base_lr: float,
         lr_multipliers,
         epochs: int,
         out_dir: str,
@@ -138,12 +140,18 @@ class Trainer:
         self.sampler = sampler
         self.privatizer = privatizer
         self.optimizer = optimizer
-        self.base_lr = check_real("lr", base_lr, low=0.0, low_inclusive=False)
+        self.base_lrs = [
+            check_real("lr", g["lr"], low=0.0, low_inclusive=False) for g in optimizer.param_groups
+        ]
         self.epochs = check_int("epochs", epochs, minimum=1)
         self.total_steps = self.epochs * sampler.steps_per_epoch
-        self.lr_multipliers = check_vector("lr_multipliers", lr_multipliers, length=self.total_steps, positive=True)
+        self.lr_multipliers = check_vector(
+            "lr_multipliers", lr_multipliers, length=self.total_steps, positive=True
+        )
         if sampler.steps != self.total_steps:
-            raise ValueError(f"sampler.steps={sampler.steps} is invalid: the run has {self.total_steps} steps")
+            raise ValueError(
+                f"sampler.steps={sampler.steps} is invalid: the run has {self.total_steps} steps"
+            )
         if privatizer.noise.steps < self.total_steps:
             raise ValueError(
                 f"noise stream covers {privatizer.noise.steps} steps: the run has {self.total_steps}"
@@ -182,9 +190,13 @@ class Trainer:
 
     def _restore(self, state: dict) -> int:
         if state.get("format") != _FORMAT:
-            raise ValueError(f"checkpoint format {state.get('format')!r} is not supported (expected {_FORMAT})")
+            raise ValueError(
+                f"checkpoint format {state.get('format')!r} is not supported (expected {_FORMAT})"
+            )
         theirs = state.get("run_identity", {})
-        diff = sorted(k for k in set(theirs) | set(self.run_identity) if theirs.get(k) != self.run_identity.get(k))
+        diff = sorted(
+            k for k in set(theirs) | set(self.run_identity) if theirs.get(k) != self.run_identity.get(k)
+        )
         if diff:
             detail = ", ".join(f"{k}: {theirs.get(k)!r} → {self.run_identity.get(k)!r}" for k in diff)
             raise ValueError(f"checkpoint {self.checkpoint_path!r} belongs to another run ({detail})")
@@ -205,10 +217,13 @@ class Trainer:
         ids = torch.from_numpy(idx)
         x = self.data.train_x[ids].to(self.device, non_blocking=True)
         y = self.data.train_y[ids].to(self.device, non_blocking=True)
-        lr = self.base_lr * float(self.lr_multipliers[t])
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.privatizer.privatize(x, y, example_ids=ids)
+        chi = float(self.lr_multipliers[t])
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+            group["lr"] = base * chi
+        lr = self.base_lrs[0] * chi
+        info = self.privatizer.privatize(x, y, example_ids=ids)
+        if hasattr(self.optimizer, "set_noise_std"):
+            self.optimizer.set_noise_std(info.fresh_noise_std)
         params = [p for _, p in trainable_parameters(self.model)]
         before = [p.detach().clone() for p in params]
         self.optimizer.step()
@@ -259,8 +274,12 @@ class Trainer:
         self.model.train()
         spe = self.sampler.steps_per_epoch
         bar = tqdm(
-            total=self.total_steps, initial=start_epoch * spe, disable=not self.progress,
-            file=sys.stderr, unit="step", dynamic_ncols=True,
+            total=self.total_steps,
+            initial=start_epoch * spe,
+            disable=not self.progress,
+            file=sys.stderr,
+            unit="step",
+            dynamic_ncols=True,
         )
         try:
             for epoch in range(start_epoch, self.epochs):
@@ -280,7 +299,11 @@ class Trainer:
 
     def _end_epoch(self, epoch: int, seconds: float) -> dict:
         loss, acc = evaluate(
-            self.model, self.data.test_x, self.data.test_y, batch_size=self.eval_batch_size, device=self.device
+            self.model,
+            self.data.test_x,
+            self.data.test_y,
+            batch_size=self.eval_batch_size,
+            device=self.device,
         )
         steps = self.sampler.step
         if steps == self.total_steps and self.final_epsilon is not None:
@@ -296,7 +319,7 @@ class Trainer:
             "test_accuracy": acc,
             "epsilon": eps,
             "delta": self.delta,
-            "lr": self.base_lr * float(self.lr_multipliers[steps - 1]),
+            "lr": self.base_lrs[0] * float(self.lr_multipliers[steps - 1]),
             "empty_batches": self.outcome.empty_batches,
             "seconds": round(seconds, 3),
         }

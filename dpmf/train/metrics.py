@@ -58,7 +58,9 @@ def plot_training_curves(path: str, rows: list[dict], *, title: str = "") -> Non
     ]
     for k, (key, label, tf, unit) in enumerate(panels):
         ax = fig.add_subplot(1, 3, k + 1)
-        pts = [(e, tf(float(r[key]))) for e, r in zip(epochs, rows, strict=True) if r.get(key) not in (None, "")]
+        pts = [
+            (e, tf(float(r[key]))) for e, r in zip(epochs, rows, strict=True) if r.get(key) not in (None, "")
+        ]
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o")
         ax.set_xlabel("epoch")

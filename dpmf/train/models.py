@@ -43,7 +43,9 @@ def _group_norm(channels: int, groups: int) -> nn.GroupNorm:
 def _check_shape(input_shape) -> tuple[int, int, int]:
     if len(input_shape) != 3:
         raise ValueError(f"input_shape={tuple(input_shape)!r} is invalid: must be (channels, height, width)")
-    c, h, w = (check_int(n, v, minimum=1) for n, v in zip(("channels", "height", "width"), input_shape, strict=True))
+    c, h, w = (
+        check_int(n, v, minimum=1) for n, v in zip(("channels", "height", "width"), input_shape, strict=True)
+    )
     return c, h, w
 
 
@@ -64,11 +66,16 @@ class SmallCNN(nn.Sequential):
     def __init__(self, input_shape=(1, 28, 28), num_classes=10, channels=(16, 32), groups=4):
         c, h, w = _check_shape(input_shape)
         c1, c2 = channels
-        h2, w2 = -(-(-(-h // 2)) // 2), -(-(-(-w // 2)) // 2)  # ⌈⌈H/2⌉/2⌉
+        h2, w2 = math.ceil(math.ceil(h / 2) / 2), math.ceil(math.ceil(w / 2) / 2)
         super().__init__(
-            nn.Conv2d(c, c1, 3, stride=2, padding=1), _group_norm(c1, groups), nn.Tanh(),
-            nn.Conv2d(c1, c2, 3, stride=2, padding=1), _group_norm(c2, groups), nn.Tanh(),
-            nn.Flatten(), nn.Linear(c2 * h2 * w2, num_classes),
+            nn.Conv2d(c, c1, 3, stride=2, padding=1),
+            _group_norm(c1, groups),
+            nn.Tanh(),
+            nn.Conv2d(c1, c2, 3, stride=2, padding=1),
+            _group_norm(c2, groups),
+            nn.Tanh(),
+            nn.Flatten(),
+            nn.Linear(c2 * h2 * w2, num_classes),
         )
 
 
@@ -79,13 +86,19 @@ class ThreeBlockCNN(nn.Sequential):
     def __init__(self, input_shape=(3, 32, 32), num_classes=10, widths=(32, 64, 128), groups=8):
         c, h, w = _check_shape(input_shape)
         if h % 8 or w % 8:
-            raise ValueError(f"input_shape={tuple(input_shape)!r} is invalid for cnn3: H and W must be divisible by 8")
+            raise ValueError(
+                f"input_shape={tuple(input_shape)!r} is invalid for cnn3: H and W must be divisible by 8"
+            )
         layers = []
         prev = c
         for width in widths:
             layers += [
-                nn.Conv2d(prev, width, 3, padding=1), _group_norm(width, groups), nn.Tanh(),
-                nn.Conv2d(width, width, 3, padding=1), _group_norm(width, groups), nn.Tanh(),
+                nn.Conv2d(prev, width, 3, padding=1),
+                _group_norm(width, groups),
+                nn.Tanh(),
+                nn.Conv2d(width, width, 3, padding=1),
+                _group_norm(width, groups),
+                nn.Tanh(),
                 nn.MaxPool2d(2),
             ]
             prev = width

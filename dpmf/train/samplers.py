@@ -17,10 +17,10 @@ sampler                   rule                                                  
 
 An epoch is b = ⌈N/B⌉ steps for every scheme (the accountants' convention). The expected batch
 size B̄ (``expected_batch_size``: B for the Poisson schemes, N/b for bins and fixed batches), a
-public number, is what the private gradient is divided by. Every sampler returns index arrays (int64, sorted), one per step,
-for exactly ``steps`` steps; an empty array is a step too (a noise-only update, counted by
-the accountant). Randomness comes from one ``numpy.random.Generator`` per sampler whose state
-is checkpointed with ``state_dict()``.
+public number, is what the private gradient is divided by. Every sampler returns index arrays
+(int64, sorted), one per step, for exactly ``steps`` steps; an empty array is a step too (a
+noise-only update, counted by the accountant). Randomness comes from one
+``numpy.random.Generator`` per sampler whose state is checkpointed with ``state_dict()``.
 
 Sources: Poisson subsampling — Abadi et al., CCS 2016; cyclic Poisson for banded strategies —
 Choquette-Choo et al., "Amplified Banded Matrix Factorization: A unified approach to private
@@ -67,8 +67,7 @@ def steps_per_epoch(dataset_size: int, batch_size: int) -> int:
     b = check_int("batch_size", batch_size, minimum=1)
     if b > n:
         raise ValueError(
-            f"batch_size={b} is invalid: larger than the data set (dataset_size={n}); "
-            f"must be in [1, {n}]"
+            f"batch_size={b} is invalid: larger than the data set (dataset_size={n}); must be in [1, {n}]"
         )
     return -(-n // b)
 
