@@ -177,6 +177,7 @@ def _account(
     progress: bool,
     noise_multiplier: float | None = None,
     accountant: str | None = None,
+    min_sep: int | None = None,
 ):
     from dpmf.accountants import account, calibrate
 
@@ -190,11 +191,44 @@ def _account(
         samples=config.samples,
         seed=config.seed,
         progress=progress,
+        min_sep=min_sep,
     )
     sigma = noise_multiplier if noise_multiplier is not None else config.noise_multiplier
     if sigma is not None:
         return account(config.scheme, noise_multiplier=sigma, **common)
     return calibrate(config.scheme, epsilon=config.epsilon, **common)
+
+
+def epsilon_after(
+    config: TrainConfig, factorization, privacy, dataset_size: int, steps: int, *, min_sep: int | None = None
+) -> float:
+    """ε spent after the first ``steps`` steps of a run whose whole-run accounting is ``privacy``.
+
+    The first t rows of C·G + Z are the release of the leading block C_t (``leading_block``)
+    with the noise the run actually adds, std σ·ζ·s_n (s_n = ``privacy.sensitivity``). The
+    accountant measures a run whose noise is σ'·ζ·s_t with s_t its own normalization for C_t
+    (s_t ≤ s_n), so it is called with σ' = σ·s_n/s_t.
+    """
+    from dpmf.accountants.schemes import build_event, check_run
+
+    if steps == factorization.n:
+        return float(privacy.epsilon)
+    block = leading_block(factorization, steps)
+    run = check_run(config.scheme, dataset_size, config.batch_size, steps, block, min_sep)
+    s_t = build_event(run, 1.0)[1]["sensitivity"]
+    sigma = privacy.noise_multiplier * privacy.sensitivity / s_t
+    return float(
+        _account(
+            config,
+            block,
+            dataset_size,
+            steps,
+            progress=False,
+            noise_multiplier=sigma,
+            accountant=privacy.accountant,
+            min_sep=min_sep,
+        ).epsilon
+    )
 
 
 def train(
@@ -249,7 +283,7 @@ def train(
     from dpmf.accountants.schemes import strategy_bandwidth
 
     groups = strategy_bandwidth(factorization.C) if config.scheme == "cyclic_poisson" else None
-    privacy = _account(config, factorization, N, n, progress=progress)
+    privacy = _account(config, factorization, N, n, progress=progress, min_sep=groups)
     sigma, sens = privacy.noise_multiplier, privacy.sensitivity
     log(
         f"privacy: ε = {privacy.epsilon:.4g} at δ = {privacy.delta:g} ({privacy.guarantee}, "
@@ -281,15 +315,7 @@ def train(
     optimizer = build_optimizer(config, model, log=log)
 
     def epsilon_at(t: int) -> float:
-        return _account(
-            config,
-            leading_block(factorization, t),
-            N,
-            t,
-            progress=False,
-            noise_multiplier=sigma,
-            accountant=privacy.accountant,
-        ).epsilon
+        return epsilon_after(config, factorization, privacy, N, t, min_sep=groups)
 
     os.makedirs(out_dir, exist_ok=True)
     header = {
