@@ -91,6 +91,8 @@ def test_same_seed_same_metrics_and_kill_resume_gives_identical_weights(tmp_path
     assert strip(read_metrics_csv(tmp_path / "ref" / "metrics.csv")) == strip(
         read_metrics_csv(tmp_path / "again" / "metrics.csv")
     )
+    for a, b in zip(ref.model.parameters(), again.model.parameters(), strict=True):
+        assert torch.equal(a, b)
 
     def kill(epoch, row):
         if epoch == 2:
