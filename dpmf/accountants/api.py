@@ -562,19 +562,29 @@ def _factorization_for(factorization, schedule, n: int):
 
 
 def _largest_feasible_int(feasible: Callable[[int], bool], lo: int, hi: int) -> int | None:
-    """The largest x in [lo, hi] with feasible(x), assuming feasibility is monotone "
-    "(down-closed)."""
+    """The largest x in [lo, hi] with feasible(x), assuming feasibility is monotone (down-closed).
+
+    Doubles from ``lo`` until infeasible (so large, costly x are evaluated only when needed),
+    then bisects.
+    """
     if not feasible(lo):
         return None
-    if feasible(hi):
-        return hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
+    good, x = lo, lo
+    while True:
+        x = min(hi, 2 * x)
+        if not feasible(x):
+            bad = x
+            break
+        good = x
+        if x == hi:
+            return hi
+    while bad - good > 1:
+        mid = (good + bad) // 2
         if feasible(mid):
-            lo = mid
+            good = mid
         else:
-            hi = mid
-    return lo
+            bad = mid
+    return good
 
 
 def _search_int(name, make_run, sigma, epsilon, delta, lo, hi, samples, seed, confidence, progress):

@@ -204,7 +204,9 @@ def bin_gram(C, bins: int, scale: float) -> np.ndarray:
     X = np.zeros((n, bins))
     X[np.arange(n), np.arange(n) % bins] = 1.0
     V = C.matmul(X) / scale
-    return V.T @ V
+    G = V.T @ V
+    G[np.abs(G) <= 1e-13 * np.max(np.abs(G))] = 0.0  # round-off of the FFT product
+    return G
 
 
 def build_event(run: Run, noise_multiplier: float):
@@ -294,12 +296,12 @@ def build_event(run: Run, noise_multiplier: float):
         details = {"bins": b, "epochs": full + (1 if rest else 0), "last_epoch_steps": rest or b}
         return event, dict(sensitivity=1.0, sampling_rate=None, details=details)
     # balls_in_bins (fixed bins)
-    if C is None:
-        C = ScaledToeplitz(np.eye(1, n).ravel())
+    s = _max_column_norm(run)
+    if C is None:  # v_j = x_j: orthogonal, ‖x_j‖² = number of steps in bin j
+        G = np.diag(np.bincount(np.arange(n) % b, minlength=b).astype(float))
     else:
         _check_nonnegative_gram(C)
-    s = _max_column_norm(run)
-    G = bin_gram(C, b, s)
+        G = bin_gram(C, b, s)
     details = {"bins": b, "participations": math.ceil(n / b)}
     return MixtureGaussianEvent(sigma, G, 1), dict(
         sensitivity=s, sampling_rate=None, details=details
