@@ -141,7 +141,6 @@ def _composed_delta(sigma, b, epochs, eps, h=2e-3):
     return max(d_rem, d_add)
 
 
-@pytest.mark.slow
 def test_epoch_balls_in_bins_epochs_compose():
     """Per-epoch bins for 3 epochs: MC δ(ε) agrees with composing the convolution's PLD."""
     sigma, b, epochs, eps = 1.5, 6, 3, 1.0
