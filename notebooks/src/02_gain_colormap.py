@@ -29,7 +29,7 @@ from dpmf.plots import figure_gain
 
 grids = {m: gain_grid("lr_aware", "sqrt_prefix", m, "exponential", NS, BETAS) for m in ("max_se", "mean_se")}
 fig, axes = plt.subplots(1, 2, figsize=(14, 5.5), constrained_layout=True)
-for ax, (metric, grid) in zip(axes, grids.items()):
+for ax, (metric, grid) in zip(axes, grids.items(), strict=True):
     figure_gain(grid, ax=ax, title=f"{'MaxSE' if metric == 'max_se' else 'MeanSE'}: lr_aware / sqrt_prefix")
 fig.suptitle("Exponential learning-rate decay, single participation (red: lr_aware better)")
 
@@ -51,8 +51,8 @@ for metric, grid in grids.items():
         )
 mean = grids["mean_se"]
 i0 = int(np.argmin(mean.betas))
-small = [int(n) for n, g in zip(mean.ns, mean.gain[i0]) if g < 1]
-large = [int(n) for n, g in zip(mean.ns, mean.gain[i0]) if g >= 1]
+small = [int(n) for n, g in zip(mean.ns, mean.gain[i0], strict=True) if g < 1]
+large = [int(n) for n, g in zip(mean.ns, mean.gain[i0], strict=True) if g >= 1]
 lines.append(
     f"* At the smallest β of the grid ({mean.betas[i0]:g}) `lr_aware` wins in MeanSE for n ∈ {small}"
     + (f" but not yet for n ∈ {large}" if large else "")
