@@ -198,3 +198,18 @@ def test_noise_stream_must_match_the_model():
             expected_batch_size=4.0,
             noise=identity_noise(21, seed=0, steps=3, dtype=torch.float64),
         )
+
+
+def test_default_micro_batch_bounds_the_per_example_gradient_memory():
+    model = wide_model(6, 3)
+    d = sum(p.numel() for p in model.parameters())
+    priv = Privatizer(
+        model,
+        F.cross_entropy,
+        clip_norm=1.0,
+        noise_multiplier=1.0,
+        sensitivity=1.0,
+        expected_batch_size=4.0,
+        noise=identity_noise(d, seed=0, steps=3),
+    )
+    assert priv.micro_batch_size == (1 << 28) // 21

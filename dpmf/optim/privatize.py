@@ -27,7 +27,9 @@ from dpmf._validation import check_int, check_real
 from dpmf.optim.clipping import check_per_example_safe, clipped_sum, trainable_parameters
 from dpmf.optim.noise import CorrelatedNoise
 
-__all__ = ["PrivateStep", "Privatizer"]
+__all__ = ["AUTO_MICRO_BATCH_ENTRIES", "PrivateStep", "Privatizer"]
+
+AUTO_MICRO_BATCH_ENTRIES = 1 << 28
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,9 @@ class Privatizer:
         expected_batch_size: B̄ > 0, the public expected number of examples per step.
         noise: the unit-scale correlated noise stream; its ``dim`` must equal the number of
             trainable entries and its device/dtype the model's.
-        micro_batch_size: the most per-example gradients held at once; None for all.
+        micro_batch_size: the most per-example gradients held at once; None: as many as fit
+            in ``AUTO_MICRO_BATCH_ENTRIES`` entries (2²⁸, 1 GiB at float32), i.e. the whole batch
+            for small models and ⌊2²⁸/d⌋ examples for large ones.
 
     Raises:
         ValueError: any argument outside its range, a batch-coupled model, or a noise stream
@@ -101,7 +105,6 @@ class Privatizer:
         )
         if micro_batch_size is not None:
             micro_batch_size = check_int("micro_batch_size", micro_batch_size, minimum=1)
-        self.micro_batch_size = micro_batch_size
         if not isinstance(noise, CorrelatedNoise):
             raise TypeError(f"noise={noise!r} is invalid: must be a dpmf.optim.noise.CorrelatedNoise")
         named = trainable_parameters(model)
@@ -115,6 +118,7 @@ class Privatizer:
                 f"{p0.device}/{p0.dtype}: create the stream with the model's device and dtype"
             )
         self.noise = noise
+        self.micro_batch_size = micro_batch_size or max(1, AUTO_MICRO_BATCH_ENTRIES // dim)
 
     @property
     def noise_std(self) -> float:

@@ -4,6 +4,7 @@ from dpmf.train.config import TrainConfig
 from dpmf.train.data import DATASETS, Dataset, load_dataset
 from dpmf.train.loop import Trainer, TrainOutcome, evaluate
 from dpmf.train.models import MODELS, build_model
+from dpmf.train.run import TrainResult, train
 from dpmf.train.samplers import SCHEMES, make_sampler, steps_per_epoch
 
 __all__ = [
@@ -13,10 +14,12 @@ __all__ = [
     "Dataset",
     "TrainConfig",
     "TrainOutcome",
+    "TrainResult",
     "Trainer",
     "build_model",
     "evaluate",
     "load_dataset",
     "make_sampler",
     "steps_per_epoch",
+    "train",
 ]

@@ -24,9 +24,10 @@ __all__ = ["OPTIMIZERS", "ACCOUNTANTS", "DEFAULT_LR", "TrainConfig"]
 OPTIMIZERS = ("dp-sgd", "dp-adam", "dp-muon", "dp-muon-s", "dp-muon-bc")
 ACCOUNTANTS = ("pld", "rdp", "prv", "monte_carlo")
 DEVICES = ("auto", "cpu", "cuda")
-# Base learning rates that work for the small CNN on Fashion-MNIST with B = 512, ζ = 1 (the
-# private gradient is a mean, so its scale is ≈ ζ at most).
-DEFAULT_LR = {"dp-sgd": 2.0, "dp-adam": 2e-3, "dp-muon": 0.02, "dp-muon-s": 0.02, "dp-muon-bc": 0.02}
+# Base learning rates that work for the small CNN on Fashion-MNIST with ζ = 1 (the private
+# gradient is a mean of clipped gradients, so its norm is at most ≈ ζ): DP-SGD with momentum
+# 0.9 and B = 512 reaches 86 % at ε = 3 in 10 epochs; DP-Muon with B = 1024 likewise.
+DEFAULT_LR = {"dp-sgd": 0.5, "dp-adam": 2e-3, "dp-muon": 0.05, "dp-muon-s": 0.05, "dp-muon-bc": 0.05}
 
 
 @dataclass(frozen=True)
