@@ -212,4 +212,15 @@ def test_default_micro_batch_bounds_the_per_example_gradient_memory():
         expected_batch_size=4.0,
         noise=identity_noise(d, seed=0, steps=3),
     )
-    assert priv.micro_batch_size == (1 << 28) // 21
+    assert priv.micro_batch_size == (1 << 24) // 21
+    big = nn.Linear(2100, 1000)  # d = 2 101 000 > 2²⁴/8: at least 8 examples per micro-batch
+    priv = Privatizer(
+        big,
+        F.cross_entropy,
+        clip_norm=1.0,
+        noise_multiplier=1.0,
+        sensitivity=1.0,
+        expected_batch_size=4.0,
+        noise=identity_noise(2_101_000, seed=0, steps=3),
+    )
+    assert priv.micro_batch_size == 8

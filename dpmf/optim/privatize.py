@@ -29,7 +29,7 @@ from dpmf.optim.noise import CorrelatedNoise
 
 __all__ = ["AUTO_MICRO_BATCH_ENTRIES", "PrivateStep", "Privatizer"]
 
-AUTO_MICRO_BATCH_ENTRIES = 1 << 28
+AUTO_MICRO_BATCH_ENTRIES = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,10 @@ class Privatizer:
         noise: the unit-scale correlated noise stream; its ``dim`` must equal the number of
             trainable entries and its device/dtype the model's.
         micro_batch_size: the most per-example gradients held at once; None: as many as fit
-            in ``AUTO_MICRO_BATCH_ENTRIES`` entries (2²⁸, 1 GiB at float32), i.e. the whole batch
-            for small models and ⌊2²⁸/d⌋ examples for large ones.
+            in ``AUTO_MICRO_BATCH_ENTRIES`` entries (2²⁴, 64 MiB at float32), at least 8:
+            max(8, ⌊2²⁴/d⌋) examples. Besides bounding memory, moderate micro-batches keep
+            the per-example work in cache (on CPU, 3-block CNN, 256 examples: 1.08 s in one
+            pass, 0.63 s in micro-batches of 64).
 
     Raises:
         ValueError: any argument outside its range, a batch-coupled model, or a noise stream
@@ -118,7 +120,7 @@ class Privatizer:
                 f"{p0.device}/{p0.dtype}: create the stream with the model's device and dtype"
             )
         self.noise = noise
-        self.micro_batch_size = micro_batch_size or max(1, AUTO_MICRO_BATCH_ENTRIES // dim)
+        self.micro_batch_size = micro_batch_size or max(8, AUTO_MICRO_BATCH_ENTRIES // dim)
 
     @property
     def noise_std(self) -> float:
