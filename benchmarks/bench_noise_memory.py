@@ -56,6 +56,9 @@ def main() -> int:
         f"{'ms/step':>9} {'× identity':>11}"
     )
     base = None
+    warm = makers["identity"]()
+    for _ in range(3):  # warm up the allocator and the random-number kernels
+        warm.next()
     for label, make in makers.items():
         gen = make()
         times = []
