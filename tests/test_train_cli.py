@@ -265,3 +265,25 @@ def test_leading_block_is_the_top_left_corner():
         assert g.n == 5
     with pytest.raises(ValueError, match="steps=13"):
         leading_block(f, 13)
+
+
+def test_device_auto_is_cuda_when_available_else_cpu():
+    from dpmf.train.run import resolve_device
+
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == expected
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_device("cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_training_on_cuda_keeps_noise_and_weights_on_the_device(tmp_path):
+    res = train(
+        cfg(epochs=1, device="cuda", noise_multiplier=1.0, epsilon=None),
+        str(tmp_path),
+        progress=False,
+        log=lambda *a: None,
+    )
+    assert all(p.device.type == "cuda" for p in res.model.parameters())
+    assert float(res.metrics[-1]["test_accuracy"]) > 0.3

@@ -24,9 +24,9 @@ noise-only update, counted by the accountant). Randomness comes from one
 
 Sources: Poisson subsampling — Abadi et al., CCS 2016; cyclic Poisson for banded strategies —
 Choquette-Choo et al., "Amplified Banded Matrix Factorization: A unified approach to private
-training" (NeurIPS 2023); balls-in-bins batching — Chua et al., "Scalable DP-SGD: Shuffling vs.
-Poisson Subsampling" (NeurIPS 2024) and Choquette-Choo et al., "Near Exact Privacy Amplification
-for Matrix Mechanisms" (ICLR 2025).
+training" (NeurIPS 2023); balls-in-bins batching — Chua et al., "Balls-and-Bins Sampling for
+DP-SGD" (AISTATS 2025), and for matrix mechanisms Choquette-Choo et al., "Near Exact Privacy
+Amplification for Matrix Mechanisms" (ICLR 2025).
 """
 
 from __future__ import annotations
