@@ -279,7 +279,18 @@ def _run_train(args) -> int:
         torch.set_num_threads(args.threads)
     from dpmf.train.run import train
 
-    train(config, args.out, resume=args.resume, progress=not args.no_progress)
+    try:
+        train(config, args.out, resume=args.resume, progress=not args.no_progress)
+    except FloatingPointError as exc:  # NaN/inf at a named step; the weights stayed finite
+        print(f"dpmf train: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(
+            f"dpmf train: interrupted; the last completed epoch is in {args.out}/checkpoint.pt "
+            "(continue with --resume)",
+            file=sys.stderr,
+        )
+        return 130
     return 0
 
 

@@ -287,3 +287,26 @@ def test_training_on_cuda_keeps_noise_and_weights_on_the_device(tmp_path):
     )
     assert all(p.device.type == "cuda" for p in res.model.parameters())
     assert float(res.metrics[-1]["test_accuracy"]) > 0.3
+
+
+def test_numerical_failure_is_one_line_and_exit_1(tmp_path, capsys):
+    # a learning rate that overflows float32 at the first step: the step is undone and named
+    args = [
+        "train",
+        "--dataset",
+        "digits",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "512",
+        "--noise-multiplier",
+        "1000",
+        "--lr",
+        "3e38",
+        "--no-progress",
+        "--out",
+        str(tmp_path),
+    ]
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert "step 0" in err and "NaN/inf" in err and len(err.splitlines()) == 1
