@@ -174,6 +174,9 @@ def test_config_from_yaml_and_json_with_overrides(tmp_path):
     d = TrainConfig.from_file(str(tmp_path / "c.json")).replace(epsilon=2.0, lr=None, seed=3)
     assert (d.model, d.lr, d.epsilon, d.seed) == ("mlp", 0.5, 2.0, 3)
     assert c.replace(epsilon=1.0).noise_multiplier is None
+    # defaults that depend on other fields follow them through overrides
+    assert c.per_epoch_epsilon and not c.replace(scheme="balls_in_bins").per_epoch_epsilon
+    assert c.base_lr == 0.5 and c.replace(optimizer="dp-muon").base_lr == 0.05
 
 
 @pytest.mark.parametrize(

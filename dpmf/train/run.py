@@ -344,7 +344,7 @@ def train(
         out_dir=out_dir,
         device=device,
         run_identity=config.run_identity(),
-        epsilon_at=epsilon_at if config.epsilon_each_epoch else None,
+        epsilon_at=epsilon_at if config.per_epoch_epsilon else None,
         final_epsilon=privacy.epsilon,
         delta=config.delta,
         eval_batch_size=config.eval_batch_size,
