@@ -7,15 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("dpmf.accountants", reason="the accounting package is needed to plan a run")
-
-from dpmf.cli import main  # noqa: E402
-from dpmf.mechanisms import factorize  # noqa: E402
-from dpmf.train.checkpoint import load_checkpoint  # noqa: E402
-from dpmf.train.config import TrainConfig  # noqa: E402
-from dpmf.train.metrics import read_metrics_csv  # noqa: E402
-from dpmf.train.run import build_optimizer, leading_block, train  # noqa: E402
-from dpmf.workloads import Schedule, from_schedule  # noqa: E402
+from dpmf.cli import main
+from dpmf.mechanisms import factorize
+from dpmf.train.checkpoint import load_checkpoint
+from dpmf.train.config import TrainConfig
+from dpmf.train.metrics import read_metrics_csv
+from dpmf.train.run import build_optimizer, leading_block, train
+from dpmf.workloads import Schedule, from_schedule
 
 
 @pytest.fixture(autouse=True, scope="module")

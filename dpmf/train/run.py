@@ -31,7 +31,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpmf._io import atomic_write_json
+from dpmf.accountants import account, calibrate
+from dpmf.accountants.schemes import build_event, check_run, strategy_bandwidth
 from dpmf.mechanisms import DenseLowerTriangular, Factorization, ScaledToeplitz, factorize
+from dpmf.optim import (
+    DPSGD,
+    DPAdam,
+    DPMuon,
+    DPMuonBC,
+    DPMuonS,
+    LearningRateSchedule,
+    matrix_shape,
+    route_parameters,
+)
 from dpmf.optim.clipping import trainable_parameters
 from dpmf.optim.noise import noise_for_factorization
 from dpmf.optim.privatize import Privatizer
@@ -49,6 +61,7 @@ __all__ = [
     "build_optimizer",
     "resolve_device",
     "leading_block",
+    "epsilon_after",
     "sub_seed",
 ]
 
@@ -136,8 +149,6 @@ def build_optimizer(config: TrainConfig, model: nn.Module, *, log=print) -> torc
     per-channel scale of shape (C, 1, 1) — is a vector, not a matrix: it is routed to the
     1-D rule, with a notice.
     """
-    from dpmf.optim import DPSGD, DPAdam, DPMuon, DPMuonBC, DPMuonS, matrix_shape, route_parameters
-
     if config.optimizer == "dp-sgd":
         return DPSGD(
             model.parameters(), lr=config.base_lr, momentum=config.momentum, weight_decay=config.weight_decay
@@ -179,8 +190,6 @@ def _account(
     accountant: str | None = None,
     min_sep: int | None = None,
 ):
-    from dpmf.accountants import account, calibrate
-
     common = dict(
         dataset_size=dataset_size,
         batch_size=config.batch_size,
@@ -209,8 +218,6 @@ def epsilon_after(
     accountant measures a run whose noise is σ'·ζ·s_t with s_t its own normalization for C_t
     (s_t ≤ s_n), so it is called with σ' = σ·s_n/s_t.
     """
-    from dpmf.accountants.schemes import build_event, check_run
-
     if steps == factorization.n:
         return float(privacy.epsilon)
     block = leading_block(factorization, steps)
@@ -276,12 +283,8 @@ def train(
     N = len(data)
     spe = steps_per_epoch(N, config.batch_size)
     n = config.epochs * spe
-    from dpmf.optim import LearningRateSchedule
-
     chi_schedule = LearningRateSchedule(Schedule(config.schedule, config.beta, config.gamma), n)
     factorization = factorize(chi_schedule.workload(), config.factorization)
-    from dpmf.accountants.schemes import strategy_bandwidth
-
     groups = strategy_bandwidth(factorization.C) if config.scheme == "cyclic_poisson" else None
     privacy = _account(config, factorization, N, n, progress=progress, min_sep=groups)
     sigma, sens = privacy.noise_multiplier, privacy.sensitivity
