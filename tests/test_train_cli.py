@@ -308,3 +308,15 @@ def test_numerical_failure_is_one_line_and_exit_1(tmp_path, capsys):
     assert main(args) == 1
     err = capsys.readouterr().err.strip()
     assert "step 0" in err and "NaN/inf" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not __import__("os").path.isdir("/usr/share/datasets/fashion-mnist"), reason="Fashion-MNIST not installed"
+)
+def test_fashion_mnist_one_epoch_at_epsilon_3_reaches_80_percent(tmp_path):
+    """The real-data path at small scale: 118 steps of DP-SGD (B = 512) at ε = 3, δ = 1e-5."""
+    c = TrainConfig(dataset="fashion-mnist", epochs=1, batch_size=512, epsilon=3.0, delta=1e-5)
+    res = train(c, str(tmp_path), progress=False, log=lambda *a: None)
+    assert res.privacy.epsilon <= 3.0 and res.steps == 118
+    assert res.test_accuracy >= 0.80
