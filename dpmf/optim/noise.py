@@ -32,7 +32,8 @@ dense C⁻¹ (O(n²d) over a run), O(p·d) per step for a banded C⁻¹.
 Raw noise: z_t is drawn from a ``torch.Generator`` seeded with a 63-bit integer derived from
 (seed, t) by ``numpy.random.SeedSequence``, so any z_t can be regenerated exactly, the whole
 stream is a function of ``seed`` and the checkpointable state is the step counter plus the
-buffers. Output is in the requested dtype; raw noise is drawn in that dtype.
+buffers. Output is in the requested dtype; raw noise, recursions and buffers use that dtype,
+except for float16/bfloat16 models, whose noise is computed in float32 and rounded at the end.
 
 Sources: the streaming forms of banded and BLT strategies — Kalinin & Lampert, "Banded Square
 Root Matrix Factorization for Differentially Private Model Training" (NeurIPS 2024) for BSR;
@@ -98,6 +99,8 @@ class CorrelatedNoise(ABC):
             raise TypeError(f"dtype={dtype!r} is invalid: must be a floating torch.dtype")
         self.device = torch.device(device if device is not None else "cpu")
         self.dtype = dtype
+        # half-precision models get their noise computed (and its state kept) in float32
+        self.work_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
         self.step = 0
         self._gen = torch.Generator(device=self.device)
 
@@ -105,7 +108,7 @@ class CorrelatedNoise(ABC):
     def raw_noise(self, step: int) -> torch.Tensor:
         """z_step ~ N(0, I_d), regenerated exactly from (seed, step). Shape (d,)."""
         self._gen.manual_seed(step_seed(self.seed, step))
-        return torch.randn(self.dim, generator=self._gen, device=self.device, dtype=self.dtype)
+        return torch.randn(self.dim, generator=self._gen, device=self.device, dtype=self.work_dtype)
 
     # -- streaming ------------------------------------------------------------------------
     def next(self) -> torch.Tensor:
@@ -120,7 +123,7 @@ class CorrelatedNoise(ABC):
             )
         y = self._next(self.step)
         self.step += 1
-        return y
+        return y if y.dtype == self.dtype else y.to(self.dtype)
 
     @abstractmethod
     def _next(self, t: int) -> torch.Tensor: ...
@@ -172,7 +175,7 @@ class CorrelatedNoise(ABC):
                 f"{state.get('fingerprint')}, generator is {self.fingerprint()}"
             )
         self.step = check_int("step", state["step"], minimum=0, maximum=self.steps)
-        self._load_tensors({k: v.to(self.device, self.dtype) for k, v in state["tensors"].items()})
+        self._load_tensors({k: v.to(self.device, self.work_dtype) for k, v in state["tensors"].items()})
 
     def _load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         if tensors:
@@ -253,7 +256,7 @@ class ToeplitzInverseNoise(CorrelatedNoise):
         self.mode = check_choice("mode", mode, NOISE_MODES)
         # ring buffer of the last p−1 scaled raw noises s_u·z_u (row u mod (p−1))
         self._buffer = (
-            torch.zeros(self.bands - 1, self.dim, device=self.device, dtype=self.dtype)
+            torch.zeros(self.bands - 1, self.dim, device=self.device, dtype=self.work_dtype)
             if self.mode == "buffer" and self.bands > 1
             else None
         )
@@ -354,7 +357,7 @@ class BandedSqrtNoise(CorrelatedNoise):
         self.bands = int(c.shape[0])
         self.row_scale, self.col_scale = _scales(row_scale, col_scale, self.steps)
         self._past = (
-            torch.zeros(self.bands - 1, self.dim, device=self.device, dtype=self.dtype)
+            torch.zeros(self.bands - 1, self.dim, device=self.device, dtype=self.work_dtype)
             if self.bands > 1
             else None
         )
@@ -431,9 +434,9 @@ class BLTNoise(CorrelatedNoise):
         self.theta = check_vector("theta", theta, length=self.omega.shape[0])
         self.buffers = int(self.omega.shape[0])
         self.row_scale, self.col_scale = _scales(row_scale, col_scale, self.steps)
-        self._state = torch.zeros(self.buffers, self.dim, device=self.device, dtype=self.dtype)
-        self._omega = torch.as_tensor(self.omega, device=self.device, dtype=self.dtype)
-        self._theta = torch.as_tensor(self.theta, device=self.device, dtype=self.dtype)
+        self._state = torch.zeros(self.buffers, self.dim, device=self.device, dtype=self.work_dtype)
+        self._omega = torch.as_tensor(self.omega, device=self.device, dtype=self.work_dtype)
+        self._theta = torch.as_tensor(self.theta, device=self.device, dtype=self.work_dtype)
 
     @property
     def documented_state_numel(self) -> int:
