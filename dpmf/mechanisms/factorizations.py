@@ -36,6 +36,7 @@ BISR.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -89,7 +90,8 @@ class Factorization:
             count: ``blt.BLTFactorization`` keeps it in ``buffers``).
         workload: the workload A.
         C: the strategy matrix (structured: ``ScaledToeplitz`` or ``DenseLowerTriangular``).
-        C_inverse: C⁻¹, the noise correlation: step t receives the noise (C⁻¹Z)_t.
+        noise: C⁻¹ when it is known when the factorization is built (banded inverse
+            strategies); otherwise None and ``C_inverse`` computes it on first use.
         B_matrix: B as an explicit array when it is known directly (square root of a
             non-Toeplitz A); otherwise None and B = A·C⁻¹.
     """
@@ -98,8 +100,14 @@ class Factorization:
     bands: int | None
     workload: Workload
     C: LowerTriangular
-    C_inverse: LowerTriangular
+    noise: LowerTriangular | None = None
     B_matrix: np.ndarray | None = None
+
+    @cached_property
+    def C_inverse(self) -> LowerTriangular:
+        """C⁻¹, the noise correlation: step t receives the noise (C⁻¹Z)_t (same structure as C:
+        power-series inversion for Toeplitz C, O(n³) triangular inversion for dense C)."""
+        return self.noise if self.noise is not None else self.C.inverse()
 
     @property
     def label(self) -> str:
@@ -244,7 +252,7 @@ def factorize(
         else:
             noise = ScaledToeplitz(band(inverse_sqrt_coefficients(T), p))
             return Factorization(name, p, workload, noise.inverse(), noise)
-    return Factorization(name, p, workload, C, C.inverse(), B_matrix)
+    return Factorization(name, p, workload, C, None, B_matrix)
 
 
 def _optimized(workload: Workload, name: str, p: int | None, participation, options: dict):

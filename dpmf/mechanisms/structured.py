@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.linalg import solve_triangular
 from scipy.linalg import toeplitz as _dense_toeplitz
+from scipy.linalg.lapack import dtrtri
 from scipy.signal import fftconvolve
 
 from dpmf._validation import check_vector
@@ -157,8 +157,10 @@ class DenseLowerTriangular:
         return self.matrix
 
     def inverse(self) -> DenseLowerTriangular:
-        """The inverse, by triangular solve (O(n³))."""
-        inv = solve_triangular(self.matrix, np.eye(self.n), lower=True)
+        """The inverse, by LAPACK's blocked triangular inversion ``dtrtri`` (O(n³/3))."""
+        inv, info = dtrtri(self.matrix, lower=1)
+        if info != 0:
+            raise ValueError(f"matrix is invalid: triangular inversion failed (info={info})")
         return DenseLowerTriangular(np.tril(inv))
 
     def column_norms(self) -> np.ndarray:

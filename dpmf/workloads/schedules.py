@@ -52,7 +52,9 @@ class Schedule:
 
     def __post_init__(self):
         check_choice("schedule", self.name, SCHEDULES)
-        object.__setattr__(self, "beta", check_real("beta", self.beta, low=0.0, high=1.0, low_inclusive=False))
+        object.__setattr__(
+            self, "beta", check_real("beta", self.beta, low=0.0, high=1.0, low_inclusive=False)
+        )
         if self.gamma is not None:
             g = check_real("gamma", self.gamma, low=0.0, low_inclusive=False)
             object.__setattr__(self, "gamma", g)

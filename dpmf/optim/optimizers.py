@@ -1,0 +1,575 @@
+"""DP optimizers: post-processing of the privatized gradient, as torch.optim.Optimizer classes.
+
+The training loop leaves in ``p.grad`` the privatized gradient G̃_t: per-example gradients
+clipped to ζ, summed, plus this step's (correlated) Gaussian noise, divided by the expected
+batch size. Everything here is post-processing of G̃_t and costs no privacy (DESIGN.md,
+Training). Each parameter group has an update **rule**, a short chain of stages from
+``dpmf.optim.transforms``:
+
+=========  ======================================================================  ============
+rule       chain (``filter`` first when given)                                     parameters
+=========  ======================================================================  ============
+sgd        L2 weight decay → heavy-ball momentum (optionally Nesterov)             any
+adam       L2 weight decay → Adam (or Adam → decoupled decay)                      any
+muon       EMA momentum + Nesterov look-ahead → Newton–Schulz → √min(4, max(1,    matrices
+           m/n)) → decoupled decay
+muon_s     as muon, times σ₁(M_t) by power iteration, aspect √max(1, m/n)         matrices
+muon_bc    as muon with the bias-corrected Newton–Schulz of DP-MuonBC              matrices
+=========  ======================================================================  ============
+
+The step is p ← p − lr·u for the chain's output u. A group may also carry its own
+``transform`` (any ``Transform``), which replaces the rule. "Matrices" are parameters with a
+proper matrix view out × (in·kh·kw) (``dpmf.optim.matrix``); nothing else ever reaches
+Newton–Schulz. ``route_parameters`` builds the groups from a model.
+
+The optimizers check, before touching any parameter, that every gradient is finite (one device
+synchronization per step; ``check_finite=False`` skips it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.optimizer import required
+
+from dpmf._validation import check_choice, check_int, check_real
+from dpmf.optim.matrix import check_matrix_parameter
+from dpmf.optim.newton_schulz import QUINTIC_COEFFICIENTS
+from dpmf.optim.transforms import (
+    AddDecayedWeights,
+    EmaMomentum,
+    HeavyBall,
+    Orthogonalize,
+    OrthogonalizeBiasCorrected,
+    ScaleByAdam,
+    ScaleByShape,
+    ScaleBySpectralNorm,
+    StepContext,
+    Transform,
+    chain,
+)
+
+__all__ = [
+    "RULES",
+    "MATRIX_RULES",
+    "PLACEHOLDER_RULES",
+    "DPOptimizer",
+    "DPSGD",
+    "DPAdam",
+    "DPMuon",
+    "DPMuonS",
+    "DPMuonBC",
+    "dp_sgd",
+    "dp_adam",
+    "dp_muon",
+    "dp_muon_s",
+    "dp_muon_bc",
+    "build_transform",
+]
+
+RULES = ("sgd", "adam", "muon", "muon_s", "muon_bc")
+MATRIX_RULES = ("muon", "muon_s", "muon_bc")
+#: Placeholders a group may use as its rule, resolved by the optimizer: "matrix" and "vector"
+#: become its ``matrix_rule`` and ``vector_rule``; "auto" splits the group into the
+#: parameters with two or more dimensions ("matrix") and the others ("vector").
+PLACEHOLDER_RULES = ("auto", "matrix", "vector")
+
+# Hyperparameters every group carries (a class overrides some of them).
+_BASE_DEFAULTS = dict(
+    rule="sgd",
+    weight_decay=0.0,
+    # sgd
+    momentum=0.0,
+    nesterov=False,
+    # adam
+    betas=(0.9, 0.999),
+    eps=1e-8,
+    decoupled_weight_decay=False,
+    # muon family
+    beta=0.95,
+    lookahead=True,
+    ns_steps=5,
+    ns_coefficients=QUINTIC_COEFFICIENTS,
+    power_iterations=2,
+    order=1,
+    probes=1,
+    antithetic=True,
+    # extension points
+    filter=None,
+    transform=None,
+)
+
+
+# --- the named optimizers as compositions of stages ----------------------------------------
+
+
+def dp_sgd(momentum=0.0, nesterov=False, weight_decay=0.0, filter=None) -> Transform:
+    """DP-SGD: [filter →] g + λ·p → heavy-ball momentum μ (Nesterov optional), as torch SGD."""
+    return chain(filter, AddDecayedWeights(weight_decay), HeavyBall(momentum, nesterov))
+
+
+def dp_adam(
+    betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled_weight_decay=False, filter=None
+) -> Transform:
+    """DP-Adam: [filter →] L2 decay → Adam, or Adam → decoupled decay (AdamW), as torch Adam."""
+    b1, b2 = _pair("betas", betas)
+    adam = ScaleByAdam(b1, b2, eps)
+    if decoupled_weight_decay:
+        return chain(filter, adam, AddDecayedWeights(weight_decay))
+    return chain(filter, AddDecayedWeights(weight_decay), adam)
+
+
+def dp_muon(
+    beta=0.95, lookahead=True, ns_steps=5, ns_coefficients=QUINTIC_COEFFICIENTS,
+    weight_decay=0.0, filter=None,
+) -> Transform:
+    """DP-Muon (DESIGN.md, Training): M_t = βM_{t−1} + (1−β)G̃_t; M̂_t = (1−β)G̃_t + βM_t;
+    X₅ = five quintic Newton–Schulz steps from M̂_t/‖M̂_t‖_F; u = √min(4, max(1, m/n))·X₅
+    (+ λ·p, decoupled weight decay)."""
+    return chain(
+        filter,
+        EmaMomentum(beta, lookahead),
+        Orthogonalize(ns_steps, ns_coefficients),
+        ScaleByShape(4.0),
+        AddDecayedWeights(weight_decay),
+    )
+
+
+def dp_muon_s(
+    beta=0.95, lookahead=True, ns_steps=5, ns_coefficients=QUINTIC_COEFFICIENTS,
+    power_iterations=2, weight_decay=0.0, filter=None,
+) -> Transform:
+    """DP-Muon-S (DESIGN.md, Training): u = σ₁(M_t)·√max(1, m/n)·X₅, σ₁ of the heavy-ball
+    (EMA) momentum M_t by warm-started power iteration."""
+    return chain(
+        filter,
+        EmaMomentum(beta, lookahead),
+        Orthogonalize(ns_steps, ns_coefficients),
+        ScaleBySpectralNorm(power_iterations, "momentum"),
+        ScaleByShape(None),
+        AddDecayedWeights(weight_decay),
+    )
+
+
+def dp_muon_bc(
+    beta=0.95, lookahead=True, ns_steps=5, ns_coefficients=QUINTIC_COEFFICIENTS,
+    order=1, probes=1, weight_decay=0.0, filter=None, antithetic=True,
+) -> Transform:
+    """DP-MuonBC: DP-Muon with X₅ replaced by the order-K heat-extrapolated Newton–Schulz
+    (``dpmf.optim.bias_correction``); the fresh-noise std of M̂_t is (1−β)(1+β) times that of
+    the privatized gradient (``EmaMomentum.fresh_gain``)."""
+    return chain(
+        filter,
+        EmaMomentum(beta, lookahead),
+        OrthogonalizeBiasCorrected(order, probes, antithetic, ns_steps, ns_coefficients),
+        ScaleByShape(4.0),
+        AddDecayedWeights(weight_decay),
+    )
+
+
+def build_transform(group: dict) -> Transform:
+    """The stage chain of a parameter group: its ``transform`` if given, else its rule's.
+
+    Raises:
+        ValueError / TypeError: unknown rule or invalid hyperparameters (naming them).
+    """
+    custom = group.get("transform")
+    if custom is not None:
+        if not isinstance(custom, Transform):
+            raise TypeError(f"transform={custom!r} is invalid: must be a dpmf Transform")
+        return custom
+    filt = group.get("filter")
+    if filt is not None and not isinstance(filt, Transform):
+        raise TypeError(f"filter={filt!r} is invalid: must be a dpmf Transform or None")
+    rule = check_choice("rule", group["rule"], RULES)
+    wd = group["weight_decay"]
+    if rule == "sgd":
+        return dp_sgd(group["momentum"], group["nesterov"], wd, filt)
+    if rule == "adam":
+        return dp_adam(group["betas"], group["eps"], wd, _bool(group, "decoupled_weight_decay"),
+                       filt)
+    common = dict(beta=group["beta"], lookahead=group["lookahead"], ns_steps=group["ns_steps"],
+                  ns_coefficients=group["ns_coefficients"], weight_decay=wd, filter=filt)
+    if rule == "muon":
+        return dp_muon(**common)
+    if rule == "muon_s":
+        return dp_muon_s(power_iterations=group["power_iterations"], **common)
+    return dp_muon_bc(order=group["order"], probes=group["probes"],
+                      antithetic=group["antithetic"], **common)
+
+
+def _pair(name, value):
+    try:
+        a, b = value
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{name}={value!r} is invalid: must be a pair of reals in [0, 1)"
+        ) from None
+    return a, b
+
+
+def _bool(group, key):
+    value = group[key]
+    if not isinstance(value, bool):
+        raise TypeError(f"{key}={value!r} is invalid: must be a bool")
+    return value
+
+
+# --- the optimizer ---------------------------------------------------------------------------
+
+
+class DPOptimizer(torch.optim.Optimizer):
+    """A torch optimizer whose parameter groups each follow one rule of ``RULES`` (module
+    docstring), reading the privatized gradient from ``p.grad``.
+
+    Args:
+        params: tensors, (name, tensor) pairs, or parameter groups (dicts; e.g. from
+            ``route_parameters``) with any of the hyperparameters below as keys.
+        defaults: the hyperparameters of groups that do not set them.
+        matrix_rule: the rule of the placeholder "matrix" (parameters with two or more
+            dimensions, when a group's rule is "auto" or "matrix").
+        vector_rule: the rule of the placeholder "vector" (the others: biases, norm scales),
+            "sgd" or "adam".
+        vector_lr: learning rate of the "vector" parameters (None: the group's lr).
+        probe_seed: seed of the optimizer's own torch.Generator(s) (one per device) for the
+            random probes of DP-MuonBC.
+        check_finite: refuse a step whose gradients contain NaN or inf.
+
+    Hyperparameters (group keys): lr; rule (one of ``RULES`` or ``PLACEHOLDER_RULES``);
+    weight_decay (L2 for sgd/adam, decoupled for the muon rules and for adam with
+    decoupled_weight_decay); momentum, nesterov (sgd); betas, eps, decoupled_weight_decay
+    (adam); beta, lookahead, ns_steps, ns_coefficients (muon rules); power_iterations
+    (muon_s); order, probes, antithetic (muon_bc); filter (a ``Transform`` run first on the
+    privatized gradient, e.g. a temporal filter); transform (a ``Transform`` replacing the
+    rule).
+
+    Raises:
+        ValueError / TypeError: invalid hyperparameters, an unknown rule, or a parameter
+            without a proper matrix view in a matrix rule — before any step.
+    """
+
+    def __init__(self, params, defaults: dict, *, matrix_rule: str = "muon",
+                 vector_rule: str = "sgd", vector_lr: float | None = None, probe_seed: int = 0,
+                 check_finite: bool = True):
+        self.matrix_rule = check_choice("matrix_rule", matrix_rule, RULES)
+        self.vector_rule = check_choice(
+            "vector_rule", vector_rule, [r for r in RULES if r not in MATRIX_RULES]
+        )
+        self.vector_lr = None if vector_lr is None else check_real("vector_lr", vector_lr, low=0.0)
+        self.probe_seed = check_int("probe_seed", probe_seed, minimum=0)
+        if not isinstance(check_finite, bool):
+            raise TypeError(f"check_finite={check_finite!r} is invalid: must be a bool")
+        self.check_finite = check_finite
+        self._noise_std: float | None = None
+        self._generators: dict[str, torch.Generator] = {}
+        self._pending_generator_states: dict[str, torch.Tensor] = {}
+        full = dict(_BASE_DEFAULTS)
+        full.update(defaults)
+        super().__init__(params, full)
+
+    # -- groups ---------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Validate a group (filling defaults), resolve its placeholder rule, and add it.
+
+        An "auto" group becomes up to two groups (matrices, vectors) unless both resolve to
+        the same rule and learning rate.
+
+        Raises:
+            ValueError / TypeError: as the class.
+        """
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        group = dict(param_group)
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        named = [p if isinstance(p, tuple) else (None, p) for p in params]
+        if "param_names" in group and all(n is None for n, _ in named):
+            named = list(zip(group.pop("param_names"), (p for _, p in named), strict=True))
+        for key, value in self.defaults.items():
+            group.setdefault(key, value)
+        if group["lr"] is required:
+            raise ValueError("lr is required: give it to the optimizer or to every group")
+        group["lr"] = check_real("lr", group["lr"], low=0.0)
+        rule = check_choice("rule", group["rule"], RULES + PLACEHOLDER_RULES)
+        vector_lr = group["lr"] if self.vector_lr is None else self.vector_lr
+        if rule == "auto" and (self.matrix_rule, group["lr"]) == (self.vector_rule, vector_lr):
+            parts = [dict(group, rule=self.matrix_rule, params=named)]
+        elif rule == "auto":
+            matrices = [(n, p) for n, p in named if p.ndim >= 2]
+            vectors = [(n, p) for n, p in named if p.ndim < 2]
+            parts = [dict(group, rule=self.matrix_rule, params=matrices)] if matrices else []
+            if vectors:
+                parts.append(dict(group, rule=self.vector_rule, lr=vector_lr, params=vectors))
+        elif rule == "matrix":
+            parts = [dict(group, rule=self.matrix_rule, params=named)]
+        elif rule == "vector":
+            parts = [dict(group, rule=self.vector_rule, lr=vector_lr, params=named)]
+        else:
+            parts = [dict(group, params=named)]
+        for part in parts:
+            self._check_group(part)
+            names = [n for n, _ in part["params"]]
+            if names and all(n is not None for n in names):
+                part["params"] = [(n, p) for n, p in part["params"]]
+            else:
+                part["params"] = [p for _, p in part["params"]]
+            super().add_param_group(part)
+
+    def _check_group(self, group: dict) -> None:
+        check_choice("rule", group["rule"], RULES)
+        build_transform(group)  # validates every hyperparameter of the rule
+        for i, (name, p) in enumerate(group["params"]):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"params[{i}] is invalid: must be a torch.Tensor, got {type(p)}")
+            if not p.is_floating_point():
+                raise TypeError(f"parameter {name or i!r} of dtype {p.dtype} is invalid: "
+                                "must be floating point")
+            uses_matrix = group.get("transform") is None and group["rule"] in MATRIX_RULES
+            if uses_matrix:
+                check_matrix_parameter(name if name is not None else f"params[{i}]", p.shape)
+
+    # -- noise std for the bias correction --------------------------------------------------
+
+    def set_noise_std(self, std: float | None) -> None:
+        """Set the std of the fresh Gaussian noise per entry of the privatized gradient p.grad.
+
+        "Fresh" is the part of this step's noise independent of all earlier steps: for DP-SGD
+        (C = I) the whole per-entry std σ·ζ/B; for a lower-triangular strategy C with
+        Z ~ N(0, σ²ζ²sens(C)²), the innovation of (C⁻¹Z)_t, i.e. σ·ζ·sens(C)·|(C⁻¹)_tt|/B
+        (B the expected batch size). Only DP-MuonBC uses it; the stages convert it to the std
+        of the noise in the matrix they correct (×(1−β)(1+β) for Nesterov EMA momentum).
+        Call once, or each step if it changes; None clears it.
+
+        Raises:
+            ValueError: std < 0 or not finite.
+        """
+        self._noise_std = None if std is None else check_real("std", std, low=0.0)
+
+    @property
+    def noise_std(self) -> float | None:
+        """The value given to ``set_noise_std`` (None if never set)."""
+        return self._noise_std
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        gen = self._generators.get(key)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.probe_seed)
+            pending = self._pending_generator_states.pop(key, None)
+            if pending is not None:
+                gen.set_state(pending.cpu())
+            self._generators[key] = gen
+        return gen
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """torch's state dict plus ``"dpmf"``: the noise std and the probe generators' states."""
+        sd = super().state_dict()
+        gens = dict(self._pending_generator_states)
+        gens.update({k: g.get_state() for k, g in self._generators.items()})
+        sd["dpmf"] = {"noise_std": self._noise_std, "probe_seed": self.probe_seed,
+                      "generators": gens}
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict from ``state_dict()`` (restores the probe generators too)."""
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("dpmf", None)
+        super().load_state_dict(state_dict)
+        if extra is not None:
+            self._noise_std = extra.get("noise_std")
+            self.probe_seed = extra.get("probe_seed", self.probe_seed)
+            self._generators = {}
+            self._pending_generator_states = dict(extra.get("generators", {}))
+
+    # -- the step ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Apply one update p ← p − lr·u to every parameter with a gradient.
+
+        Returns:
+            The closure's loss, or None.
+
+        Raises:
+            ValueError: a gradient with NaN/inf (no parameter is changed), an unknown
+                fresh-noise std for DP-MuonBC.
+            TypeError: a sparse gradient.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = []
+        for gi, group in enumerate(self.param_groups):
+            names = group.get("param_names")
+            items = []
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                name = names[pi] if names else f"param_groups[{gi}].params[{pi}]"
+                if p.grad.is_sparse:
+                    raise TypeError(f"parameter {name!r}: sparse gradients are not supported")
+                items.append((name, p))
+            if items:
+                work.append((group, build_transform(group), items))
+        if self.check_finite:
+            self._check_finite([it for _, _, items in work for it in items])
+        for group, transform, items in work:
+            lr = group["lr"]
+            for name, p in items:
+                state = self.state[p]
+                if "transform" not in state:
+                    state["transform"] = transform.init(p)
+                ctx = StepContext(name=name, noise_std=self._noise_std,
+                                  generator=self._generator(p.device))
+                update, state["transform"] = transform.update(p.grad, state["transform"], p, ctx)
+                p.add_(update.to(p.dtype), alpha=-lr)
+        return loss
+
+    @staticmethod
+    def _check_finite(items) -> None:
+        # Fast path: one sum per gradient (a NaN or inf entry makes it non-finite) and one
+        # synchronization per device; the exact element-wise test runs only if a sum is not
+        # finite (which finite entries reach only by overflowing the sum).
+        by_device: dict = {}
+        for name, p in items:
+            g = p.grad
+            total = g.sum(dtype=torch.promote_types(g.dtype, torch.float32))
+            by_device.setdefault(g.device, []).append((name, p, total))
+        for entries in by_device.values():
+            if bool(torch.isfinite(torch.stack([t for _, _, t in entries])).all()):
+                continue
+            for name, p, total in entries:
+                if not bool(torch.isfinite(total)) and not bool(torch.isfinite(p.grad).all()):
+                    raise ValueError(
+                        f"the privatized gradient of parameter {name!r} has NaN or infinite "
+                        "entries; no parameter was updated (check the clipping and the noise)"
+                    )
+
+
+class DPSGD(DPOptimizer):
+    """DP-SGD with heavy-ball momentum (optionally Nesterov) and L2 weight decay, on the
+    privatized gradient; the same update as torch.optim.SGD (dampening 0) given the same
+    gradients. Every group uses rule "sgd" (the placeholders "matrix" and "vector" of
+    ``route_parameters`` included) unless it names another rule.
+
+    Raises:
+        ValueError: lr < 0, momentum outside [0, 1), weight_decay < 0, Nesterov without
+            momentum.
+    """
+
+    def __init__(self, params, lr=required, momentum=0.0, nesterov=False, weight_decay=0.0, *,
+                 filter=None, check_finite=True):
+        super().__init__(params, dict(lr=lr, rule="auto", momentum=momentum, nesterov=nesterov,
+                                      weight_decay=weight_decay, filter=filter),
+                         matrix_rule="sgd", vector_rule="sgd", check_finite=check_finite)
+
+
+class DPAdam(DPOptimizer):
+    """DP-Adam on the privatized gradient; the same update as torch.optim.Adam (amsgrad off)
+    given the same gradients, with ``decoupled_weight_decay`` as torch's AdamW. Every group
+    uses rule "adam" (placeholders included) unless it names another rule.
+
+    Raises:
+        ValueError: lr < 0, betas outside [0, 1), eps <= 0, weight_decay < 0.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 decoupled_weight_decay=False, *, filter=None, check_finite=True):
+        super().__init__(params, dict(lr=lr, rule="auto", betas=tuple(betas), eps=eps,
+                                      weight_decay=weight_decay,
+                                      decoupled_weight_decay=decoupled_weight_decay,
+                                      filter=filter),
+                         matrix_rule="adam", vector_rule="adam", check_finite=check_finite)
+
+
+class DPMuon(DPOptimizer):
+    """DP-Muon exactly as DESIGN.md (Training), for every parameter with a matrix view
+    (conv kernels as out × in·kh·kw):
+
+        M_t = β·M_{t−1} + (1−β)·G̃_t,   M̂_t = (1−β)·G̃_t + β·M_t,   X₀ = M̂_t/‖M̂_t‖_F,
+        X ← aX + b(XXᵀ)X + c(XXᵀ)²X five times, (a, b, c) = (3.4445, −4.7750, 2.0315),
+        p ← p − lr·(√min(4, max(1, m/n))·X₅ + λ·p);
+
+    Parameters with fewer than two dimensions (biases, norm scales) use DP-SGD with heavy-ball
+    momentum ``vector_momentum`` (learning rate ``vector_lr``, default ``lr``). Groups with a rule
+    (e.g. from ``route_parameters``) keep it; its placeholders "matrix"/"vector" become
+    "muon"/"sgd".
+
+    Args:
+        params: tensors, named tensors or groups.
+        lr: learning rate of the matrix update (its entries have RMS ≈ 1/√max(m, n)).
+        beta: EMA momentum β in [0, 1).
+        lookahead: Nesterov look-ahead M̂_t (True in DP-Muon); False uses M_t.
+        ns_steps, ns_coefficients: the Newton–Schulz iteration.
+        weight_decay: decoupled weight decay λ of the matrices (L2 for the "sgd" vectors).
+        vector_momentum, vector_nesterov: heavy-ball momentum μ of the 1-D parameters (group
+            keys ``momentum`` and ``nesterov`` of the "sgd" rule). The matrices' momentum is
+            ``beta``; passing ``momentum=`` is refused to avoid mixing the two up.
+        vector_lr: learning rate of the 1-D parameters (None: lr).
+        filter: a ``Transform`` applied first to the privatized gradient (temporal filter).
+
+    Raises:
+        ValueError: invalid hyperparameters; a parameter of two or more dimensions whose matrix
+            view has a single row or column (e.g. shape (C, 1, 1)) — route it explicitly.
+    """
+
+    _matrix_rule = "muon"
+
+    def __init__(self, params, lr=0.02, beta=0.95, *, lookahead=True, ns_steps=5,
+                 ns_coefficients=QUINTIC_COEFFICIENTS, weight_decay=0.0, vector_momentum=0.9,
+                 vector_nesterov=False, vector_lr=None, filter=None, check_finite=True, **extra):
+        if "momentum" in extra or "nesterov" in extra:
+            raise TypeError(
+                f"{type(self).__name__}: the matrices' EMA momentum is beta (and lookahead); the "
+                "1-D parameters' heavy-ball momentum is vector_momentum (and vector_nesterov)"
+            )
+        defaults = dict(lr=lr, rule="auto", beta=beta, lookahead=lookahead, ns_steps=ns_steps,
+                        ns_coefficients=tuple(ns_coefficients), weight_decay=weight_decay,
+                        momentum=vector_momentum, nesterov=vector_nesterov, filter=filter)
+        probe_seed = extra.pop("probe_seed", 0)
+        unknown = sorted(set(extra) - set(_BASE_DEFAULTS))
+        if unknown:
+            raise TypeError(f"{type(self).__name__} got unexpected keyword arguments {unknown}")
+        defaults.update(extra)
+        super().__init__(params, defaults, matrix_rule=self._matrix_rule, vector_lr=vector_lr,
+                         probe_seed=probe_seed, check_finite=check_finite)
+
+
+class DPMuonS(DPMuon):
+    """DP-Muon-S (DESIGN.md, Training): the matrix update is σ₁(M_t)·√max(1, m/n)·X₅, with
+    σ₁ of the heavy-ball (EMA) momentum M_t by ``power_iterations`` warm-started power
+    iterations per step (the vector is kept in the state). Otherwise as ``DPMuon``.
+    """
+
+    _matrix_rule = "muon_s"
+
+    def __init__(self, params, lr=0.02, beta=0.95, *, power_iterations=2, **kwargs):
+        super().__init__(params, lr, beta, power_iterations=power_iterations, **kwargs)
+
+
+class DPMuonBC(DPMuon):
+    """DP-MuonBC: DP-Muon with the order-``order`` bias-corrected Newton–Schulz map
+    (``dpmf.optim.bias_correction``): 2·f(M̂_t) − mean_j f(M̂_t ± s·ξ_j) at order 1, with
+    fresh probes ξ_j ~ N(0, I) from the optimizer's own generator seeded by ``probe_seed``
+    and s = (1−β)(1+β)·(std given to ``set_noise_std``) — the std of the fresh noise in M̂_t
+    (β·M_t with look-ahead off gives (1−β)·std). Call ``set_noise_std`` before the first step.
+
+    Args:
+        order: extrapolation order K >= 1 (bias O(s^(2K+2))).
+        probes: probes per order level, >= 1, each used as ±ξ (cost: 1 + 2·probes·order
+            Newton–Schulz evaluations per matrix, in one batch).
+        antithetic: False uses each probe once (+ξ only: 1 + probes·order evaluations).
+        probe_seed: seed of the probe generator (saved in ``state_dict``).
+        Other arguments as ``DPMuon``.
+    """
+
+    _matrix_rule = "muon_bc"
+
+    def __init__(self, params, lr=0.02, beta=0.95, *, order=1, probes=1, antithetic=True,
+                 probe_seed=0, **kwargs):
+        super().__init__(params, lr, beta, order=order, probes=probes, antithetic=antithetic,
+                         probe_seed=probe_seed, **kwargs)
