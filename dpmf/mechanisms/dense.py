@@ -432,8 +432,10 @@ def _maximize_dual(
         cg_total += n_cg
         iterations += 1
         slope = float(pt.grad @ d)
+        if slope <= 1e-14 * abs(pt.value):
+            break  # the predicted increase is below the round-off of g: numerically optimal
         step, accepted = 1.0, None
-        for _ in range(40):
+        for _ in range(12):
             y_new = pt.y + step * d
             y_new[cons.inequality] = np.maximum(y_new[cons.inequality], 0.0)
             cand = _evaluate_dual(F, W, cons, y_new, precise)
