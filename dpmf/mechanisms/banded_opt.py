@@ -106,6 +106,7 @@ def optimize_banded(
     objective: str = "mean_se",
     start: str | None = None,
     max_iterations: int = 500,
+    cascade: bool = True,
 ) -> BandedResult:
     """Optimize the p coefficients of a banded Toeplitz strategy.
 
@@ -117,7 +118,10 @@ def optimize_banded(
         objective: ``mean_se`` (default) or ``max_se`` (Toeplitz workloads only).
         start: the starting strategy: ``bisr``/``lr_bisr`` for bisr_opt, ``bsr``/``lr_bsr``
             for bsr_opt; default ``bisr`` / ``bsr``.
-        max_iterations: the most L-BFGS iterations.
+        max_iterations: the most L-BFGS iterations per run.
+        cascade: also start from the optimum for ⌈p/2⌉ coefficients padded with zeros
+            (recursively), so that more coefficients never do worse than fewer; False runs
+            from the start only (faster).
 
     Returns:
         ``BandedResult``.
@@ -151,9 +155,7 @@ def optimize_banded(
 
     base = start_fact.C_inverse if name == "bisr_opt" else start_fact.C
     base_coeffs = base.toeplitz_coeffs[:p] / base.toeplitz_coeffs[0]
-    check = (
-        inverse_coefficients(_pad(base_coeffs, n)) if name == "bisr_opt" else _pad(base_coeffs, n)
-    )
+    check = inverse_coefficients(_pad(base_coeffs, n)) if name == "bisr_opt" else _pad(base_coeffs, n)
     if not closed_form_valid(check, participation):
         raise ValueError(
             f"start={start!r} is invalid for {name}:{p} under {participation.label}: its C has "
@@ -161,7 +163,7 @@ def optimize_banded(
         )
     stats = {"iterations": 0, "evaluations": 0}
     coeffs, converged, gnorm = _optimize_cascade(
-        workload, participation, objective, name, base_coeffs, max_iterations, stats
+        workload, participation, objective, name, base_coeffs, max_iterations, stats, cascade
     )
     iterations, evaluations = stats["iterations"], stats["evaluations"]
 
@@ -196,18 +198,16 @@ def _pad(x: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
-def _optimize_cascade(workload, participation, objective, name, start, max_iterations, stats):
+def _optimize_cascade(workload, participation, objective, name, start, max_iterations, stats, cascade=True):
     """Best of two runs: from ``start`` (p coefficients) and from the optimum for ⌈p/2⌉
     coefficients padded with zeros (recursively), so that p coefficients never do worse than
     fewer. Returns (coefficients, converged, gradient norm) of the run with the lowest objective."""
     p = start.shape[0]
     runs = [start]
-    if p > 1 and max_iterations > 0:
+    if cascade and p > 1 and max_iterations > 0:
         half = (p + 1) // 2
         src = start[:half]
-        sub, _, _ = _optimize_cascade(
-            workload, participation, objective, name, src, max_iterations, stats
-        )
+        sub, _, _ = _optimize_cascade(workload, participation, objective, name, src, max_iterations, stats)
         runs.append(np.concatenate([sub, np.zeros(p - half)]))
     best = None
     for init in runs:

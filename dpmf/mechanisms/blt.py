@@ -123,9 +123,7 @@ def blt_inverse_parameters(theta, omega) -> tuple[np.ndarray, np.ndarray]:
     if d > 1 and np.min(np.diff(np.sort(ev))) <= 1e-12:
         raise ValueError("theta, omega are invalid for an inverse BLT: its decays are repeated")
     if np.any(np.abs(ev) >= 1.0):
-        raise ValueError(
-            f"theta, omega are invalid for an inverse BLT: decays {ev.tolist()} leave (-1, 1)"
-        )
+        raise ValueError(f"theta, omega are invalid for an inverse BLT: decays {ev.tolist()} leave (-1, 1)")
     omega_hat = -(V.T @ omega) * np.linalg.solve(V, np.ones(d))
     order = np.argsort(ev)
     return ev[order], omega_hat[order]
@@ -149,9 +147,7 @@ def blt_noise(theta, omega, z) -> np.ndarray:
     theta, omega = _check_parameters(theta, omega)
     z = np.asarray(z, dtype=np.float64)
     if z.ndim not in (1, 2) or z.shape[0] < 1:
-        raise ValueError(
-            f"z is invalid: must have shape (n,) or (n, dim) with n >= 1, got {z.shape}"
-        )
+        raise ValueError(f"z is invalid: must have shape (n,) or (n, dim) with n >= 1, got {z.shape}")
     zz = z[:, None] if z.ndim == 1 else z
     state = np.zeros((theta.shape[0], zz.shape[1]))
     out = np.empty_like(zz)
@@ -177,9 +173,7 @@ def _weighted_geo(q: np.ndarray, n: int) -> np.ndarray:
     return np.where(np.abs(1.0 - q) < 1e-15, n * (n + 1) / 2.0, out)
 
 
-def blt_sensitivity(
-    theta_hat, omega_hat, n: int, participation: Participation | None = None
-) -> float:
+def blt_sensitivity(theta_hat, omega_hat, n: int, participation: Participation | None = None) -> float:
     """Closed-form sens(C) of the strategy C = BLT(θ̂, ω̂), O(k²d²) for any n (module docstring).
 
     Raises:
@@ -234,11 +228,7 @@ def blt_prefix_error(theta, omega, n: int, objective: str = "max_se") -> float:
     q = theta[:, None] * theta[None, :]
     GG = gamma[:, None] * gamma[None, :]
     if objective == "max_se":
-        total = (
-            n * beta**2
-            - 2.0 * beta * float(gamma @ _geo(theta, n))
-            + float(np.sum(GG * _geo(q, n)))
-        )
+        total = n * beta**2 - 2.0 * beta * float(gamma @ _geo(theta, n)) + float(np.sum(GG * _geo(q, n)))
         return math.sqrt(max(total, 0.0))
     total = (
         beta**2 * n * (n + 1) / 2.0
@@ -366,6 +356,7 @@ def optimize_blt(
     objective: str = "mean_se",
     max_iterations: int = 3000,
     starts: int = 2,
+    cascade: bool = True,
 ) -> BLTResult:
     """Optimize the decays and output scales of a BLT noise correlation C⁻¹.
 
@@ -376,6 +367,8 @@ def optimize_blt(
         objective: ``mean_se`` (default) or ``max_se`` (Toeplitz workloads).
         max_iterations: the most L-BFGS iterations per start.
         starts: number of starting timescale grids (1 to 4) per parametrization.
+        cascade: with multiple participations, also start from the optimum for d − 1 buffers
+            (recursively), so that more buffers never do worse than fewer; False is faster.
 
     Returns:
         ``BLTResult``.
@@ -403,7 +396,7 @@ def optimize_blt(
         last_row_sq(workload, np.ones(n))  # raises the ValueError naming the workload
 
     stats = {"tried": 0}
-    best = _search(workload, participation, objective, d, starts, max_iterations, stats)
+    best = _search(workload, participation, objective, d, starts, max_iterations, stats, cascade)
     if best is None:
         raise ValueError(
             f"buffers={d} is invalid for {workload.name!r} under {participation.label}: no "
@@ -446,7 +439,7 @@ def optimize_blt(
     )
 
 
-def _search(workload, participation, objective, d, starts, max_iterations, stats):
+def _search(workload, participation, objective, d, starts, max_iterations, stats, cascade=True):
     """The best (value, θ, ω, L-BFGS result) over the starting points of both
     parametrizations, C⁻¹ = BLT(θ, ω) real; None when no start is feasible.
 
@@ -454,17 +447,16 @@ def _search(workload, participation, objective, d, starts, max_iterations, stats
     boundary, so d buffers also start from the optimum for d − 1 buffers with one more buffer
     of zero output scale (the same strategy): more buffers never do worse than fewer."""
     multi = participation.kind != "single" and participation.participations(workload.n) > 1
+    multi = multi and cascade
     extra = []
     if multi and d > 1:
-        prev = _search(workload, participation, objective, d - 1, starts, max_iterations, stats)
+        prev = _search(workload, participation, objective, d - 1, starts, max_iterations, stats, cascade)
         if prev is not None:
             # a new decay away from the others (on the timescale 1/(1 − θ))
             tau = 1.0 / (1.0 - prev[1])
             fresh = 1.0 - 1.0 / (np.sqrt(2.0) * float(np.max(tau)) + 1.0)
             th_n = np.append(prev[1], fresh)
-            extra.append(
-                ("noise", np.concatenate([np.log(th_n / (1.0 - th_n)), np.append(prev[2], 0.0)]))
-            )
+            extra.append(("noise", np.concatenate([np.log(th_n / (1.0 - th_n)), np.append(prev[2], 0.0)])))
             try:
                 th_c, om_c = blt_inverse_parameters(prev[1], prev[2])
             except ValueError:
@@ -599,11 +591,7 @@ def _starting_points(workload, participation, d, starts, param):
         m = min(n - 1, 4096)
     for lo, hi in ranges[:starts]:
         hi = max(hi, lo * 1.5)
-        tau = (
-            np.exp(np.linspace(np.log(lo), np.log(hi), d))
-            if d > 1
-            else np.array([np.sqrt(lo * hi)])
-        )
+        tau = np.exp(np.linspace(np.log(lo), np.log(hi), d)) if d > 1 else np.array([np.sqrt(lo * hi)])
         theta = 1.0 - 1.0 / tau
         if param == "strategy":
             yield np.concatenate([np.log(theta / (1.0 - theta)), 0.6 * (1.0 - theta) / d])

@@ -252,9 +252,7 @@ def _fixed_epochs_constraints(n: int, b: int) -> _Constraints:
     )
 
 
-def _rank_one_constraints(
-    n: int, sets: list[tuple[np.ndarray, np.ndarray]], label: str
-) -> _Constraints:
+def _rank_one_constraints(n: int, sets: list[tuple[np.ndarray, np.ndarray]], label: str) -> _Constraints:
     """Constraints uᵀX_πu ≤ 1, one per (π, u)."""
     rows, cols, vals = [], [], []
     for c, (idx, u) in enumerate(sets):
@@ -346,9 +344,7 @@ def _residual(cons: _Constraints, pt: _DualPoint) -> float:
     return float(np.max(r)) if r.size else 0.0
 
 
-def _newton_direction(
-    cons: _Constraints, pt: _DualPoint, free: np.ndarray, rtol: float, maxiter: int
-):
+def _newton_direction(cons: _Constraints, pt: _DualPoint, free: np.ndarray, rtol: float, maxiter: int):
     """Solve (−∇²g) d = ∇g on the free variables by preconditioned conjugate gradients."""
     mu, R = pt.mu, pt.R
     G = np.outer(mu, mu) / (mu[:, None] + mu[None, :])
@@ -421,11 +417,7 @@ def _maximize_dual(
     iterations = cg_total = stalls = 0
     res = _residual(cons, pt)
     while iterations < max_iterations and res > tol and stalls < 2:
-        eps = (
-            min(1e-3 * float(np.max(pt.y[cons.inequality])), res)
-            if np.any(cons.inequality)
-            else 0.0
-        )
+        eps = min(1e-3 * float(np.max(pt.y[cons.inequality])), res) if np.any(cons.inequality) else 0.0
         free = _free_mask(cons, pt, eps)
         rtol = min(0.1, np.sqrt(res))
         d, n_cg = _newton_direction(cons, pt, free, rtol=rtol, maxiter=200)
@@ -496,11 +488,7 @@ def _most_violated(X: np.ndarray, b: int, k: int, threshold: float, limit: int):
         m = sets.shape[1]
         signs = np.ones((1, m))
         if m > 1:
-            grid = (
-                np.array(np.meshgrid(*([[1.0, -1.0]] * (m - 1)), indexing="ij"))
-                .reshape(m - 1, -1)
-                .T
-            )
+            grid = np.array(np.meshgrid(*([[1.0, -1.0]] * (m - 1)), indexing="ij")).reshape(m - 1, -1).T
             signs = np.hstack([np.ones((grid.shape[0], 1)), grid])
         chunk = max(1, 2_000_000 // (m * m * signs.shape[0]))
         for start in range(0, sets.shape[0], chunk):
@@ -615,9 +603,7 @@ def optimize_dense(
     cons = _constraints_for(kind, n, b, k)
     y0 = _warm_start_dual(warm_start, cons, n)
     with _blas_threads(blas_threads if blas_threads is not None else (1 if n <= 256 else None)):
-        solver = _Solver(
-            workload.dense(), kind, b, k, max_iterations, max_outer_iterations, callback
-        )
+        solver = _Solver(workload.dense(), kind, b, k, max_iterations, max_outer_iterations, callback)
         if objective == "mean_se":
             run, cons, lower = solver.mean_se(cons, y0)
             weights = None
@@ -705,9 +691,7 @@ class _Solver:
         n = F.shape[1]
         rounds = 0
         while True:
-            found, best = _most_violated(
-                _primal(run.point), self.b, self.k, 1.0 + 1e-9, limit=max(n, 16)
-            )
+            found, best = _most_violated(_primal(run.point), self.b, self.k, 1.0 + 1e-9, limit=max(n, 16))
             old_sets = _sets_of(cons)
             known = {_key(idx, u) for idx, u in old_sets}
             new = [(idx, u) for _, idx, u in found if _key(idx, u) not in known]

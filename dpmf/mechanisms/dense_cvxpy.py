@@ -84,9 +84,7 @@ def dense_cvxpy(
     max_sets = check_int("max_sets", max_sets, minimum=1)
     n = workload.n
     if n > CVXPY_MAX_STEPS:
-        raise ValueError(
-            f"n={n} is invalid for the cvxpy certificate: must be <= {CVXPY_MAX_STEPS}"
-        )
+        raise ValueError(f"n={n} is invalid for the cvxpy certificate: must be <= {CVXPY_MAX_STEPS}")
     participation.check_steps(n)
     k = participation.participations(n)
     b = participation.min_sep
@@ -104,9 +102,7 @@ def dense_cvxpy(
     else:
         count = count_admissible_sets(n, b, k, signed=True)
         if count > max_sets:
-            raise ValueError(
-                f"max_sets={max_sets} is too small: min_sep needs {count:.0f} constraints"
-            )
+            raise ValueError(f"max_sets={max_sets} is too small: min_sep needs {count:.0f} constraints")
         rows = []
         for sets in _admissible_sets(n, b, k):
             m = sets.shape[1]

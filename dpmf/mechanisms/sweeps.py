@@ -90,7 +90,8 @@ def error_curves(
         workload = from_schedule(schedule, n)
         lb = lower_bound(workload, participation)
         for name, p in specs:
-            e = evaluate(factorize(workload, name, p), participation, with_lower_bound=False)
+            f = factorize(workload, name, p, participation=participation)  # used by optimized ones
+            e = evaluate(f, participation, with_lower_bound=False)
             rows.append(
                 CurveRow(
                     schedule=schedule.name,
@@ -164,8 +165,10 @@ def gain_grid(
     for i, sched in enumerate(scheds):
         for j, n in enumerate(ns):
             w = from_schedule(sched, n)
-            e_num = evaluate(factorize(w, *num), participation, with_lower_bound=False)
-            e_den = evaluate(factorize(w, *den), participation, with_lower_bound=False)
+            f_num = factorize(w, *num, participation=participation)
+            f_den = factorize(w, *den, participation=participation)
+            e_num = evaluate(f_num, participation, with_lower_bound=False)
+            e_den = evaluate(f_den, participation, with_lower_bound=False)
             gain[i, j] = getattr(e_num, metric) / getattr(e_den, metric)
             bar.update()
     bar.close()
