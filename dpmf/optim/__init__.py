@@ -2,12 +2,23 @@
 
 Optimizers (post-processing of the privatized gradient): ``DPSGD``, ``DPAdam``, ``DPMuon``,
 ``DPMuonS``, ``DPMuonBC``; parameter routing ``route_parameters``; learning-rate schedules
-``lr_scheduler``; the stages they are composed of (``dpmf.optim.transforms``); Newton–Schulz
+``lr_scheduler``; the stages they are composed of (``dpmf.optim.transforms``); the temporal
+filters DOPPLER and DiSK for their ``filter`` hook (``dpmf.optim.filters``) with DiSK's
+evaluation plan for the training loop (``dpmf.optim.lookahead``); Newton–Schulz
 orthogonalization and its bias correction.
 """
 
 # Optimizers and their building blocks.
 from dpmf.optim.bias_correction import bias_corrected, newton_schulz_bc, richardson_weights
+from dpmf.optim.filters import (
+    FILTERS,
+    Disk,
+    Doppler,
+    disk_extrapolation_weight,
+    make_filter,
+    single_pass_gamma,
+)
+from dpmf.optim.lookahead import DiskLookahead, EvaluationPoint
 from dpmf.optim.matrix import aspect_factor, check_matrix_parameter, matrix_shape, matrix_view
 from dpmf.optim.newton_schulz import QUINTIC_COEFFICIENTS, newton_schulz
 from dpmf.optim.optimizers import (
@@ -83,6 +94,15 @@ __all__ = [
     "OrthogonalizeBiasCorrected",
     "ScaleBySpectralNorm",
     "ScaleByShape",
+    # temporal filters
+    "FILTERS",
+    "Doppler",
+    "Disk",
+    "DiskLookahead",
+    "EvaluationPoint",
+    "make_filter",
+    "single_pass_gamma",
+    "disk_extrapolation_weight",
     # matrix maps
     "QUINTIC_COEFFICIENTS",
     "newton_schulz",
