@@ -189,3 +189,192 @@ _COMMANDS.append((_add_colormap, _run_colormap))
 
 if __name__ == "__main__":  # pragma: no cover
     raise SystemExit(main())
+
+
+# --------------------------------------------------------------------------------------------
+# dpmf epsilon / dpmf calibrate: privacy accounting of a training run
+
+
+def _add_accounting_flags(p: argparse.ArgumentParser, target: str) -> None:
+    from dpmf.accountants import ACCOUNTANTS, SCHEMES
+    from dpmf.workloads import SCHEDULES
+
+    p.add_argument("--scheme", required=True, choices=SCHEMES, help="batch-sampling scheme")
+    if target == "noise":
+        p.add_argument(
+            "--noise-multiplier", type=float, required=True, help="noise multiplier σ > 0"
+        )
+    else:
+        p.add_argument("--epsilon", type=float, required=True, help="target ε > 0")
+    p.add_argument("--dataset-size", type=int, required=True, help="N, number of examples")
+    p.add_argument("--batch-size", type=int, required=True, help="B (expected) batch size, 1..N")
+    length = p.add_mutually_exclusive_group(required=True)
+    length.add_argument("--epochs", type=int, help="steps = epochs × ceil(N/B)")
+    length.add_argument("--steps", type=int, help="number of steps n")
+    p.add_argument("--delta", type=float, required=True, help="δ in (0, 1)")
+    p.add_argument(
+        "--factorization",
+        default=None,
+        help="strategy, e.g. bisr:16, bsr:16, sqrt_prefix (default: identity = DP-SGD)",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default=None,
+        help="learning-rate schedule of the workload (default: prefix sum)",
+    )
+    p.add_argument(
+        "--beta", type=float, default=None, help="final learning-rate multiplier β in (0, 1]"
+    )
+    p.add_argument("--gamma", type=float, default=None, help="power γ of polynomial/inverse_power")
+    p.add_argument(
+        "--accountant",
+        choices=ACCOUNTANTS,
+        default=None,
+        help="default: pld, or monte_carlo for the balls-in-bins schemes",
+    )
+    p.add_argument("--samples", type=int, default=None, help="Monte Carlo samples per direction")
+    p.add_argument("--seed", type=int, default=0, help="Monte Carlo seed (default 0)")
+    p.add_argument(
+        "--confidence", type=float, default=0.99, help="Monte Carlo confidence (default 0.99)"
+    )
+    p.add_argument(
+        "--min-sep", type=int, default=None, help="cyclic_poisson groups b' (default: bands of C)"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no Monte Carlo progress bar")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _accounting_run(args) -> dict:
+    """Validate every flag (no work), then build the strategy; the keyword arguments of
+    ``account``/``calibrate``."""
+    from dpmf._validation import check_int, check_real
+    from dpmf.accountants.api import _check_accountant, _check_mc
+    from dpmf.accountants.schemes import check_run
+    from dpmf.mechanisms import parse_factorization
+    from dpmf.workloads import Schedule
+
+    N = check_int("dataset_size", args.dataset_size, minimum=1)
+    B = check_int("batch_size", args.batch_size, minimum=1)
+    if args.steps is not None:
+        steps = check_int("steps", args.steps, minimum=1)
+    else:
+        steps = check_int("epochs", args.epochs, minimum=1) * (-(-N // B)) if B <= N else 1
+    check_run(args.scheme, N, B, steps, None, args.min_sep)
+    check_real("delta", args.delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
+    _check_accountant(args.accountant, args.scheme)
+    _check_mc(args.samples, args.seed, args.confidence)
+    spec = None
+    if args.factorization is not None:
+        name, _ = parse_factorization(args.factorization)
+        spec = None if name == "identity" else args.factorization
+    if spec is not None and args.scheme in ("poisson", "epoch_balls_in_bins"):
+        raise UsageError(
+            f"--factorization {spec} is invalid with --scheme {args.scheme} (DP-SGD only)"
+        )
+    if (args.beta is not None or args.gamma is not None) and args.schedule is None:
+        raise UsageError("--beta/--gamma need --schedule")
+    schedule = None
+    if args.schedule is not None:
+        schedule = Schedule(args.schedule, 1.0 if args.beta is None else args.beta, args.gamma)
+    factorization = None
+    if spec is not None:
+        from dpmf.mechanisms import factorize
+        from dpmf.workloads import from_schedule, prefix_sum
+
+        workload = prefix_sum(steps) if schedule is None else from_schedule(schedule, steps)
+        factorization = factorize(workload, spec)
+    return dict(
+        dataset_size=N,
+        batch_size=B,
+        steps=steps,
+        factorization=factorization,
+        accountant=args.accountant,
+        samples=args.samples,
+        seed=args.seed,
+        confidence=args.confidence,
+        min_sep=args.min_sep,
+        progress=False if args.no_progress else None,
+    )
+
+
+def _print_result(result, as_json: bool) -> None:
+    import json
+    import math
+
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return
+    rows = [
+        ("scheme", result.scheme),
+        ("factorization", result.factorization),
+        ("noise_multiplier", f"{result.noise_multiplier:.6g}"),
+        ("epsilon", "inf" if math.isinf(result.epsilon) else f"{result.epsilon:.6g}"),
+        ("delta", f"{result.delta:.3g}"),
+        ("accountant", result.accountant),
+        ("guarantee", result.guarantee),
+        ("steps", str(result.steps)),
+        ("sensitivity", f"{result.sensitivity:.6g}"),
+    ]
+    if result.sampling_rate is not None:
+        rows.append(("sampling_rate", f"{result.sampling_rate:.6g}"))
+    for name in ("confidence", "samples", "seed", "epsilon_estimate", "delta_estimate"):
+        value = getattr(result, name)
+        if value is not None:
+            rows.append((name, f"{value:.6g}" if isinstance(value, float) else str(value)))
+    for key, value in result.details.items():
+        rows.append((key, f"{value:.6g}" if isinstance(value, float) else str(value)))
+    rows.append(("method", result.method))
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+
+
+def _add_epsilon(sub):
+    p = sub.add_parser(
+        "epsilon",
+        help="ε of a training run for a noise multiplier",
+        description="Privacy (ε at δ) of a training run under a batch-sampling scheme.",
+    )
+    _add_accounting_flags(p, "noise")
+    return p
+
+
+def _run_epsilon(args) -> int:
+    from dpmf._validation import check_real
+    from dpmf.accountants import account
+
+    sigma = check_real("noise_multiplier", args.noise_multiplier, low=0.0, low_inclusive=False)
+    kwargs = _accounting_run(args)
+    result = account(args.scheme, noise_multiplier=sigma, delta=args.delta, **kwargs)
+    _print_result(result, args.json)
+    return 0
+
+
+_COMMANDS.append((_add_epsilon, _run_epsilon))
+
+
+def _add_calibrate(sub):
+    p = sub.add_parser(
+        "calibrate",
+        help="smallest noise multiplier for a target (ε, δ)",
+        description="Smallest noise multiplier σ meeting a target (ε, δ) (conservative).",
+    )
+    _add_accounting_flags(p, "epsilon")
+    return p
+
+
+def _run_calibrate(args) -> int:
+    from dpmf._validation import check_real
+    from dpmf.accountants import calibrate
+
+    epsilon = check_real("epsilon", args.epsilon, low=0.0, low_inclusive=False)
+    kwargs = _accounting_run(args)
+    if kwargs["confidence"] is None:
+        kwargs["confidence"] = 0.99
+    result = calibrate(args.scheme, epsilon=epsilon, delta=args.delta, **kwargs)
+    _print_result(result, args.json)
+    return 0
+
+
+_COMMANDS.append((_add_calibrate, _run_calibrate))

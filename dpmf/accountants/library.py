@@ -1,0 +1,236 @@
+"""Accountants backed by well-kept libraries: PLD and RDP (dp-accounting), PRV (prv-accountant).
+
+They measure ``GaussianEvent``, ``PoissonGaussianEvent`` and compositions of them, under the
+add-or-remove-one adjacency. Pure Gaussian compositions are measured exactly in closed form
+(the privacy loss of a μ-GDP mechanism is N(μ²/2, μ²), so its PLD is known analytically); every
+other case is delegated to the library.
+
+===========  ==============================================================  ===============
+accountant   library call                                                    guarantee
+===========  ==============================================================  ===============
+``pld``      ``dp_accounting.pld.PLDAccountant`` (pessimistic discretization)  upper_bound
+``rdp``      ``dp_accounting.rdp.RdpAccountant`` (Mironov 2017; conversion     upper_bound
+             of Canonne, Kamath & Steinke 2020)
+``prv``      ``prv_accountant.PRVAccountant`` (Gopi, Lee & Wutschitz 2021);   upper_bound
+             its upper end (estimate + ε error)
+===========  ==============================================================  ===============
+"""
+
+from __future__ import annotations
+
+import math
+
+import dp_accounting
+from dp_accounting import pld as _pld
+from dp_accounting import rdp as _rdp
+
+from dpmf._validation import check_real
+from dpmf.accountants.events import GaussianEvent, PoissonGaussianEvent, flatten
+from dpmf.accountants.gaussian import gaussian_delta, gaussian_epsilon
+from dpmf.accountants.result import Measurement
+
+__all__ = ["PLDAccountant", "RDPAccountant", "PRVAccountant"]
+
+
+def _check_delta(delta) -> float:
+    return check_real("delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
+
+
+def _check_epsilon(epsilon) -> float:
+    return check_real("epsilon", epsilon, low=0.0)
+
+
+def _library_events(event) -> list:
+    """The flat list of events, each Gaussian or Poisson-Gaussian; q = 1 is a Gaussian."""
+    out = []
+    for e in flatten(event):
+        if isinstance(e, PoissonGaussianEvent) and e.sampling_rate == 1.0:
+            e = GaussianEvent(e.noise_multiplier, e.steps)
+        if not isinstance(e, GaussianEvent | PoissonGaussianEvent):
+            raise ValueError(
+                f"event {type(e).__name__} is not supported by this accountant: "
+                "it measures Gaussian and Poisson-subsampled Gaussian events"
+            )
+        out.append(e)
+    return out
+
+
+def _gaussian_mu(events) -> float | None:
+    """μ of the composition when every event is Gaussian: μ² = Σ count/σ²; else None."""
+    if all(isinstance(e, GaussianEvent) for e in events):
+        return math.sqrt(sum(e.count / e.noise_multiplier**2 for e in events))
+    return None
+
+
+def _dp_event(events) -> dp_accounting.DpEvent:
+    parts = []
+    for e in events:
+        if isinstance(e, GaussianEvent):
+            parts.append(
+                dp_accounting.SelfComposedDpEvent(
+                    dp_accounting.GaussianDpEvent(e.noise_multiplier), e.count
+                )
+            )
+        else:
+            inner = dp_accounting.PoissonSampledDpEvent(
+                e.sampling_rate, dp_accounting.GaussianDpEvent(e.noise_multiplier)
+            )
+            parts.append(dp_accounting.SelfComposedDpEvent(inner, e.steps))
+    return parts[0] if len(parts) == 1 else dp_accounting.ComposedDpEvent(parts)
+
+
+class _LibraryAccountant:
+    name = ""
+
+    def supports(self, event) -> bool:
+        """Whether this accountant can measure ``event``."""
+        try:
+            _library_events(event)
+        except (ValueError, TypeError):
+            return False
+        return True
+
+    def _analytic(self, mu: float, delta=None, epsilon=None) -> Measurement:
+        method = f"analytic Gaussian (mu={mu:.6g}; Balle & Wang 2018)"
+        if delta is not None:
+            return Measurement(gaussian_epsilon(mu, delta), delta, self.name, "upper_bound", method)
+        return Measurement(epsilon, gaussian_delta(mu, epsilon), self.name, "upper_bound", method)
+
+
+class PLDAccountant(_LibraryAccountant):
+    """Privacy-loss-distribution accountant (dp-accounting), the default and tightest.
+
+    Args:
+        value_discretization_interval: the PLD grid step of dp-accounting (default 1e-4);
+            coarser is faster and more pessimistic (ε can only grow).
+    """
+
+    name = "pld"
+
+    @property
+    def _vdi(self) -> float:
+        return self.value_discretization_interval
+
+    def __init__(self, value_discretization_interval: float = 1e-4):
+        self.value_discretization_interval = check_real(
+            "value_discretization_interval",
+            value_discretization_interval,
+            low=0.0,
+            low_inclusive=False,
+        )
+
+    def _accountant(self, events):
+        acc = _pld.PLDAccountant(value_discretization_interval=self.value_discretization_interval)
+        acc.compose(_dp_event(events))
+        return acc
+
+    def epsilon(self, event, delta: float) -> Measurement:
+        """ε at ``delta`` (an upper bound: dp-accounting's pessimistic PLD)."""
+        delta = _check_delta(delta)
+        events = _library_events(event)
+        mu = _gaussian_mu(events)
+        if mu is not None:
+            return self._analytic(mu, delta=delta)
+        eps = float(self._accountant(events).get_epsilon(delta))
+        method = f"dp-accounting PLD (value_discretization_interval={self._vdi:g})"
+        return Measurement(max(eps, 0.0), delta, self.name, "upper_bound", method)
+
+    def delta(self, event, epsilon: float) -> Measurement:
+        """δ at ``epsilon`` (an upper bound)."""
+        epsilon = _check_epsilon(epsilon)
+        events = _library_events(event)
+        mu = _gaussian_mu(events)
+        if mu is not None:
+            return self._analytic(mu, epsilon=epsilon)
+        d = float(self._accountant(events).get_delta(epsilon))
+        method = f"dp-accounting PLD (value_discretization_interval={self._vdi:g})"
+        return Measurement(epsilon, min(max(d, 0.0), 1.0), self.name, "upper_bound", method)
+
+
+class RDPAccountant(_LibraryAccountant):
+    """Rényi-DP accountant (dp-accounting): a fast upper bound, looser than PLD."""
+
+    name = "rdp"
+
+    def _accountant(self, events):
+        acc = _rdp.RdpAccountant()
+        acc.compose(_dp_event(events))
+        return acc
+
+    def epsilon(self, event, delta: float) -> Measurement:
+        """ε at ``delta`` from the RDP curve (an upper bound)."""
+        delta = _check_delta(delta)
+        eps = float(self._accountant(_library_events(event)).get_epsilon(delta))
+        return Measurement(max(eps, 0.0), delta, self.name, "upper_bound", "dp-accounting RDP")
+
+    def delta(self, event, epsilon: float) -> Measurement:
+        """δ at ``epsilon`` from the RDP curve (an upper bound)."""
+        epsilon = _check_epsilon(epsilon)
+        d = float(self._accountant(_library_events(event)).get_delta(epsilon))
+        return Measurement(
+            epsilon, min(max(d, 0.0), 1.0), self.name, "upper_bound", "dp-accounting RDP"
+        )
+
+
+class PRVAccountant(_LibraryAccountant):
+    """Privacy-random-variable accountant (prv-accountant); reports its upper bound.
+
+    Args:
+        eps_error: the accountant's ε error (its upper bound adds it), default 0.01.
+        delta_error_ratio: its δ error as a fraction of δ, default 1e-3.
+    """
+
+    name = "prv"
+
+    def __init__(self, eps_error: float = 0.01, delta_error_ratio: float = 1e-3):
+        self.eps_error = check_real("eps_error", eps_error, low=0.0, low_inclusive=False)
+        self.delta_error_ratio = check_real(
+            "delta_error_ratio",
+            delta_error_ratio,
+            low=0.0,
+            high=1.0,
+            low_inclusive=False,
+            high_inclusive=False,
+        )
+
+    def _prvs(self, events):
+        from prv_accountant import GaussianMechanism, PoissonSubsampledGaussianMechanism
+
+        prvs, counts = [], []
+        for e in events:
+            if isinstance(e, GaussianEvent):
+                prvs.append(GaussianMechanism(e.noise_multiplier))
+                counts.append(e.count)
+            else:
+                prvs.append(PoissonSubsampledGaussianMechanism(e.sampling_rate, e.noise_multiplier))
+                counts.append(e.steps)
+        return prvs, counts
+
+    def _accountant(self, events, delta_error: float):
+        from prv_accountant import PRVAccountant as _PRV
+
+        prvs, counts = self._prvs(events)
+        acc = _PRV(
+            prvs, eps_error=self.eps_error, delta_error=delta_error, max_self_compositions=counts
+        )
+        return acc, counts
+
+    def epsilon(self, event, delta: float) -> Measurement:
+        """ε at ``delta``: the upper end of prv-accountant's interval."""
+        delta = _check_delta(delta)
+        events = _library_events(event)
+        acc, counts = self._accountant(events, self.delta_error_ratio * delta)
+        _, _, upper = acc.compute_epsilon(delta, counts)
+        method = f"prv-accountant (eps_error={self.eps_error:g}, upper end)"
+        return Measurement(max(float(upper), 0.0), delta, self.name, "upper_bound", method)
+
+    def delta(self, event, epsilon: float) -> Measurement:
+        """δ at ``epsilon``: the upper end of prv-accountant's interval."""
+        epsilon = _check_epsilon(epsilon)
+        events = _library_events(event)
+        acc, counts = self._accountant(events, 1e-12)
+        _, _, upper = acc.compute_delta(epsilon, counts)
+        method = f"prv-accountant (eps_error={self.eps_error:g}, upper end)"
+        return Measurement(
+            epsilon, min(max(float(upper), 0.0), 1.0), self.name, "upper_bound", method
+        )
