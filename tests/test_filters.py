@@ -401,3 +401,21 @@ def test_state_dict_is_plain_data_and_refuses_another_filter():
     same = DPSGD([p], lr=0.1, filter=Doppler())
     same.load_state_dict(sd)
     assert same.param_groups[0]["filter"] == Doppler()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_filters_on_cuda_match_cpu():
+    for stage in (Doppler(*FILTER_CASES["butter2"]), Disk(0.7, 0.5)):
+        outs = []
+        for device in ("cpu", "cuda"):
+            p = torch.nn.Parameter(torch.ones(8, 6, device=device))
+            opt = DPMuon([p], lr=0.05, filter=stage)
+            for t in range(4):
+                g = torch.randn(8, 6, generator=torch.Generator().manual_seed(t))
+                p.grad = g.to(device)
+                opt.step()
+            state = opt.state[p]["transform"]["0"]
+            tensors = state.get("outputs", []) + [state.get("estimate")]
+            assert all(x.device.type == device for x in tensors if x is not None)
+            outs.append(p.detach().cpu())
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-5)
