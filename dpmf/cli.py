@@ -187,6 +187,116 @@ def _run_colormap(args) -> int:
 _COMMANDS.append((_add_colormap, _run_colormap))
 
 
+# --- train --------------------------------------------------------------------------------
+
+_TRAIN_FLAGS = (
+    # (flag, type, help); defaults are None so that only the flags given override the config
+    ("--dataset", str, "fashion-mnist|cifar10|digits (default fashion-mnist; digits when absent)"),
+    ("--data-dir", str, "folder with the data set's files (must exist when given)"),
+    ("--model", str, "cnn|cnn3|mlp|wrn16-4 (default cnn)"),
+    ("--optimizer", str, "dp-sgd|dp-adam|dp-muon|dp-muon-s|dp-muon-bc (default dp-sgd)"),
+    ("--factorization", str, "strategy, e.g. identity, bisr:16, bsr:8, lr_aware (default identity)"),
+    (
+        "--scheme",
+        str,
+        "poisson|cyclic_poisson|balls_in_bins|epoch_balls_in_bins|fixed_order|single_release",
+    ),
+    ("--epochs", int, "epochs E (the run has E·ceil(N/B) steps)"),
+    ("--batch-size", int, "expected (logical) batch size B"),
+    ("--delta", float, "δ (default 1e-5)"),
+    ("--clip-norm", float, "per-example clip norm ζ (default 1)"),
+    ("--lr", float, "base learning rate η (default per optimizer)"),
+    ("--momentum", float, "heavy-ball momentum of DP-SGD and of DP-Muon's 1-D parameters"),
+    ("--muon-beta", float, "DP-Muon's EMA momentum β of the matrix updates (default 0.95)"),
+    ("--vector-lr", float, "DP-Muon's learning rate of the 1-D parameters (default --lr)"),
+    ("--weight-decay", float, "weight decay (default 0)"),
+    (
+        "--schedule",
+        str,
+        "learning-rate schedule χ: constant|exponential|linear|cosine|polynomial|inverse_power",
+    ),
+    ("--beta", float, "final learning-rate multiplier β in (0, 1]"),
+    ("--gamma", float, "power γ of polynomial/inverse_power"),
+    ("--seed", int, "seed of the weights, batches and noise (keep it secret for a released model)"),
+    ("--device", str, "auto|cpu|cuda (default auto: CUDA when available)"),
+    ("--micro-batch-size", int, "per-example gradients held at once (gradient accumulation)"),
+    ("--accountant", str, "pld|rdp|prv|monte_carlo (default: the scheme's)"),
+    ("--samples", int, "Monte Carlo samples for the balls-in-bins schemes"),
+    ("--eval-batch-size", int, "test batch size"),
+)
+
+
+def _add_train(sub):
+    p = sub.add_parser(
+        "train",
+        help="train a model with DP and correlated noise (metrics CSV, curves PNG, checkpoints)",
+        description="Private training: per-example clipping, correlated noise of a factorization, "
+        "a DP optimizer; the run's (ε, δ) is computed before the first step.",
+    )
+    p.add_argument(
+        "--config", default=None, help="YAML or JSON file of TrainConfig fields; flags override it"
+    )
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--epsilon", type=float, default=None, help="target ε (σ is calibrated)")
+    budget.add_argument("--noise-multiplier", type=float, default=None, help="σ (ε is computed)")
+    for flag, kind, text in _TRAIN_FLAGS:
+        p.add_argument(flag, type=kind, default=None, help=text)
+    p.add_argument(
+        "--no-epsilon-each-epoch", action="store_true", help="account ε only for the whole run"
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return p
+
+
+def _train_config(args):
+    from dpmf.train.config import TrainConfig
+
+    if args.config is not None:
+        try:
+            base = TrainConfig.from_file(args.config)
+        except FileNotFoundError as exc:
+            raise UsageError(str(exc)) from None
+    else:
+        base = TrainConfig()
+    names = ["epsilon", "noise_multiplier"]
+    names += [f.lstrip("-").replace("-", "_") for f, _, _ in _TRAIN_FLAGS]
+    overrides = {k: getattr(args, k) for k in names}
+    if args.no_epsilon_each_epoch:
+        overrides["epsilon_each_epoch"] = False
+    return base.replace(**overrides)
+
+
+def _run_train(args) -> int:
+    config = _train_config(args)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError(f"--threads={args.threads} is invalid: must be >= 1")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from dpmf.train.run import train
+
+    try:
+        train(config, args.out, resume=args.resume, progress=not args.no_progress)
+    except FloatingPointError as exc:  # NaN/inf at a named step; the weights stayed finite
+        print(f"dpmf train: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(
+            f"dpmf train: interrupted; the last completed epoch is in {args.out}/checkpoint.pt "
+            "(continue with --resume)",
+            file=sys.stderr,
+        )
+        return 130
+    return 0
+
+
+_COMMANDS.append((_add_train, _run_train))
+
+
 if __name__ == "__main__":  # pragma: no cover
     raise SystemExit(main())
 

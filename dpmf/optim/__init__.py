@@ -1,4 +1,9 @@
-"""Torch side of dpmf: DP optimizers and their update stages (more modules join here).
+"""Torch side of dpmf: the private gradient (per-example clipping, streaming correlated noise),
+DP optimizers and their update stages.
+
+Private gradient: ``clipped_sum`` (per-example gradients by ``torch.func``, global ℓ2 clipping,
+sum), the noise streams of ``dpmf.optim.noise`` (``noise_for_factorization``) and ``Privatizer``
+(clip → sum → add σ·ζ·sens·(C⁻¹Z)_t → divide by the expected batch size).
 
 Optimizers (post-processing of the privatized gradient): ``DPSGD``, ``DPAdam``, ``DPMuon``,
 ``DPMuonS``, ``DPMuonBC``; parameter routing ``route_parameters``; learning-rate schedules
@@ -8,8 +13,15 @@ evaluation plan for the training loop (``dpmf.optim.lookahead``); Newton–Schul
 orthogonalization and its bias correction.
 """
 
+# The private gradient.
 # Optimizers and their building blocks.
 from dpmf.optim.bias_correction import bias_corrected, newton_schulz_bc, richardson_weights
+from dpmf.optim.clipping import (
+    NonFiniteGradientError,
+    check_per_example_safe,
+    clipped_sum,
+    per_example_gradients,
+)
 from dpmf.optim.filters import (
     FILTERS,
     Disk,
@@ -21,6 +33,15 @@ from dpmf.optim.filters import (
 from dpmf.optim.lookahead import DiskLookahead, EvaluationPoint
 from dpmf.optim.matrix import aspect_factor, check_matrix_parameter, matrix_shape, matrix_view
 from dpmf.optim.newton_schulz import QUINTIC_COEFFICIENTS, newton_schulz
+from dpmf.optim.noise import (
+    BandedSqrtNoise,
+    BLTNoise,
+    CorrelatedNoise,
+    DenseInverseNoise,
+    ToeplitzInverseNoise,
+    identity_noise,
+    noise_for_factorization,
+)
 from dpmf.optim.optimizers import (
     DPSGD,
     MATRIX_RULES,
@@ -39,6 +60,7 @@ from dpmf.optim.optimizers import (
     dp_sgd,
 )
 from dpmf.optim.power_iteration import top_singular_value
+from dpmf.optim.privatize import PrivateStep, Privatizer
 from dpmf.optim.routing import route_parameters, rule_of
 from dpmf.optim.schedules import LearningRateSchedule, lr_scheduler
 from dpmf.optim.transforms import (
@@ -59,6 +81,20 @@ from dpmf.optim.transforms import (
 )
 
 __all__ = [
+    # private gradient
+    "NonFiniteGradientError",
+    "check_per_example_safe",
+    "clipped_sum",
+    "per_example_gradients",
+    "CorrelatedNoise",
+    "ToeplitzInverseNoise",
+    "BandedSqrtNoise",
+    "BLTNoise",
+    "DenseInverseNoise",
+    "identity_noise",
+    "noise_for_factorization",
+    "Privatizer",
+    "PrivateStep",
     # optimizers
     "DPOptimizer",
     "DPSGD",

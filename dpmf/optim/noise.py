@@ -1,0 +1,589 @@
+"""Streaming correlated noise: step t's noise (C⁻¹Z)_t, one step at a time, in torch.
+
+A matrix-factorization mechanism releases C·G + Z with Z ∈ ℝ^{n×d} i.i.d. N(0, 1) entries
+(times σ·ζ·sens, applied by the caller); equivalently step t's gradient receives the noise
+y_t = (C⁻¹Z)_t = Σ_{s≤t} (C⁻¹)_{t,s} z_s. Over the steps, the noise on any one coordinate
+has covariance C⁻¹C⁻ᵀ. The generators here produce y_0, y_1, … on the model's device and
+dtype without ever forming Z, with the state listed below (d = number of noised
+coordinates, p = bands, k = BLT buffers):
+
+=========================  ==========================================  ====================
+generator                  recursion                                   state between steps
+=========================  ==========================================  ====================
+``ToeplitzInverseNoise``   y_t = r_t Σ_{k<p} g_k s_{t−k} z_{t−k}       (p−1)·d ("buffer")
+  (C⁻¹ = diag(r)Toep(g)    — identity (p = 1), banded inverse (BISR,   or 0 ("regenerate":
+  diag(s), p nonzero g)    banded-optimized), full Toeplitz (p = n)    past z from seeds)
+``BandedSqrtNoise``        c_0 u_t = z_t/r_t − Σ_{k=1}^{p−1} c_k u_{t−k},  (p−1)·d
+  (C = diag(r)Toep(c)      y_t = u_t/s_t (forward substitution in
+  diag(s), p bands: BSR)   C·y = z on past *correlated* noises)
+``BLTNoise``               y_t = z_t + Σ_i ω_i S_{i,t},                k·d
+  (C⁻¹ = Toep(1, ω·θ^{j−1}))  S_{i,t+1} = θ_i S_{i,t} + z_t
+``DenseInverseNoise``      y_t = Σ_{s≤t} M_{t,s} z_s, z_s regenerated  0
+  (any lower-triangular M = C⁻¹)
+=========================  ==========================================  ====================
+
+"State" counts the tensor entries a generator holds from one step to the next (besides the
+step counter, the seed and the coefficients, which are O(p) or O(n) numbers independent of d);
+``state_numel()`` measures it from the tensors actually held and ``documented_state_numel``
+states the bound. Each step also uses O(d) working memory (the output and one raw noise).
+Regenerating costs compute instead: O(t·d) random numbers at step t for full Toeplitz and
+dense C⁻¹ (O(n²d) over a run), O(p·d) per step for a banded C⁻¹.
+
+Raw noise: z_t is drawn from a ``torch.Generator`` seeded with a 63-bit integer derived from
+(seed, t) by ``numpy.random.SeedSequence``, so any z_t can be regenerated exactly, the whole
+stream is a function of ``seed`` and the checkpointable state is the step counter plus the
+buffers. Output is in the requested dtype; raw noise, recursions and buffers use that dtype,
+except for float16/bfloat16 models, whose noise is computed in float32 and rounded at the end.
+
+Sources: the streaming forms of banded and BLT strategies — Kalinin & Lampert, "Banded Square
+Root Matrix Factorization for Differentially Private Model Training" (NeurIPS 2024) for BSR;
+Kalinin et al., "Back to Square Roots" (2025) for BISR; Dvijotham, McMahan, Pillutla, Steinke
+and Thakurta, "Efficient and Near-Optimal Noise Generation for Streaming Differential
+Privacy" (FOCS 2024) for buffered linear Toeplitz (BLT) noise; McKenna, "Scaling up the
+Banded Matrix Factorization Mechanism for Differentially Private ML" (2024) for regenerating
+past noise from seeds.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+import torch
+
+from dpmf._validation import check_choice, check_int, check_vector
+
+__all__ = [
+    "NOISE_MODES",
+    "CorrelatedNoise",
+    "ToeplitzInverseNoise",
+    "BandedSqrtNoise",
+    "BLTNoise",
+    "DenseInverseNoise",
+    "identity_noise",
+    "step_seed",
+    "noise_for_factorization",
+]
+
+NOISE_MODES = ("buffer", "regenerate")
+_SEED_MASK = (1 << 63) - 1
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The 63-bit seed of the raw noise z_step of a stream with ``seed`` (SeedSequence mix)."""
+    state = np.random.SeedSequence([int(seed), int(step)]).generate_state(1, dtype=np.uint64)
+    return int(state[0]) & _SEED_MASK
+
+
+class CorrelatedNoise(ABC):
+    """A stream y_0, y_1, … of d-dimensional noise with step covariance C⁻¹C⁻ᵀ (unit scale).
+
+    Subclasses implement ``_next()`` and the state they hold. Use ``next()`` to get the
+    noise of the current step (and advance), ``state_dict()``/``load_state_dict()`` to
+    checkpoint.
+
+    Args:
+        dim: d ≥ 1, the number of noised coordinates (all trainable parameters together).
+        seed: integer seed of the raw noise stream.
+        steps: n, the number of steps the strategy covers; ``next()`` refuses step n+1.
+        device, dtype: where and in which precision the noise is produced.
+    """
+
+    kind = "correlated"
+
+    def __init__(self, dim: int, *, seed: int, steps: int, device=None, dtype=torch.float32):
+        self.dim = check_int("dim", dim, minimum=1)
+        self.seed = check_int("seed", seed, minimum=0)
+        self.steps = check_int("steps", steps, minimum=1)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype={dtype!r} is invalid: must be a floating torch.dtype")
+        self.device = torch.device(device if device is not None else "cpu")
+        self.dtype = dtype
+        # half-precision models get their noise computed (and its state kept) in float32
+        self.work_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        self.step = 0
+        self._gen = torch.Generator(device=self.device)
+
+    # -- raw noise ------------------------------------------------------------------------
+    def raw_noise(self, step: int) -> torch.Tensor:
+        """z_step ~ N(0, I_d), regenerated exactly from (seed, step). Shape (d,)."""
+        self._gen.manual_seed(step_seed(self.seed, step))
+        return torch.randn(self.dim, generator=self._gen, device=self.device, dtype=self.work_dtype)
+
+    # -- streaming ------------------------------------------------------------------------
+    def next(self) -> torch.Tensor:
+        """The noise y_t of the current step t (0-based), shape (d,); then t ← t + 1.
+
+        Raises:
+            RuntimeError: all n steps of the strategy were already used.
+        """
+        if self.step >= self.steps:
+            raise RuntimeError(
+                f"noise stream exhausted: the strategy covers {self.steps} steps and all were used"
+            )
+        y = self._next(self.step)
+        self.step += 1
+        return y if y.dtype == self.dtype else y.to(self.dtype)
+
+    @abstractmethod
+    def _next(self, t: int) -> torch.Tensor: ...
+
+    @abstractmethod
+    def innovation(self, t: int) -> float:
+        """(C⁻¹)_tt: the coefficient of the fresh raw noise z_t in y_t (the part of step t's
+        noise independent of all earlier steps has std |(C⁻¹)_tt|)."""
+
+    # -- state ----------------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def documented_state_numel(self) -> int:
+        """The documented bound on the tensor entries held between steps (see module table)."""
+
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def state_numel(self) -> int:
+        """Tensor entries actually held between steps (measured from the held tensors)."""
+        return sum(int(t.numel()) for t in self._state_tensors().values())
+
+    def state_bytes(self) -> int:
+        """Bytes of the tensors held between steps."""
+        return sum(int(t.numel() * t.element_size()) for t in self._state_tensors().values())
+
+    def fingerprint(self) -> dict:
+        """What must match for a checkpoint to be loaded into this generator."""
+        return {"kind": self.kind, "dim": self.dim, "seed": self.seed, "steps": self.steps}
+
+    def state_dict(self) -> dict:
+        """The step counter, the fingerprint and copies of the buffers (on CPU)."""
+        return {
+            "step": self.step,
+            "fingerprint": self.fingerprint(),
+            "tensors": {k: v.detach().cpu().clone() for k, v in self._state_tensors().items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a ``state_dict()``.
+
+        Raises:
+            ValueError: the checkpoint belongs to a different generator (kind, d, seed, n or
+                coefficients differ).
+        """
+        if state.get("fingerprint") != self.fingerprint():
+            raise ValueError(
+                "noise state is invalid for this generator: checkpoint has "
+                f"{state.get('fingerprint')}, generator is {self.fingerprint()}"
+            )
+        self.step = check_int("step", state["step"], minimum=0, maximum=self.steps)
+        self._load_tensors({k: v.to(self.device, self.work_dtype) for k, v in state["tensors"].items()})
+
+    def _load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        if tensors:
+            raise ValueError(f"noise state is invalid: unexpected tensors {sorted(tensors)}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(dim={self.dim}, steps={self.steps}, step={self.step})"
+
+
+def _scales(row_scale, col_scale, n: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    out = []
+    for name, v in (("row_scale", row_scale), ("col_scale", col_scale)):
+        if v is None:
+            out.append(None)
+        else:
+            v = check_vector(name, v, length=n)
+            if np.any(v == 0):
+                raise ValueError(f"{name} is invalid: entries must be non-zero")
+            out.append(None if np.all(v == 1.0) else v)
+    return out[0], out[1]
+
+
+def _digest(*arrays) -> str:
+    """A short exact fingerprint of float64 arrays (None allowed)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(b"none" if a is None else np.ascontiguousarray(a, dtype=np.float64).tobytes())
+    return h.hexdigest()[:16]
+
+
+class ToeplitzInverseNoise(CorrelatedNoise):
+    """Noise for C⁻¹ = diag(r)·Toep(g)·diag(s) with g banded: y_t = r_t Σ_{k<p} g_k s_{t−k} z_{t−k}.
+
+    Covers the identity (g = [1], plain DP-SGD), the banded inverse strategies (BISR and
+    banded-optimized: p = bands of C⁻¹), and a full Toeplitz C⁻¹ (p = n).
+
+    Args:
+        coeffs: g, the first column of Toep(g) truncated after its last non-zero entry;
+            length p ≤ n, g_0 ≠ 0.
+        row_scale, col_scale: r and s, shape (n,), non-zero; None for ones.
+        mode: ``"buffer"`` keeps the p−1 previous scaled raw noises s·z ((p−1)·d state);
+            ``"regenerate"`` redraws them from their seeds at every step (no state, p× the
+            random-number work).
+        dim, seed, steps, device, dtype: as ``CorrelatedNoise``.
+
+    Raises:
+        ValueError: g empty/non-finite, g_0 = 0, p > n, bad scales, unknown mode.
+    """
+
+    kind = "toeplitz_inverse"
+
+    def __init__(
+        self,
+        coeffs,
+        dim: int,
+        *,
+        seed: int,
+        steps: int,
+        row_scale=None,
+        col_scale=None,
+        mode: str = "buffer",
+        device=None,
+        dtype=torch.float32,
+    ):
+        super().__init__(dim, seed=seed, steps=steps, device=device, dtype=dtype)
+        g = check_vector("coeffs", coeffs)
+        nz = np.flatnonzero(g)
+        if g[0] == 0:
+            raise ValueError("coeffs is invalid: coeffs[0] must be non-zero (invertible C)")
+        g = g[: int(nz[-1]) + 1]
+        if g.shape[0] > self.steps:
+            raise ValueError(f"coeffs is invalid: {g.shape[0]} bands exceed steps={self.steps}")
+        self.coeffs = g
+        self.bands = int(g.shape[0])
+        self.row_scale, self.col_scale = _scales(row_scale, col_scale, self.steps)
+        self.mode = check_choice("mode", mode, NOISE_MODES)
+        # ring buffer of the last p−1 scaled raw noises s_u·z_u (row u mod (p−1))
+        self._buffer = (
+            torch.zeros(self.bands - 1, self.dim, device=self.device, dtype=self.work_dtype)
+            if self.mode == "buffer" and self.bands > 1
+            else None
+        )
+
+    @property
+    def documented_state_numel(self) -> int:
+        return (self.bands - 1) * self.dim if self.mode == "buffer" else 0
+
+    def fingerprint(self) -> dict:
+        return {
+            **super().fingerprint(),
+            "mode": self.mode,
+            "coeffs": _digest(self.coeffs, self.row_scale, self.col_scale),
+        }
+
+    def innovation(self, t: int) -> float:
+        r = 1.0 if self.row_scale is None else float(self.row_scale[t])
+        c = 1.0 if self.col_scale is None else float(self.col_scale[t])
+        return float(self.coeffs[0]) * r * c
+
+    def _scaled_raw(self, u: int) -> torch.Tensor:
+        z = self.raw_noise(u)
+        return z if self.col_scale is None else z * float(self.col_scale[u])
+
+    def _next(self, t: int) -> torch.Tensor:
+        w_t = self._scaled_raw(t)
+        y = w_t * float(self.coeffs[0])
+        for k in range(1, min(self.bands, t + 1)):
+            if self.coeffs[k] == 0.0:
+                continue
+            u = t - k
+            w_u = self._buffer[u % (self.bands - 1)] if self._buffer is not None else self._scaled_raw(u)
+            y.add_(w_u, alpha=float(self.coeffs[k]))
+        if self._buffer is not None:
+            self._buffer[t % (self.bands - 1)].copy_(w_t)
+        if self.row_scale is not None:
+            y.mul_(float(self.row_scale[t]))
+        return y
+
+    def _state_tensors(self):
+        return {} if self._buffer is None else {"buffer": self._buffer}
+
+    def _load_tensors(self, tensors):
+        if self._buffer is None:
+            super()._load_tensors(tensors)
+        else:
+            self._buffer.copy_(tensors["buffer"])
+
+
+def identity_noise(dim: int, *, seed: int, steps: int, device=None, dtype=torch.float32):
+    """Independent noise y_t = z_t (C = I, plain DP-SGD): a ``ToeplitzInverseNoise`` with g = [1].
+
+    State between steps: none.
+    """
+    return ToeplitzInverseNoise([1.0], dim, seed=seed, steps=steps, device=device, dtype=dtype)
+
+
+class BandedSqrtNoise(CorrelatedNoise):
+    """Noise y = C⁻¹z for a banded C = diag(r)·Toep(c)·diag(s) (BSR), by forward substitution.
+
+    Row t of C·y = z reads r_t Σ_{k<p} c_k s_{t−k} y_{t−k} = z_t; with u = s·y,
+    c_0 u_t = z_t / r_t − Σ_{k=1}^{p−1} c_k u_{t−k} and y_t = u_t / s_t. The recursion runs on
+    past *correlated* noises u, so it holds (p−1)·d numbers and never regenerates.
+
+    Args:
+        coeffs: c, the first column of the banded Toeplitz factor, length p ≤ n, c_0 ≠ 0
+            (trailing zeros are dropped).
+        row_scale, col_scale: r and s of C, shape (n,), non-zero; None for ones.
+        dim, seed, steps, device, dtype: as ``CorrelatedNoise``.
+
+    Raises:
+        ValueError: as ``ToeplitzInverseNoise``.
+    """
+
+    kind = "banded_sqrt"
+
+    def __init__(
+        self,
+        coeffs,
+        dim: int,
+        *,
+        seed: int,
+        steps: int,
+        row_scale=None,
+        col_scale=None,
+        device=None,
+        dtype=torch.float32,
+    ):
+        super().__init__(dim, seed=seed, steps=steps, device=device, dtype=dtype)
+        c = check_vector("coeffs", coeffs)
+        if c[0] == 0:
+            raise ValueError("coeffs is invalid: coeffs[0] must be non-zero (invertible C)")
+        nz = np.flatnonzero(c)
+        c = c[: int(nz[-1]) + 1]
+        if c.shape[0] > self.steps:
+            raise ValueError(f"coeffs is invalid: {c.shape[0]} bands exceed steps={self.steps}")
+        self.coeffs = c
+        self.bands = int(c.shape[0])
+        self.row_scale, self.col_scale = _scales(row_scale, col_scale, self.steps)
+        self._past = (
+            torch.zeros(self.bands - 1, self.dim, device=self.device, dtype=self.work_dtype)
+            if self.bands > 1
+            else None
+        )
+
+    @property
+    def documented_state_numel(self) -> int:
+        return (self.bands - 1) * self.dim
+
+    def fingerprint(self) -> dict:
+        return {**super().fingerprint(), "coeffs": _digest(self.coeffs, self.row_scale, self.col_scale)}
+
+    def innovation(self, t: int) -> float:
+        r = 1.0 if self.row_scale is None else float(self.row_scale[t])
+        c = 1.0 if self.col_scale is None else float(self.col_scale[t])
+        return 1.0 / (float(self.coeffs[0]) * r * c)
+
+    def _next(self, t: int) -> torch.Tensor:
+        u = self.raw_noise(t)
+        if self.row_scale is not None:
+            u.div_(float(self.row_scale[t]))
+        for k in range(1, min(self.bands, t + 1)):
+            if self.coeffs[k] != 0.0:
+                u.add_(self._past[(t - k) % (self.bands - 1)], alpha=-float(self.coeffs[k]))
+        u.div_(float(self.coeffs[0]))
+        if self._past is not None:
+            self._past[t % (self.bands - 1)].copy_(u)
+        return u if self.col_scale is None else u / float(self.col_scale[t])
+
+    def _state_tensors(self):
+        return {} if self._past is None else {"past": self._past}
+
+    def _load_tensors(self, tensors):
+        if self._past is None:
+            super()._load_tensors(tensors)
+        else:
+            self._past.copy_(tensors["past"])
+
+
+class BLTNoise(CorrelatedNoise):
+    """Noise for a buffered linear Toeplitz C⁻¹ = Toep(g), g_0 = 1, g_j = Σ_i ω_i θ_i^{j−1} (j ≥ 1).
+
+    Streaming form with k buffers S_i (all zero at t = 0):
+    y_t = z_t + Σ_i ω_i S_{i,t},  S_{i,t+1} = θ_i S_{i,t} + z_t.
+    Unrolled, y_t = z_t + Σ_{j≥1} (Σ_i ω_i θ_i^{j−1}) z_{t−j}, the Toeplitz form above. Optional
+    row and column scales give diag(r)·Toep(g)·diag(s) (the buffers then accumulate s·z).
+
+    Args:
+        omega: ω, shape (k,), the output weights.
+        theta: θ, shape (k,), the buffer decays.
+        row_scale, col_scale: shape (n,), non-zero; None for ones.
+        dim, seed, steps, device, dtype: as ``CorrelatedNoise``.
+
+    Raises:
+        ValueError: ω and θ empty, non-finite or of different lengths; bad scales.
+    """
+
+    kind = "blt"
+
+    def __init__(
+        self,
+        omega,
+        theta,
+        dim: int,
+        *,
+        seed: int,
+        steps: int,
+        row_scale=None,
+        col_scale=None,
+        device=None,
+        dtype=torch.float32,
+    ):
+        super().__init__(dim, seed=seed, steps=steps, device=device, dtype=dtype)
+        self.omega = check_vector("omega", omega)
+        self.theta = check_vector("theta", theta, length=self.omega.shape[0])
+        self.buffers = int(self.omega.shape[0])
+        self.row_scale, self.col_scale = _scales(row_scale, col_scale, self.steps)
+        self._state = torch.zeros(self.buffers, self.dim, device=self.device, dtype=self.work_dtype)
+        self._omega = torch.as_tensor(self.omega, device=self.device, dtype=self.work_dtype)
+        self._theta = torch.as_tensor(self.theta, device=self.device, dtype=self.work_dtype)
+
+    @property
+    def documented_state_numel(self) -> int:
+        return self.buffers * self.dim
+
+    def fingerprint(self) -> dict:
+        return {
+            **super().fingerprint(),
+            "coeffs": _digest(self.omega, self.theta, self.row_scale, self.col_scale),
+        }
+
+    def innovation(self, t: int) -> float:
+        r = 1.0 if self.row_scale is None else float(self.row_scale[t])
+        c = 1.0 if self.col_scale is None else float(self.col_scale[t])
+        return r * c
+
+    def _next(self, t: int) -> torch.Tensor:
+        w = self.raw_noise(t)
+        if self.col_scale is not None:
+            w.mul_(float(self.col_scale[t]))
+        y = w + self._omega @ self._state
+        self._state.mul_(self._theta[:, None]).add_(w)
+        if self.row_scale is not None:
+            y.mul_(float(self.row_scale[t]))
+        return y
+
+    def _state_tensors(self):
+        return {"buffers": self._state}
+
+    def _load_tensors(self, tensors):
+        self._state.copy_(tensors["buffers"])
+
+
+class DenseInverseNoise(CorrelatedNoise):
+    """Noise for any lower-triangular C⁻¹ = M: y_t = Σ_{s≤t} M_{t,s} z_s, past z regenerated.
+
+    For strategies without Toeplitz structure (the square root of A_χ, optimized dense
+    strategies). No state between steps; step t draws the t+1 raw noises again (O(t·d) work).
+    M itself is held on the host (O(n²) float64, independent of d).
+
+    Args:
+        matrix: M, shape (n, n), lower-triangular.
+        dim, seed, device, dtype: as ``CorrelatedNoise``; steps = n.
+
+    Raises:
+        ValueError: M not square, not lower-triangular, or non-finite.
+    """
+
+    kind = "dense_inverse"
+
+    def __init__(self, matrix, dim: int, *, seed: int, device=None, dtype=torch.float32):
+        m = np.asarray(matrix, dtype=np.float64)
+        if m.ndim != 2 or m.shape[0] != m.shape[1] or m.shape[0] < 1:
+            raise ValueError(f"matrix is invalid: must be square n×n, got shape {m.shape}")
+        if not np.all(np.isfinite(m)):
+            raise ValueError("matrix is invalid: contains NaN or infinite entries")
+        if np.any(np.triu(m, 1) != 0):
+            raise ValueError("matrix is invalid: must be lower-triangular")
+        super().__init__(dim, seed=seed, steps=m.shape[0], device=device, dtype=dtype)
+        self.matrix = m
+
+    @property
+    def documented_state_numel(self) -> int:
+        return 0
+
+    def fingerprint(self) -> dict:
+        return {**super().fingerprint(), "coeffs": _digest(self.matrix)}
+
+    def innovation(self, t: int) -> float:
+        return float(self.matrix[t, t])
+
+    def _next(self, t: int) -> torch.Tensor:
+        row = self.matrix[t]
+        y = self.raw_noise(t).mul_(float(row[t]))
+        for s in np.flatnonzero(row[:t]):
+            y.add_(self.raw_noise(int(s)), alpha=float(row[s]))
+        return y
+
+
+def noise_for_factorization(
+    factorization,
+    dim: int,
+    *,
+    seed: int,
+    device=None,
+    dtype=torch.float32,
+    mode: str | None = None,
+) -> CorrelatedNoise:
+    """The cheapest streaming generator of (C⁻¹Z)_t for a ``Factorization``.
+
+    Choice, by the structure of C and C⁻¹ (p(M) = number of non-zero diagonals):
+
+    * C⁻¹ = diag(r)·Toep(g)·diag(s) with p(C⁻¹) ≤ p(C) (identity, BISR, banded-optimized,
+      ``output`` of the prefix sum): ``ToeplitzInverseNoise`` with p(C⁻¹) bands;
+    * otherwise C = diag(r)·Toep(c)·diag(s) banded (p(C) < n: BSR): ``BandedSqrtNoise``;
+    * a full Toeplitz C⁻¹ (square root of the prefix sum, learning-rate aware):
+      ``ToeplitzInverseNoise`` in regenerate mode (O(d) memory, O(t·d) work at step t);
+    * a dense C⁻¹: ``DenseInverseNoise``.
+
+    Args:
+        factorization: a ``dpmf.mechanisms.Factorization`` (n steps).
+        dim: d, the number of noised coordinates.
+        seed: seed of the raw noise stream.
+        device, dtype: of the produced noise (the model's).
+        mode: ``"buffer"`` or ``"regenerate"`` for ``ToeplitzInverseNoise``; None picks
+            buffer for a banded C⁻¹ (p < n) and regenerate for a full one.
+
+    Returns:
+        a ``CorrelatedNoise`` covering n = ``factorization.n`` steps.
+
+    Raises:
+        TypeError: not a factorization with structured ``C`` and ``C_inverse``.
+        ValueError: unknown mode.
+    """
+    from dpmf.mechanisms.structured import DenseLowerTriangular, ScaledToeplitz
+
+    C = getattr(factorization, "C", None)
+    Ci = getattr(factorization, "C_inverse", None)
+    if Ci is None or C is None:
+        raise TypeError(
+            f"factorization={factorization!r} is invalid: must have C and C_inverse "
+            "(a dpmf.mechanisms.Factorization)"
+        )
+    if mode is not None:
+        check_choice("mode", mode, NOISE_MODES)
+    n = int(Ci.n)
+    common = {"seed": seed, "device": device, "dtype": dtype}
+    if isinstance(Ci, ScaledToeplitz):
+        p_inv = Ci.bandwidth
+        p_c = C.bandwidth if isinstance(C, ScaledToeplitz) else n
+        if p_inv <= p_c or p_c >= n:
+            chosen = mode or ("buffer" if p_inv < n else "regenerate")
+            return ToeplitzInverseNoise(
+                Ci.coeffs[:p_inv],
+                dim,
+                steps=n,
+                row_scale=Ci.row_scale,
+                col_scale=Ci.col_scale,
+                mode=chosen,
+                **common,
+            )
+        return BandedSqrtNoise(
+            C.coeffs[:p_c], dim, steps=n, row_scale=C.row_scale, col_scale=C.col_scale, **common
+        )
+    if isinstance(Ci, DenseLowerTriangular):
+        return DenseInverseNoise(Ci.dense(), dim, **common)
+    raise TypeError(
+        f"factorization.C_inverse={type(Ci).__name__} is not supported: expected ScaledToeplitz "
+        "or DenseLowerTriangular"
+    )

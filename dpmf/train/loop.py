@@ -1,0 +1,334 @@
+"""The private training loop: sample → privatize → optimizer step, with epochs, metrics and
+atomic checkpoints that resume bit-for-bit.
+
+Each step t (0-based, T = epochs·steps_per_epoch in all):
+
+1. the sampler gives the step's example indices (possibly none);
+2. the learning rate of every parameter group is set to its base rate η_g times χ_t;
+3. the ``Privatizer`` writes g̃_t = (Σ clip_ζ(g_i) + σζ·sens·(C⁻¹Z)_t)/B̄ into ``p.grad``;
+4. the optimizer steps (post-processing); if a weight became NaN/inf the step is undone and
+   an error names it.
+
+After every epoch: test loss and accuracy, ε spent so far, one CSV row, the PNG of the curves,
+and a checkpoint (model, optimizer, sampler, noise stream, global RNG states, metrics)
+written atomically. ``resume=True`` continues from it and reaches the same final weights as an
+uninterrupted run (everything random is either checkpointed or a function of (seed, step)).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpmf._validation import check_int, check_real, check_vector
+from dpmf.optim.clipping import trainable_parameters
+from dpmf.optim.privatize import Privatizer
+from dpmf.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from dpmf.train.data import Dataset
+from dpmf.train.metrics import plot_training_curves, write_metrics_csv
+from dpmf.train.samplers import BatchSampler
+
+__all__ = ["CHECKPOINT", "METRICS", "CURVES", "Trainer", "TrainOutcome", "evaluate", "NonFiniteWeightsError"]
+
+CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.csv"
+CURVES = "curves.png"
+_FORMAT = 1
+
+
+class NonFiniteWeightsError(FloatingPointError):
+    """An optimizer step produced NaN/inf weights; the step was undone."""
+
+
+@dataclass
+class TrainOutcome:
+    """What a finished (or resumed-and-finished) run returns.
+
+    Attributes:
+        metrics: one dict per epoch (``METRIC_COLUMNS``).
+        steps: steps taken (= the accountant's steps).
+        empty_batches: how many of them had no example (noise-only updates).
+        resumed_from_epoch: 0 for a fresh run, else the epoch of the checkpoint used.
+    """
+
+    metrics: list[dict] = field(default_factory=list)
+    steps: int = 0
+    empty_batches: int = 0
+    resumed_from_epoch: int = 0
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, batch_size: int, device
+) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy of ``model`` on (x, y), in eval mode, no gradients.
+
+    Returns:
+        (loss, accuracy), accuracy in [0, 1].
+    """
+    was_training = model.training
+    model.eval()
+    total_loss, correct = 0.0, 0
+    for start in range(0, x.shape[0], batch_size):
+        xb = x[start : start + batch_size].to(device)
+        yb = y[start : start + batch_size].to(device)
+        out = model(xb)
+        total_loss += float(F.cross_entropy(out.float(), yb, reduction="sum"))
+        correct += int((out.argmax(1) == yb).sum())
+    model.train(was_training)
+    n = max(int(x.shape[0]), 1)
+    return total_loss / n, correct / n
+
+
+class Trainer:
+    """Runs the private loop over prepared parts (``dpmf.train.run.train`` builds them from a
+    ``TrainConfig``).
+
+    Args:
+        model: on ``device``.
+        data: the in-memory ``Dataset`` (CPU tensors; batches are moved to ``device``).
+        sampler: the batch sampler, covering ``epochs·steps_per_epoch`` steps.
+        privatizer: clip → sum → noise → divide; its noise stream covers the same steps.
+        optimizer: any ``torch.optim.Optimizer`` over the trainable parameters, freshly built:
+            each group's ``lr`` is taken as its base rate η_g. If it has ``set_noise_std``
+            (DP-MuonBC), it is given the step's fresh-noise std before every step.
+        lr_multipliers: χ, shape (T,), step t uses η_g·χ_t in group g.
+        epochs: E ≥ 1.
+        out_dir: folder for the checkpoint, metrics CSV and curves PNG.
+        device: torch device of the model.
+        run_identity: a dict that must match for a checkpoint to be resumed (the config).
+        epsilon_at: ``epsilon_at(steps)`` → ε spent after that many steps (None: not reported
+            per epoch; the final ε is ``final_epsilon``).
+        final_epsilon: the run's ε, computed before training.
+        delta: δ.
+        eval_batch_size: test batch size.
+        progress: show a tqdm bar on stderr.
+
+    Raises:
+        ValueError: inconsistent step counts or out-of-range numbers.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        data: Dataset,
+        sampler: BatchSampler,
+        privatizer: Privatizer,
+        optimizer: torch.optim.Optimizer,
+        lr_multipliers,
+        epochs: int,
+        out_dir: str,
+        device,
+        run_identity: dict,
+        epsilon_at: Callable[[int], float] | None = None,
+        final_epsilon: float | None = None,
+        delta: float | None = None,
+        eval_batch_size: int = 1024,
+        progress: bool = True,
+        title: str = "",
+    ):
+        self.model = model
+        self.data = data
+        self.sampler = sampler
+        self.privatizer = privatizer
+        self.optimizer = optimizer
+        self.base_lrs = [
+            check_real("lr", g["lr"], low=0.0, low_inclusive=False) for g in optimizer.param_groups
+        ]
+        self.epochs = check_int("epochs", epochs, minimum=1)
+        self.total_steps = self.epochs * sampler.steps_per_epoch
+        self.lr_multipliers = check_vector(
+            "lr_multipliers", lr_multipliers, length=self.total_steps, positive=True
+        )
+        if sampler.steps != self.total_steps:
+            raise ValueError(
+                f"sampler.steps={sampler.steps} is invalid: the run has {self.total_steps} steps"
+            )
+        if privatizer.noise.steps < self.total_steps:
+            raise ValueError(
+                f"noise stream covers {privatizer.noise.steps} steps: the run has {self.total_steps}"
+            )
+        self.out_dir = out_dir
+        self.device = torch.device(device)
+        self.run_identity = dict(run_identity)
+        self.epsilon_at = epsilon_at
+        self.final_epsilon = final_epsilon
+        self.delta = delta
+        self.eval_batch_size = check_int("eval_batch_size", eval_batch_size, minimum=1)
+        self.progress = bool(progress)
+        self.title = title
+        self.outcome = TrainOutcome()
+
+    # -- paths ------------------------------------------------------------------------------
+    @property
+    def checkpoint_path(self) -> str:
+        return os.path.join(self.out_dir, CHECKPOINT)
+
+    # -- checkpoint -------------------------------------------------------------------------
+    def _state(self, epoch: int) -> dict:
+        return {
+            "format": _FORMAT,
+            "run_identity": self.run_identity,
+            "epoch": epoch,
+            "step": self.sampler.step,
+            "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "noise": self.privatizer.noise.state_dict(),
+            "rng": rng_state(),
+            "metrics": list(self.outcome.metrics),
+            "empty_batches": self.outcome.empty_batches,
+        }
+
+    def _restore(self, state: dict) -> int:
+        if state.get("format") != _FORMAT:
+            raise ValueError(
+                f"checkpoint format {state.get('format')!r} is not supported (expected {_FORMAT})"
+            )
+        theirs = state.get("run_identity", {})
+        diff = sorted(
+            k for k in set(theirs) | set(self.run_identity) if theirs.get(k) != self.run_identity.get(k)
+        )
+        if diff:
+            detail = ", ".join(f"{k}: {theirs.get(k)!r} → {self.run_identity.get(k)!r}" for k in diff)
+            raise ValueError(f"checkpoint {self.checkpoint_path!r} belongs to another run ({detail})")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.privatizer.noise.load_state_dict(state["noise"])
+        set_rng_state(state["rng"])
+        if self.sampler.step != self.privatizer.noise.step or self.sampler.step != state["step"]:
+            raise ValueError("checkpoint is inconsistent: sampler and noise stream are at different steps")
+        self.outcome.metrics = list(state["metrics"])
+        self.outcome.empty_batches = int(state["empty_batches"])
+        return int(state["epoch"])
+
+    # -- one step -----------------------------------------------------------------------------
+    def _step(self, t: int) -> int:
+        idx = self.sampler.next()
+        ids = torch.from_numpy(idx)
+        x = self.data.train_x[ids].to(self.device, non_blocking=True)
+        y = self.data.train_y[ids].to(self.device, non_blocking=True)
+        chi = float(self.lr_multipliers[t])
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+            group["lr"] = base * chi
+        lr = self.base_lrs[0] * chi
+        info = self.privatizer.privatize(x, y, example_ids=ids)
+        if hasattr(self.optimizer, "set_noise_std"):
+            self.optimizer.set_noise_std(info.fresh_noise_std)
+        params = [p for _, p in trainable_parameters(self.model)]
+        before = [p.detach().clone() for p in params]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if not all(bool(torch.isfinite(p).all()) for p in params):
+            with torch.no_grad():
+                for p, b in zip(params, before, strict=True):
+                    p.copy_(b)
+            raise NonFiniteWeightsError(
+                f"the optimizer step at step {t} (epoch {t // self.sampler.steps_per_epoch + 1}) made "
+                f"weights NaN/inf (lr={lr:g}); the step was undone. Lower the learning rate."
+            )
+        return int(idx.shape[0])
+
+    # -- the run ------------------------------------------------------------------------------
+    def run(
+        self,
+        *,
+        resume: bool = False,
+        on_epoch_end: Sequence[Callable[[int, dict], None]] = (),
+    ) -> TrainOutcome:
+        """Train for the remaining epochs.
+
+        Args:
+            resume: continue from ``out_dir/checkpoint.pt`` if it exists (a fresh start
+                otherwise). Without it, an existing checkpoint is refused.
+            on_epoch_end: callables ``f(epoch, row)`` run after each epoch's checkpoint.
+
+        Returns:
+            ``TrainOutcome``.
+
+        Raises:
+            ValueError: a checkpoint exists and ``resume`` is False, or it belongs to another run.
+            NonFiniteGradientError, NonFiniteWeightsError: numerical failure at a named step.
+        """
+        from tqdm.auto import tqdm
+
+        os.makedirs(self.out_dir, exist_ok=True)
+        start_epoch = 0
+        if os.path.exists(self.checkpoint_path):
+            if not resume:
+                raise ValueError(
+                    f"out_dir={self.out_dir!r} is invalid: it holds a checkpoint of an earlier run; "
+                    "pass --resume to continue it or choose another --out"
+                )
+            start_epoch = self._restore(load_checkpoint(self.checkpoint_path))
+            self.outcome.resumed_from_epoch = start_epoch
+        self.model.train()
+        spe = self.sampler.steps_per_epoch
+        bar = tqdm(
+            total=self.total_steps,
+            initial=start_epoch * spe,
+            disable=not self.progress,
+            file=sys.stderr,
+            unit="step",
+            dynamic_ncols=True,
+        )
+        try:
+            for epoch in range(start_epoch, self.epochs):
+                began = time.perf_counter()
+                for t in range(epoch * spe, (epoch + 1) * spe):
+                    if self._step(t) == 0:
+                        self.outcome.empty_batches += 1
+                    bar.update(1)
+                row = self._end_epoch(epoch + 1, time.perf_counter() - began)
+                bar.set_postfix(acc=f"{row['test_accuracy']:.4f}", eps=_fmt_eps(row["epsilon"]))
+                for callback in on_epoch_end:
+                    callback(epoch + 1, row)
+        finally:
+            bar.close()
+        self.outcome.steps = self.sampler.step
+        return self.outcome
+
+    def _end_epoch(self, epoch: int, seconds: float) -> dict:
+        loss, acc = evaluate(
+            self.model,
+            self.data.test_x,
+            self.data.test_y,
+            batch_size=self.eval_batch_size,
+            device=self.device,
+        )
+        steps = self.sampler.step
+        if steps == self.total_steps and self.final_epsilon is not None:
+            eps = self.final_epsilon
+        elif self.epsilon_at is not None:
+            eps = float(self.epsilon_at(steps))
+        else:
+            eps = None
+        row = {
+            "epoch": epoch,
+            "step": steps,
+            "test_loss": loss,
+            "test_accuracy": acc,
+            "epsilon": eps,
+            "delta": self.delta,
+            "lr": self.base_lrs[0] * float(self.lr_multipliers[steps - 1]),
+            "empty_batches": self.outcome.empty_batches,
+            "seconds": round(seconds, 3),
+        }
+        self.outcome.metrics.append(row)
+        write_metrics_csv(os.path.join(self.out_dir, METRICS), self.outcome.metrics)
+        plot_training_curves(os.path.join(self.out_dir, CURVES), self.outcome.metrics, title=self.title)
+        save_checkpoint(self.checkpoint_path, self._state(epoch))
+        return row
+
+
+def _fmt_eps(eps) -> str:
+    return "-" if eps is None else f"{eps:.3g}"
