@@ -104,7 +104,7 @@ def _read_complete(path: str, config) -> dict | None:
         return None
     with open(path) as f:
         done = json.load(f)
-    if done.get("status") != "complete" or done.get("config") != config.to_dict():
+    if done.get("status") != "complete" or done.get("config") != json.loads(json.dumps(config.to_dict())):
         return None
     return done
 
