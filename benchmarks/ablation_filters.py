@@ -4,10 +4,16 @@ DiSK-Muon and DOPPLER-Muon at one ε over several batch sizes and seeds.
 The experiment of the DP-Muon paper's ablation ("Spectral Gradient Orthogonalization Improves
 Differentially Private Training at Scale", Ablation Study), at the scale of a CPU: Fashion-MNIST,
 the small CNN, a few epochs. Every method uses the same private gradient (Poisson sampling,
-clipping ζ, σ calibrated to the target ε for each batch size); a filter is added **in front of**
-the optimizer with unchanged hyperparameters (DiSK-SGD = DiSK → DP-SGD with its momentum,
-DOPPLER-Muon = DOPPLER → DP-Muon's EMA momentum → Newton–Schulz). Filters are post-processing,
-so ε is the same with and without them (the table shows it).
+clipping ζ, σ calibrated to the target ε for each batch size) and the training stack's default
+hyperparameters. Filters are post-processing, so ε is the same with and without them (the
+table shows it). Two ways to compose a filter with an optimizer (``--composition``):
+
+- ``replace`` (default): the filter is the temporal smoothing and takes the place of the
+  optimizer's momentum — DiSK-SGD = DiSK → SGD without momentum, DiSK-Muon = DiSK →
+  Newton–Schulz (EMA β = 0). The filters have DC gain 1 where heavy-ball momentum μ has
+  1/(1−μ), so the SGD step (and DP-Muon's 1-D parameters' step) is multiplied by 1/(1−μ):
+  the same step per unit of constant gradient as the baseline. Newton–Schulz is scale-free.
+- ``stack``: the filter is put in front of the unchanged optimizer (its momentum kept).
 
 Usage (the defaults fit in under an hour on two CPU cores):
 
@@ -44,6 +50,8 @@ METHODS = {
     "DOPPLER-Muon": {"optimizer": "dp-muon", "filter": "doppler"},
 }
 
+COMPOSITIONS = ("replace", "stack")
+
 #: Settings shared by every run unless overridden.
 BASE = {
     "dataset": "fashion-mnist",
@@ -64,21 +72,45 @@ def run_name(method: str, batch_size: int, seed: int) -> str:
     return f"{method.lower()}_b{batch_size}_s{seed}"
 
 
+def method_settings(method: str, composition: str = "replace") -> dict:
+    """The ``TrainConfig`` fields of ``method`` under ``composition`` (module docstring).
+
+    Raises:
+        ValueError: an unknown method or composition.
+    """
+    from dpmf.train.config import DEFAULT_LR, TrainConfig
+
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is invalid: must be one of {', '.join(METHODS)}")
+    if composition not in COMPOSITIONS:
+        raise ValueError(f"composition={composition!r} is invalid: must be one of "
+                         f"{', '.join(COMPOSITIONS)}")
+    settings = dict(METHODS[method])
+    if settings["filter"] == "none" or composition == "stack":
+        return settings
+    gain = 1.0 / (1.0 - TrainConfig.momentum)  # DC gain of the baseline's heavy-ball momentum
+    if settings["optimizer"] == "dp-sgd":
+        settings.update(momentum=0.0, lr=round(DEFAULT_LR["dp-sgd"] * gain, 12))
+    else:
+        settings.update(muon_beta=0.0, momentum=0.0,
+                        vector_lr=round(DEFAULT_LR[settings["optimizer"]] * gain, 12))
+    return settings
+
+
 def run_one(method: str, batch_size: int, seed: int, out_dir: str, *, epsilon: float,
-            epochs: int, overrides: dict | None = None, log=print) -> dict:
+            epochs: int, overrides: dict | None = None, composition: str = "replace",
+            log=print) -> dict:
     """Train one method at one batch size and seed; return its table row.
 
     A run whose ``results.json`` in ``out_dir`` is complete is read back instead of retrained.
 
     Raises:
-        ValueError: an unknown method, or an invalid setting (from ``TrainConfig``).
+        ValueError: an unknown method or composition, or an invalid setting (``TrainConfig``).
     """
     from dpmf.train.config import TrainConfig
     from dpmf.train.run import RESULTS, train
 
-    if method not in METHODS:
-        raise ValueError(f"method={method!r} is invalid: must be one of {', '.join(METHODS)}")
-    settings = dict(BASE, **(overrides or {}), **METHODS[method])
+    settings = dict(BASE, **(overrides or {}), **method_settings(method, composition))
     config = TrainConfig.from_dict(dict(settings, batch_size=batch_size, seed=seed,
                                         epsilon=epsilon, epochs=epochs))
     results_path = os.path.join(out_dir, RESULTS)
@@ -111,7 +143,8 @@ def _read_complete(path: str, config) -> dict | None:
 
 def run_ablation(out_dir: str, *, methods=tuple(METHODS), batch_sizes=(256, 1024, 4096),
                  seeds=(0, 1, 2), epsilon: float = 4.0, epochs: int = 2,
-                 overrides: dict | None = None, log=print) -> list[dict]:
+                 overrides: dict | None = None, composition: str = "replace",
+                 log=print) -> list[dict]:
     """Every method × batch size × seed (seeds innermost), one after another.
 
     Returns:
@@ -123,7 +156,8 @@ def run_ablation(out_dir: str, *, methods=tuple(METHODS), batch_sizes=(256, 1024
             for seed in seeds:
                 run_dir = os.path.join(out_dir, "runs", run_name(method, batch_size, seed))
                 rows.append(run_one(method, batch_size, seed, run_dir, epsilon=epsilon,
-                                    epochs=epochs, overrides=overrides, log=log))
+                                    epochs=epochs, overrides=overrides,
+                                    composition=composition, log=log))
                 write_csv(os.path.join(out_dir, "ablation.csv"), rows, ROW_FIELDS)
     return rows
 
@@ -238,6 +272,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="cnn")
     p.add_argument("--dataset", default="fashion-mnist")
     p.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist")
+    p.add_argument("--composition", choices=COMPOSITIONS, default="replace",
+                   help="replace: the filter takes the momentum's place; stack: in front of it")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     args = p.parse_args(argv)
     methods = tuple(m.strip() for m in args.methods.split(","))
@@ -256,9 +292,10 @@ def main(argv=None) -> int:
     overrides = {"model": args.model, "dataset": args.dataset, "data_dir": args.data_dir}
     began = time.perf_counter()
     rows = run_ablation(args.out, methods=methods, batch_sizes=args.batch_sizes, seeds=args.seeds,
-                        epsilon=args.epsilon, epochs=args.epochs, overrides=overrides)
+                        epsilon=args.epsilon, epochs=args.epochs, overrides=overrides,
+                        composition=args.composition)
     write_outputs(args.out, rows, title=f"{args.dataset}, {args.model}, ε = {args.epsilon:g}, "
-                                        f"{args.epochs} epochs")
+                                        f"{args.epochs} epochs, filters {args.composition}")
     print(markdown_table(summarize(rows)))
     print(f"total {time.perf_counter() - began:.0f} s; wrote {args.out}/ablation.{{csv,md,png}}")
     return 0

@@ -7,7 +7,7 @@ linear in their current input and declare the coefficient (``fresh_gain``), so D
 bias correction still knows the std of the fresh noise after them.
 
 DOPPLER (Zhang, Bu, Hong, Razaviyayn, "DOPPLER: Differentially Private Optimizers with
-Low-pass Filter for Privacy Noise Reduction", NeurIPS 2024, Sec. 4): a linear IIR low-pass
+Low-pass Filter for Privacy Noise Reduction", NeurIPS 2024, arXiv:2408.13460): a linear IIR low-pass
 filter with coefficients a = (1, a₁, …, a_{na}) and b = (b₀, …, b_{nb}),
 
     m_t = −Σ_{τ=1}^{na} a_τ m_{t−τ} + Σ_{τ=0}^{nb} b_τ g̃_{t−τ},      m_t = g̃_t = 0 for t ≤ 0,
@@ -20,7 +20,7 @@ the limit). Default: first order, a = (1, −0.9), b = (0.1,), i.e. m̂_t is the
 EMA of the gradients with weight 0.1 (c_t = 1 − 0.9ᵗ).
 
 DiSK (Zhang, Bu, Balle, Hong, Razaviyayn, Mirrokni, "DiSK: Differentially Private Optimizer
-with Simplified Kalman Filter for Noise Reduction", ICLR 2025, Sec. 3): a Kalman filter whose
+with Simplified Kalman Filter for Noise Reduction", arXiv:2410.03883): a Kalman filter whose
 state is the gradient, simplified to a scalar gain κ. Prediction: the gradient moves with
 the parameters, ∇f(x_t) ≈ ∇f(x_{t−1}) + H_t d_t with d_t = x_t − x_{t−1}, and the
 Hessian-vector product is the finite difference H_t d_t ≈ (∇f(x_t + γd_t) − ∇f(x_t))/γ.
@@ -37,9 +37,10 @@ is still one Gaussian release of a sum of per-example vectors of norm ≤ ζ, at
 multiplier and sampling as DP-SGD (or as the matrix mechanism's step). The evaluation points
 x_t and x_t + γd_t are functions of earlier releases, which adaptive composition allows.
 Hence the accountant sees exactly the steps of the unfiltered run and ε does not change;
-the extra forward/backward pass costs compute, not privacy. Clipping the two gradients
-separately and releasing them, or noising them separately, would each double-count or
-under-count the sensitivity and is not done. With γ = (1−κ)/κ the weight of x_t vanishes
+the extra forward/backward pass costs compute, not privacy. (Clipping the two gradients
+separately and adding them would give sensitivity (|1−c| + |c|)·ζ, and releasing them as two
+noisy gradients would be two Gaussian releases per step for the accountant.) With
+γ = (1−κ)/κ the weight of x_t vanishes
 (c = 1) and one pass at the extrapolated point suffices. The loop's side — the evaluation
 points and weights — is ``dpmf.optim.lookahead.DiskLookahead``; ``Disk`` below is the
 optimizer's side (the correction), which sees only g̃_{t+½} in ``p.grad``. Without the

@@ -9,7 +9,7 @@ accounting of the run is unchanged (``dpmf.optim.filters``, DiSK, for the argume
 plain plan is one point of weight 1 at θ.
 
 ``DiskLookahead`` gives DiSK's plan (Zhang et al., "DiSK: Differentially Private Optimizer
-with Simplified Kalman Filter for Noise Reduction", ICLR 2025, Sec. 3):
+with Simplified Kalman Filter for Noise Reduction", arXiv:2410.03883):
 
     step 1:  {(1, θ_1)}
     step t:  {(1 − c, θ_t), (c, θ_t + γ·(θ_t − θ_{t−1}))},   c = (1−κ)/(κγ),
