@@ -419,3 +419,10 @@ def test_filters_on_cuda_match_cpu():
             assert all(x.device.type == device for x in tensors if x is not None)
             outs.append(p.detach().cpu())
         torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-5)
+
+
+def test_state_dict_without_filter_refused_by_a_filtered_optimizer():
+    p = torch.nn.Parameter(torch.ones(3, 2))
+    plain = DPSGD([p], lr=0.1)
+    with pytest.raises(ValueError, match="filter=None"):
+        DPSGD([p], lr=0.1, filter=Disk()).load_state_dict(plain.state_dict())

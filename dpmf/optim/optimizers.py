@@ -400,16 +400,17 @@ class DPOptimizer(torch.optim.Optimizer):
                                              self.param_groups, strict=False)):
             saved = dict(saved)
             for key in _STAGE_KEYS:
-                value = saved.get(key)
-                if isinstance(value, dict) and _STAGE_RECORD in value:
-                    mine = own.get(key)
-                    if repr(mine) != value[_STAGE_RECORD]:
-                        raise ValueError(
-                            f"state_dict is invalid for this optimizer: param_groups[{i}] was "
-                            f"saved with {key}={value[_STAGE_RECORD]}, this optimizer has "
-                            f"{key}={mine!r}"
-                        )
-                    saved[key] = mine
+                if key not in saved:
+                    continue
+                value, mine = saved[key], own.get(key)
+                theirs = value[_STAGE_RECORD] if isinstance(value, dict) and _STAGE_RECORD in value \
+                    else repr(value)
+                if theirs != repr(mine):
+                    raise ValueError(
+                        f"state_dict is invalid for this optimizer: param_groups[{i}] was saved "
+                        f"with {key}={theirs}, this optimizer has {key}={mine!r}"
+                    )
+                saved[key] = mine
             groups.append(saved)
         state_dict["param_groups"] = groups + list(state_dict.get("param_groups", []))[len(groups):]
         super().load_state_dict(state_dict)
