@@ -77,6 +77,14 @@ PLACEHOLDER_RULES = ("auto", "matrix", "vector")
 _STAGE_KEYS = ("filter", "transform")
 _STAGE_RECORD = "dpmf_stage"
 
+
+def _stage_id(stage) -> str:
+    """What identifies a stage in a state dict: its repr (a frozen dataclass's lists its
+    hyperparameters), or its class name when the repr is the default one with an address."""
+    if stage is not None and type(stage).__repr__ is object.__repr__:
+        return f"{type(stage).__module__}.{type(stage).__qualname__}"
+    return repr(stage)
+
 # Hyperparameters every group carries (a class overrides some of them).
 _BASE_DEFAULTS = dict(
     rule="sgd",
@@ -377,7 +385,7 @@ class DPOptimizer(torch.optim.Optimizer):
         """
         sd = super().state_dict()
         sd["param_groups"] = [
-            dict(g, **{k: {_STAGE_RECORD: repr(g[k])} for k in _STAGE_KEYS
+            dict(g, **{k: {_STAGE_RECORD: _stage_id(g[k])} for k in _STAGE_KEYS
                        if isinstance(g.get(k), Transform)})
             for g in sd["param_groups"]
         ]
@@ -404,8 +412,8 @@ class DPOptimizer(torch.optim.Optimizer):
                     continue
                 value, mine = saved[key], own.get(key)
                 theirs = value[_STAGE_RECORD] if isinstance(value, dict) and _STAGE_RECORD in value \
-                    else repr(value)
-                if theirs != repr(mine):
+                    else _stage_id(value)
+                if theirs != _stage_id(mine):
                     raise ValueError(
                         f"state_dict is invalid for this optimizer: param_groups[{i}] was saved "
                         f"with {key}={theirs}, this optimizer has {key}={mine!r}"
