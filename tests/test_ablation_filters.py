@@ -2,19 +2,13 @@
 and a miniature end-to-end run on the bundled digits (ε equal across methods, reuse of
 finished runs)."""
 
-import importlib.util
 import os
 import statistics
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("ablation_filters",
-                                               ROOT / "benchmarks" / "ablation_filters.py")
-ablation = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ablation)
+from dpmf.train import ablation
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -22,7 +22,7 @@ import os
 
 SIZE = os.environ.get("DPMF_NOTEBOOK_SIZE", "full")
 if SIZE == "small":
-    DATASET, EPOCHS, BATCH_SIZES, SPECTRUM_EXAMPLES = "digits", 2, [16, 64, 256], 512
+    DATASET, EPOCHS, BATCH_SIZES, SPECTRUM_EXAMPLES = "digits", 1, [32, 256], 512
 else:
     DATASET, EPOCHS, BATCH_SIZES, SPECTRUM_EXAMPLES = "fashion-mnist", 5, [128, 512, 2048, 8192], 8192
 EPSILON, DELTA, CLIP = 3.0, 1e-5, 1.0
@@ -145,7 +145,12 @@ b_star = thresholds[largest]
 fig, ax = plt.subplots(figsize=(8, 4.5), constrained_layout=True)
 for opt, marker in [("dp-sgd", "o"), ("dp-muon", "s")]:
     r = runs[runs.optimizer == opt]
-    ax.plot(r.batch_size, 100 * r.test_accuracy, marker=marker, label={"dp-sgd": "DP-SGD", "dp-muon": "DP-Muon"}[opt])
+    ax.plot(
+        r.batch_size,
+        100 * r.test_accuracy,
+        marker=marker,
+        label={"dp-sgd": "DP-SGD", "dp-muon": "DP-Muon"}[opt],
+    )
 if b_star is not None:
     ax.axvline(b_star, color="k", ls="--", label=f"recovery threshold B* ≈ {b_star:.0f} ({largest})")
 ax.set_xscale("log", base=2)
