@@ -73,10 +73,7 @@ def bench_monte_carlo(samples: int) -> None:
     t_mc, s = _timed(lambda: sample_privacy_losses(event, samples, seed=0, progress=False))
     rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     per = t_mc / samples
-    print(
-        f"[2] Monte Carlo, bsr:16, n = {n}, b = {b} bins, sigma = 1: "
-        f"{samples:.3g} samples per direction"
-    )
+    print(f"[2] Monte Carlo, bsr:16, n = {n}, b = {b} bins, sigma = 1: {samples:.3g} samples per direction")
     print(
         f"    {t_mc:.1f} s = {per * 1e6:.2f} us per sample (both directions); "
         f"baseline (numpy normals, same count): {t_base:.1f} s; ratio {t_mc / t_base:.1f}x"
@@ -86,10 +83,7 @@ def bench_monte_carlo(samples: int) -> None:
         f"{'met' if per * 1e7 < 600 else 'NOT met'}; peak RSS {rss_gb:.2f} GB (target < 2 GB)"
     )
     cert = s.epsilon_certified(1e-5) if s.delta_floor <= 1e-5 else float("nan")
-    print(
-        f"    epsilon at delta = 1e-5: estimate {s.epsilon_estimate(1e-5):.4f}, "
-        f"certified (99%) {cert:.4f}"
-    )
+    print(f"    epsilon at delta = 1e-5: estimate {s.epsilon_estimate(1e-5):.4f}, certified (99%) {cert:.4f}")
 
 
 def bench_cli_calibrate(mc_samples: int) -> None:

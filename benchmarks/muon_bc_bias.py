@@ -51,8 +51,10 @@ def main() -> None:
     M = torch.tensor(U @ np.diag(np.linspace(1.0, 0.2, m)) @ V.T)
     target = f(M[None])[0]
     print(f"M 8×16, ‖M‖_F = {M.norm():.3f}; {N} antithetic pairs per s")
-    print(f"{'s':>6} {'plain bias':>11} {'(floor)':>9} {'order':>5} {'corr. bias':>11} "
-          f"{'(floor)':>9} {'z diff':>8}")
+    print(
+        f"{'s':>6} {'plain bias':>11} {'(floor)':>9} {'order':>5} {'corr. bias':>11} "
+        f"{'(floor)':>9} {'z diff':>8}"
+    )
     for s in (0.002, 0.005, 0.01, 0.02):
         Yp, _ = draws(M, s, 500, seed=1)
         u = pair_mean(f(Yp) - target, 500).mean(0)
@@ -63,9 +65,11 @@ def main() -> None:
             corr = pair_mean(bias_corrected(f, Y, s, order=order, generator=g) - target, N)
             a, c = (plain * u).sum((1, 2)), (corr * u).sum((1, 2))
             d = a - torch.sign(c.mean()) * c
-            print(f"{s:6.3f} {plain.mean(0).norm():11.2e} {(plain.var(0).sum() / N).sqrt():9.1e} "
-                  f"{order:5d} {corr.mean(0).norm():11.2e} {(corr.var(0).sum() / N).sqrt():9.1e} "
-                  f"{(d.mean() / d.std() * math.sqrt(N)):8.1f}")
+            print(
+                f"{s:6.3f} {plain.mean(0).norm():11.2e} {(plain.var(0).sum() / N).sqrt():9.1e} "
+                f"{order:5d} {corr.mean(0).norm():11.2e} {(corr.var(0).sum() / N).sqrt():9.1e} "
+                f"{(d.mean() / d.std() * math.sqrt(N)):8.1f}"
+            )
 
 
 if __name__ == "__main__":

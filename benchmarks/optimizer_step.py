@@ -99,8 +99,7 @@ def main() -> None:
 
     ns = median_ms(lambda: newton_schulz(W), args.repeats, device)
     svd = median_ms(polar_svd, args.repeats, device)
-    print(f"newton_schulz 128×1152 {ns:.2f} ms, exact polar by SVD {svd:.2f} ms, "
-          f"ratio {ns / svd:.2f}")
+    print(f"newton_schulz 128×1152 {ns:.2f} ms, exact polar by SVD {svd:.2f} ms, ratio {ns / svd:.2f}")
 
 
 if __name__ == "__main__":

@@ -189,6 +189,11 @@ _COMMANDS.append((_add_colormap, _run_colormap))
 
 # --- train --------------------------------------------------------------------------------
 
+def real_list(text: str) -> tuple[float, ...]:
+    """A comma-separated list of reals, e.g. ``1,-0.9`` (filter coefficients)."""
+    return tuple(_csv_list(text, float))
+
+
 _TRAIN_FLAGS = (
     # (flag, type, help); defaults are None so that only the flags given override the config
     ("--dataset", str, "fashion-mnist|cifar10|digits (default fashion-mnist; digits when absent)"),
@@ -210,6 +215,13 @@ _TRAIN_FLAGS = (
     ("--muon-beta", float, "DP-Muon's EMA momentum β of the matrix updates (default 0.95)"),
     ("--vector-lr", float, "DP-Muon's learning rate of the 1-D parameters (default --lr)"),
     ("--weight-decay", float, "weight decay (default 0)"),
+    ("--filter", str, "temporal filter before the optimizer: none|doppler|disk (default none)"),
+    ("--doppler-a", real_list,
+     "DOPPLER feedback coefficients a0,a1,... (default 1,-0.9)"),
+    ("--doppler-b", real_list,
+     "DOPPLER feed-forward coefficients b0,b1,... (default 0.1)"),
+    ("--disk-kappa", float, "DiSK Kalman gain κ in (0, 1] (default 0.7)"),
+    ("--disk-gamma", float, "DiSK extrapolation length γ > 0 (default 0.5; (1-κ)/κ: one pass)"),
     (
         "--schedule",
         str,

@@ -7,7 +7,9 @@ sum), the noise streams of ``dpmf.optim.noise`` (``noise_for_factorization``) an
 
 Optimizers (post-processing of the privatized gradient): ``DPSGD``, ``DPAdam``, ``DPMuon``,
 ``DPMuonS``, ``DPMuonBC``; parameter routing ``route_parameters``; learning-rate schedules
-``lr_scheduler``; the stages they are composed of (``dpmf.optim.transforms``); Newton–Schulz
+``lr_scheduler``; the stages they are composed of (``dpmf.optim.transforms``); the temporal
+filters DOPPLER and DiSK for their ``filter`` hook (``dpmf.optim.filters``) with DiSK's
+evaluation plan for the training loop (``dpmf.optim.lookahead``); Newton–Schulz
 orthogonalization and its bias correction.
 """
 
@@ -20,6 +22,15 @@ from dpmf.optim.clipping import (
     clipped_sum,
     per_example_gradients,
 )
+from dpmf.optim.filters import (
+    FILTERS,
+    Disk,
+    Doppler,
+    disk_extrapolation_weight,
+    make_filter,
+    single_pass_gamma,
+)
+from dpmf.optim.lookahead import DiskLookahead, EvaluationPoint
 from dpmf.optim.matrix import aspect_factor, check_matrix_parameter, matrix_shape, matrix_view
 from dpmf.optim.newton_schulz import QUINTIC_COEFFICIENTS, newton_schulz
 from dpmf.optim.noise import (
@@ -119,6 +130,15 @@ __all__ = [
     "OrthogonalizeBiasCorrected",
     "ScaleBySpectralNorm",
     "ScaleByShape",
+    # temporal filters
+    "FILTERS",
+    "Doppler",
+    "Disk",
+    "DiskLookahead",
+    "EvaluationPoint",
+    "make_filter",
+    "single_pass_gamma",
+    "disk_extrapolation_weight",
     # matrix maps
     "QUINTIC_COEFFICIENTS",
     "newton_schulz",

@@ -25,6 +25,7 @@ it there; ``route_parameters`` refuses it for a matrix rule).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -127,6 +128,8 @@ def per_example_gradients(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     inputs: torch.Tensor,
     targets: torch.Tensor,
+    *,
+    points=None,
 ) -> list[torch.Tensor]:
     """∇_θ ℓ(θ; x_i, y_i) for every example, by ``vmap(grad(·))`` over the batch.
 
@@ -137,14 +140,19 @@ def per_example_gradients(
             (output of shape (1, …), target of shape (1, …)), e.g. ``F.cross_entropy``.
         inputs: shape (B, …).
         targets: shape (B, …).
+        points: an evaluation plan (``dpmf.optim.lookahead``): a sequence of
+            ``EvaluationPoint(weight, shift)``; the per-example vector is then
+            Σ_j weight_j·∇ℓ(θ + shift_j; x_i, y_i), one vector per example (DiSK's prediction
+            needs two points). None: the plain gradient at θ.
 
     Returns:
         one tensor per trainable parameter (order of ``trainable_parameters``), shape
         (B, *parameter.shape).
 
     Raises:
-        ValueError: the model couples examples (see ``check_per_example_safe``), or inputs and
-            targets differ in batch size.
+        ValueError: the model couples examples (see ``check_per_example_safe``), inputs and
+            targets differ in batch size, or a plan whose weights are not finite or whose
+            shifts do not match the trainable parameters.
     """
     check_per_example_safe(model)
     if inputs.shape[0] != targets.shape[0]:
@@ -157,12 +165,50 @@ def per_example_gradients(
     frozen = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
     buffers = {n: b for n, b in model.named_buffers()}
 
-    def loss_of_one(p, x, y):
+    plan = _check_points(points, named)
+
+    def loss_at(p, x, y):
         out = functional_call(model, (p, frozen, buffers), (x.unsqueeze(0),))
         return loss_fn(out, y.unsqueeze(0))
 
+    def loss_of_one(p, x, y):
+        if plan is None:
+            return loss_at(p, x, y)
+        # Σ_j w_j ℓ(θ + s_j): its gradient in θ is the plan's per-example vector.
+        total = 0.0
+        for weight, shift in plan:
+            at = p if shift is None else {n: p[n] + shift[n] for n in p}
+            total = total + weight * loss_at(at, x, y)
+        return total
+
     grads = vmap(grad(loss_of_one), in_dims=(None, 0, 0), randomness="different")(params, inputs, targets)
     return [grads[n] for n in names]
+
+
+def _check_points(points, named) -> list[tuple[float, dict | None]] | None:
+    """The plan as (weight, shift) pairs, validated against the trainable parameters."""
+    if points is None:
+        return None
+    plan = []
+    shapes = {n: p.shape for n, p in named}
+    for j, point in enumerate(points):
+        weight, shift = getattr(point, "weight", None), getattr(point, "shift", None)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            raise ValueError(f"points[{j}].weight={weight!r} is invalid: must be a finite real")
+        if shift is not None:
+            if not isinstance(shift, dict) or set(shift) != set(shapes):
+                raise ValueError(
+                    f"points[{j}].shift is invalid: must map every trainable parameter name "
+                    f"({', '.join(shapes)}) to a tensor"
+                )
+            for n, v in shift.items():
+                if not isinstance(v, torch.Tensor) or v.shape != shapes[n]:
+                    raise ValueError(f"points[{j}].shift[{n!r}] is invalid: must be a tensor of "
+                                     f"shape {tuple(shapes[n])}")
+        plan.append((float(weight), shift))
+    if not plan:
+        raise ValueError("points is invalid: an evaluation plan needs at least one point")
+    return plan
 
 
 def clip_factors(norms: torch.Tensor, clip_norm: float) -> torch.Tensor:
@@ -190,6 +236,7 @@ def clipped_sum(
     micro_batch_size: int | None = None,
     step: int | None = None,
     example_ids: torch.Tensor | None = None,
+    points=None,
 ) -> ClippedSum:
     """Σ_i clip_ζ(∇ℓ(θ; x_i)) over a logical batch, in micro-batches.
 
@@ -206,6 +253,8 @@ def clipped_sum(
             O(micro_batch_size·d)); None processes the whole batch at once.
         step: the training step, only to name it in an error.
         example_ids: shape (B,), dataset indices of the examples, only to name them in an error.
+        points: an evaluation plan (``per_example_gradients``): each example's combined vector
+            Σ_j w_j·∇ℓ(θ + s_j; x_i) is what is clipped to ζ, so the sensitivity stays ζ.
 
     Returns:
         ``ClippedSum`` with one summed tensor per trainable parameter.
@@ -226,7 +275,9 @@ def clipped_sum(
     all_norms = []
     for start in range(0, batch, micro_batch_size):
         stop = min(start + micro_batch_size, batch)
-        grads = per_example_gradients(model, loss_fn, inputs[start:stop], targets[start:stop])
+        grads = per_example_gradients(
+            model, loss_fn, inputs[start:stop], targets[start:stop], points=points
+        )
         sq = torch.zeros(stop - start, dtype=torch.float64, device=inputs.device)
         for g in grads:
             flat = g.reshape(g.shape[0], -1)

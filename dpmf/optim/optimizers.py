@@ -73,6 +73,18 @@ MATRIX_RULES = ("muon", "muon_s", "muon_bc")
 #: parameters with two or more dimensions ("matrix") and the others ("vector").
 PLACEHOLDER_RULES = ("auto", "matrix", "vector")
 
+# Group keys holding stage objects; saved in state dicts as {_STAGE_RECORD: repr(stage)}.
+_STAGE_KEYS = ("filter", "transform")
+_STAGE_RECORD = "dpmf_stage"
+
+
+def _stage_id(stage) -> str:
+    """What identifies a stage in a state dict: its repr (a frozen dataclass's lists its
+    hyperparameters), or its class name when the repr is the default one with an address."""
+    if stage is not None and type(stage).__repr__ is object.__repr__:
+        return f"{type(stage).__module__}.{type(stage).__qualname__}"
+    return repr(stage)
+
 # Hyperparameters every group carries (a class overrides some of them).
 _BASE_DEFAULTS = dict(
     rule="sgd",
@@ -365,8 +377,18 @@ class DPOptimizer(torch.optim.Optimizer):
     # -- checkpoints ------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """torch's state dict plus ``"dpmf"``: the noise std and the probe generators' states."""
+        """torch's state dict plus ``"dpmf"``: the noise std and the probe generators' states.
+
+        A group's ``filter`` and ``transform`` stages are saved as their ``repr`` (plain data,
+        so ``torch.load(weights_only=True)`` reads the result); ``load_state_dict`` keeps this
+        optimizer's own stages and checks that they are the saved ones.
+        """
         sd = super().state_dict()
+        sd["param_groups"] = [
+            dict(g, **{k: {_STAGE_RECORD: _stage_id(g[k])} for k in _STAGE_KEYS
+                       if isinstance(g.get(k), Transform)})
+            for g in sd["param_groups"]
+        ]
         gens = dict(self._pending_generator_states)
         gens.update({k: g.get_state() for k, g in self._generators.items()})
         sd["dpmf"] = {"noise_std": self._noise_std, "probe_seed": self.probe_seed,
@@ -374,9 +396,31 @@ class DPOptimizer(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state dict from ``state_dict()`` (restores the probe generators too)."""
+        """Load a state dict from ``state_dict()`` (restores the probe generators too).
+
+        Raises:
+            ValueError: a group's saved ``filter``/``transform`` differs from this optimizer's.
+        """
         state_dict = dict(state_dict)
         extra = state_dict.pop("dpmf", None)
+        groups = []
+        for i, (saved, own) in enumerate(zip(state_dict.get("param_groups", []),
+                                             self.param_groups, strict=False)):
+            saved = dict(saved)
+            for key in _STAGE_KEYS:
+                if key not in saved:
+                    continue
+                value, mine = saved[key], own.get(key)
+                theirs = value[_STAGE_RECORD] if isinstance(value, dict) and _STAGE_RECORD in value \
+                    else _stage_id(value)
+                if theirs != _stage_id(mine):
+                    raise ValueError(
+                        f"state_dict is invalid for this optimizer: param_groups[{i}] was saved "
+                        f"with {key}={theirs}, this optimizer has {key}={mine!r}"
+                    )
+                saved[key] = mine
+            groups.append(saved)
+        state_dict["param_groups"] = groups + list(state_dict.get("param_groups", []))[len(groups):]
         super().load_state_dict(state_dict)
         if extra is not None:
             self._noise_std = extra.get("noise_std")

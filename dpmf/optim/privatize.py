@@ -138,6 +138,7 @@ class Privatizer:
         targets: torch.Tensor,
         *,
         example_ids: torch.Tensor | None = None,
+        points=None,
     ) -> PrivateStep:
         """Compute g̃_t for this logical batch and store it in ``p.grad``; advance to t + 1.
 
@@ -146,6 +147,9 @@ class Privatizer:
                 step still counts).
             targets: shape (B, …).
             example_ids: shape (B,), dataset indices (only to name examples in an error).
+            points: an evaluation plan (``dpmf.optim.lookahead``, e.g. DiSK's two points);
+                each example's combined vector is clipped to ζ and the noise added once, so
+                the step is one release at the same sensitivity. None: the gradient at θ.
 
         Returns:
             ``PrivateStep`` with the step's public numbers and logging figures.
@@ -164,6 +168,7 @@ class Privatizer:
             micro_batch_size=self.micro_batch_size,
             step=t,
             example_ids=example_ids,
+            points=points,
         )
         z = self.noise.next()
         scale = self.noise_std

@@ -56,6 +56,12 @@ class TrainConfig:
         muon_beta: the EMA momentum β in [0, 1) of DP-Muon's matrix updates.
         vector_lr: DP-Muon's learning rate of the 1-D parameters (None: ``lr``).
         weight_decay: ≥ 0 (post-processing; decoupled as the optimizer defines it).
+        filter: temporal filter run first on the private gradient (post-processing): ``none``,
+            ``doppler`` (low-pass IIR, ``dpmf.optim.filters.Doppler``) or ``disk`` (simplified
+            Kalman filter; each step then evaluates the per-example gradients at two points,
+            combined before clipping, so ε is unchanged).
+        doppler_a, doppler_b: DOPPLER's feedback and feed-forward coefficients.
+        disk_kappa, disk_gamma: DiSK's Kalman gain κ in (0, 1] and extrapolation length γ > 0.
         schedule, beta, gamma: the learning-rate schedule χ (also the workload A_χ).
         seed: seeds the model's initial weights, the sampler and the noise.
         device: ``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``.
@@ -86,6 +92,11 @@ class TrainConfig:
     muon_beta: float = 0.95
     vector_lr: float | None = None
     weight_decay: float = 0.0
+    filter: str = "none"
+    doppler_a: tuple = (1.0, -0.9)
+    doppler_b: tuple = (0.1,)
+    disk_kappa: float = 0.7
+    disk_gamma: float = 0.5
     schedule: str = "constant"
     beta: float = 1.0
     gamma: float | None = None
@@ -146,6 +157,7 @@ class TrainConfig:
             self, "momentum", check_real("momentum", self.momentum, low=0.0, high=1.0, high_inclusive=False)
         )
         object.__setattr__(self, "weight_decay", check_real("weight_decay", self.weight_decay, low=0.0))
+        self._check_filter()
         check_choice("schedule", self.schedule, SCHEDULES)
         object.__setattr__(
             self, "beta", check_real("beta", self.beta, low=0.0, high=1.0, low_inclusive=False)
@@ -176,6 +188,31 @@ class TrainConfig:
         if self.epsilon_each_epoch is None:
             return "balls_in_bins" not in self.scheme
         return self.epsilon_each_epoch
+
+    def _check_filter(self) -> None:
+        from dpmf.optim.filters import FILTERS, Disk, Doppler
+
+        check_choice("filter", self.filter, FILTERS)
+        coefficients = {}
+        for key in ("doppler_a", "doppler_b"):
+            value = getattr(self, key)
+            if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+                raise TypeError(f"{key}={value!r} is invalid: must be a list of reals")
+            coefficients[key] = tuple(value)
+            object.__setattr__(self, key, coefficients[key])
+        try:
+            Doppler(coefficients["doppler_a"], coefficients["doppler_b"])
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(
+                f"doppler_a={coefficients['doppler_a']!r}, doppler_b={coefficients['doppler_b']!r} "
+                f"are invalid: {exc}"
+            ) from None
+        try:
+            disk = Disk(self.disk_kappa, self.disk_gamma)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"disk_{exc}") from None
+        object.__setattr__(self, "disk_kappa", disk.kappa)
+        object.__setattr__(self, "disk_gamma", disk.gamma)
 
     @property
     def base_lr(self) -> float:

@@ -5,7 +5,9 @@ Each step t (0-based, T = epochs·steps_per_epoch in all):
 
 1. the sampler gives the step's example indices (possibly none);
 2. the learning rate of every parameter group is set to its base rate η_g times χ_t;
-3. the ``Privatizer`` writes g̃_t = (Σ clip_ζ(g_i) + σζ·sens·(C⁻¹Z)_t)/B̄ into ``p.grad``;
+3. the ``Privatizer`` writes g̃_t = (Σ clip_ζ(g_i) + σζ·sens·(C⁻¹Z)_t)/B̄ into ``p.grad``
+   (with a ``lookahead``, e.g. DiSK's, g_i is the per-example combination of gradients at the
+   points it names, clipped as one vector);
 4. the optimizer steps (post-processing); if a weight became NaN/inf the step is undone and
    an error names it.
 
@@ -110,6 +112,9 @@ class Trainer:
         delta: δ.
         eval_batch_size: test batch size.
         progress: show a tqdm bar on stderr.
+        lookahead: an object whose ``points(model)`` gives each step's evaluation plan
+            (``dpmf.optim.lookahead.DiskLookahead`` for the DiSK filter), called once per step
+            before the gradients; its ``state_dict`` is checkpointed. None: gradients at θ_t.
 
     Raises:
         ValueError: inconsistent step counts or out-of-range numbers.
@@ -134,8 +139,10 @@ class Trainer:
         eval_batch_size: int = 1024,
         progress: bool = True,
         title: str = "",
+        lookahead=None,
     ):
         self.model = model
+        self.lookahead = lookahead
         self.data = data
         self.sampler = sampler
         self.privatizer = privatizer
@@ -186,6 +193,7 @@ class Trainer:
             "rng": rng_state(),
             "metrics": list(self.outcome.metrics),
             "empty_batches": self.outcome.empty_batches,
+            **({} if self.lookahead is None else {"lookahead": self.lookahead.state_dict()}),
         }
 
     def _restore(self, state: dict) -> int:
@@ -204,6 +212,10 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.sampler.load_state_dict(state["sampler"])
         self.privatizer.noise.load_state_dict(state["noise"])
+        if self.lookahead is not None:
+            if "lookahead" not in state:
+                raise ValueError(f"checkpoint {self.checkpoint_path!r} has no lookahead state")
+            self.lookahead.load_state_dict(state["lookahead"])
         set_rng_state(state["rng"])
         if self.sampler.step != self.privatizer.noise.step or self.sampler.step != state["step"]:
             raise ValueError("checkpoint is inconsistent: sampler and noise stream are at different steps")
@@ -221,7 +233,8 @@ class Trainer:
         for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
             group["lr"] = base * chi
         lr = self.base_lrs[0] * chi
-        info = self.privatizer.privatize(x, y, example_ids=ids)
+        points = None if self.lookahead is None else self.lookahead.points(self.model)
+        info = self.privatizer.privatize(x, y, example_ids=ids, points=points)
         if hasattr(self.optimizer, "set_noise_std"):
             self.optimizer.set_noise_std(info.fresh_noise_std)
         params = [p for _, p in trainable_parameters(self.model)]

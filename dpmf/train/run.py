@@ -36,11 +36,14 @@ from dpmf.accountants.schemes import build_event, check_run, strategy_bandwidth
 from dpmf.mechanisms import DenseLowerTriangular, Factorization, ScaledToeplitz, factorize
 from dpmf.optim import (
     DPSGD,
+    Disk,
     DPAdam,
     DPMuon,
     DPMuonBC,
     DPMuonS,
     LearningRateSchedule,
+    Transform,
+    make_filter,
     matrix_shape,
     route_parameters,
 )
@@ -59,6 +62,7 @@ __all__ = [
     "TrainResult",
     "train",
     "build_optimizer",
+    "build_filter",
     "resolve_device",
     "leading_block",
     "epsilon_after",
@@ -139,6 +143,12 @@ def leading_block(factorization: Factorization, steps: int) -> Factorization:
     return Factorization(factorization.name, factorization.bands, workload, C_t)
 
 
+def build_filter(config: TrainConfig) -> Transform | None:
+    """The temporal filter stage of ``config`` (``dpmf.optim.filters``), or None."""
+    return make_filter(config.filter, a=config.doppler_a, b=config.doppler_b,
+                       kappa=config.disk_kappa, gamma=config.disk_gamma)
+
+
 def build_optimizer(config: TrainConfig, model: nn.Module, *, log=print) -> torch.optim.Optimizer:
     """The DP optimizer of ``config`` over the model's trainable parameters.
 
@@ -147,14 +157,18 @@ def build_optimizer(config: TrainConfig, model: nn.Module, *, log=print) -> torc
     EMA momentum ``muon_beta``), DP-SGD with momentum ``momentum`` for the 1-D ones. A
     parameter of two or more dimensions whose matrix view has a single row or column — e.g. a
     per-channel scale of shape (C, 1, 1) — is a vector, not a matrix: it is routed to the
-    1-D rule, with a notice.
+    1-D rule, with a notice. The ``filter`` (``build_filter``) runs first in every group, before
+    the optimizer's own momentum (DOPPLER-SGD, DiSK-Muon, …).
     """
+    filt = build_filter(config)
     if config.optimizer == "dp-sgd":
         return DPSGD(
-            model.parameters(), lr=config.base_lr, momentum=config.momentum, weight_decay=config.weight_decay
+            model.parameters(), lr=config.base_lr, momentum=config.momentum,
+            weight_decay=config.weight_decay, filter=filt,
         )
     if config.optimizer == "dp-adam":
-        return DPAdam(model.parameters(), lr=config.base_lr, weight_decay=config.weight_decay)
+        return DPAdam(model.parameters(), lr=config.base_lr, weight_decay=config.weight_decay,
+                      filter=filt)
     vectors = {}
     for name, p in trainable_parameters(model):
         if p.ndim >= 2 and 1 in matrix_shape(tuple(p.shape)):
@@ -173,6 +187,7 @@ def build_optimizer(config: TrainConfig, model: nn.Module, *, log=print) -> torc
         vector_momentum=config.momentum,
         weight_decay=config.weight_decay,
         vector_lr=config.vector_lr,
+        filter=filt,
     )
     if config.optimizer == "dp-muon-bc":
         kwargs["probe_seed"] = sub_seed(config.seed, 3)
@@ -316,6 +331,10 @@ def train(
         micro_batch_size=config.micro_batch_size,
     )
     optimizer = build_optimizer(config, model, log=log)
+    # DiSK's prediction: per-example gradients at θ_t and θ_t + γ(θ_t − θ_{t−1}), combined
+    # before clipping (one release per step at the same sensitivity: ε is unchanged).
+    filt = build_filter(config)
+    lookahead = filt.lookahead() if isinstance(filt, Disk) else None
 
     def epsilon_at(t: int) -> float:
         return epsilon_after(config, factorization, privacy, N, t, min_sep=groups)
@@ -353,6 +372,7 @@ def train(
         eval_batch_size=config.eval_batch_size,
         progress=progress,
         title=f"{config.optimizer}, {factorization.label}, {data.name}",
+        lookahead=lookahead,
     )
     if not os.path.exists(checkpoint):
         atomic_write_json(os.path.join(out_dir, RESULTS), _jsonable(header))
