@@ -189,6 +189,7 @@ _COMMANDS.append((_add_colormap, _run_colormap))
 
 # --- train --------------------------------------------------------------------------------
 
+
 def real_list(text: str) -> tuple[float, ...]:
     """A comma-separated list of reals, e.g. ``1,-0.9`` (filter coefficients)."""
     return tuple(_csv_list(text, float))
@@ -216,10 +217,8 @@ _TRAIN_FLAGS = (
     ("--vector-lr", float, "DP-Muon's learning rate of the 1-D parameters (default --lr)"),
     ("--weight-decay", float, "weight decay (default 0)"),
     ("--filter", str, "temporal filter before the optimizer: none|doppler|disk (default none)"),
-    ("--doppler-a", real_list,
-     "DOPPLER feedback coefficients a0,a1,... (default 1,-0.9)"),
-    ("--doppler-b", real_list,
-     "DOPPLER feed-forward coefficients b0,b1,... (default 0.1)"),
+    ("--doppler-a", real_list, "DOPPLER feedback coefficients a0,a1,... (default 1,-0.9)"),
+    ("--doppler-b", real_list, "DOPPLER feed-forward coefficients b0,b1,... (default 0.1)"),
     ("--disk-kappa", float, "DiSK Kalman gain κ in (0, 1] (default 0.7)"),
     ("--disk-gamma", float, "DiSK extrapolation length γ > 0 (default 0.5; (1-κ)/κ: one pass)"),
     (
@@ -255,9 +254,7 @@ def _add_train(sub):
     budget.add_argument("--noise-multiplier", type=float, default=None, help="σ (ε is computed)")
     for flag, kind, text in _TRAIN_FLAGS:
         p.add_argument(flag, type=kind, default=None, help=text)
-    p.add_argument(
-        "--no-epsilon-each-epoch", action="store_true", help="account ε only for the whole run"
-    )
+    p.add_argument("--no-epsilon-each-epoch", action="store_true", help="account ε only for the whole run")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
@@ -309,10 +306,6 @@ def _run_train(args) -> int:
 _COMMANDS.append((_add_train, _run_train))
 
 
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())
-
-
 # --------------------------------------------------------------------------------------------
 # dpmf epsilon / dpmf calibrate: privacy accounting of a training run
 
@@ -323,9 +316,7 @@ def _add_accounting_flags(p: argparse.ArgumentParser, target: str) -> None:
 
     p.add_argument("--scheme", required=True, choices=SCHEMES, help="batch-sampling scheme")
     if target == "noise":
-        p.add_argument(
-            "--noise-multiplier", type=float, required=True, help="noise multiplier σ > 0"
-        )
+        p.add_argument("--noise-multiplier", type=float, required=True, help="noise multiplier σ > 0")
     else:
         p.add_argument("--epsilon", type=float, required=True, help="target ε > 0")
     p.add_argument("--dataset-size", type=int, required=True, help="N, number of examples")
@@ -345,9 +336,7 @@ def _add_accounting_flags(p: argparse.ArgumentParser, target: str) -> None:
         default=None,
         help="learning-rate schedule of the workload (default: prefix sum)",
     )
-    p.add_argument(
-        "--beta", type=float, default=None, help="final learning-rate multiplier β in (0, 1]"
-    )
+    p.add_argument("--beta", type=float, default=None, help="final learning-rate multiplier β in (0, 1]")
     p.add_argument("--gamma", type=float, default=None, help="power γ of polynomial/inverse_power")
     p.add_argument(
         "--accountant",
@@ -357,12 +346,8 @@ def _add_accounting_flags(p: argparse.ArgumentParser, target: str) -> None:
     )
     p.add_argument("--samples", type=int, default=None, help="Monte Carlo samples per direction")
     p.add_argument("--seed", type=int, default=0, help="Monte Carlo seed (default 0)")
-    p.add_argument(
-        "--confidence", type=float, default=0.99, help="Monte Carlo confidence (default 0.99)"
-    )
-    p.add_argument(
-        "--min-sep", type=int, default=None, help="cyclic_poisson groups b' (default: bands of C)"
-    )
+    p.add_argument("--confidence", type=float, default=0.99, help="Monte Carlo confidence (default 0.99)")
+    p.add_argument("--min-sep", type=int, default=None, help="cyclic_poisson groups b' (default: bands of C)")
     p.add_argument("--no-progress", action="store_true", help="no Monte Carlo progress bar")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -391,9 +376,7 @@ def _accounting_run(args) -> dict:
         name, _ = parse_factorization(args.factorization)
         spec = None if name == "identity" else args.factorization
     if spec is not None and args.scheme in ("poisson", "epoch_balls_in_bins"):
-        raise UsageError(
-            f"--factorization {spec} is invalid with --scheme {args.scheme} (DP-SGD only)"
-        )
+        raise UsageError(f"--factorization {spec} is invalid with --scheme {args.scheme} (DP-SGD only)")
     if (args.beta is not None or args.gamma is not None) and args.schedule is None:
         raise UsageError("--beta/--gamma need --schedule")
     schedule = None
@@ -615,3 +598,7 @@ def _print_pick(result) -> None:
 
 
 _COMMANDS.append((_add_pick, _run_pick))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -60,6 +60,7 @@ def _cases():
             ("sqrt_prefix_scaled", _exp_workload()),
             ("output", _exp_workload()),
             ("sqrt", _exp_workload()),
+            ("blt:2", prefix_sum(N)),
         ]
     }
 
@@ -82,6 +83,7 @@ def _cases():
         ("sqrt_prefix_scaled row scale", from_fz("sqrt_prefix_scaled"), inv("sqrt_prefix_scaled")),
         ("output of A_chi banded+scale", from_fz("output"), inv("output")),
         ("sqrt of A_chi dense", from_fz("sqrt"), inv("sqrt")),
+        ("optimized blt:2 buffers", from_fz("blt:2"), inv("blt:2")),
         (
             "blt",
             lambda dim, seed, dtype: BLTNoise(OMEGA, THETA, dim, seed=seed, steps=N, dtype=dtype),
@@ -185,6 +187,8 @@ def test_factory_picks_the_streaming_form():
     assert isinstance(g, ToeplitzInverseNoise) and g.bands == 2
     g = noise_for_factorization(factorize(_exp_workload(64), "sqrt"), 3, seed=0)
     assert isinstance(g, DenseInverseNoise)
+    g = noise_for_factorization(factorize(w, "blt:3"), 3, seed=0)
+    assert isinstance(g, BLTNoise) and g.buffers == 3 and g.state_numel() == 3 * 3
 
 
 def test_checkpoint_resumes_the_same_stream_and_refuses_another():

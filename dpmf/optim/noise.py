@@ -529,6 +529,7 @@ def noise_for_factorization(
 
     Choice, by the structure of C and C⁻¹ (p(M) = number of non-zero diagonals):
 
+    * C⁻¹ a BLT (``dpmf.mechanisms.blt.BufferedToeplitz``, ``blt:d``): ``BLTNoise``, d buffers;
     * C⁻¹ = diag(r)·Toep(g)·diag(s) with p(C⁻¹) ≤ p(C) (identity, BISR, banded-optimized,
       ``output`` of the prefix sum): ``ToeplitzInverseNoise`` with p(C⁻¹) bands;
     * otherwise C = diag(r)·Toep(c)·diag(s) banded (p(C) < n: BSR): ``BandedSqrtNoise``;
@@ -551,6 +552,7 @@ def noise_for_factorization(
         TypeError: not a factorization with structured ``C`` and ``C_inverse``.
         ValueError: unknown mode.
     """
+    from dpmf.mechanisms.blt import BufferedToeplitz
     from dpmf.mechanisms.structured import DenseLowerTriangular, ScaledToeplitz
 
     C = getattr(factorization, "C", None)
@@ -564,6 +566,10 @@ def noise_for_factorization(
         check_choice("mode", mode, NOISE_MODES)
     n = int(Ci.n)
     common = {"seed": seed, "device": device, "dtype": dtype}
+    if isinstance(Ci, BufferedToeplitz) and mode is None:
+        return BLTNoise(
+            Ci.omega, Ci.theta, dim, steps=n, row_scale=Ci.row_scale, col_scale=Ci.col_scale, **common
+        )
     if isinstance(Ci, ScaledToeplitz):
         p_inv = Ci.bandwidth
         p_c = C.bandwidth if isinstance(C, ScaledToeplitz) else n
