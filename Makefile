@@ -8,10 +8,10 @@ $(VENV)/.installed: pyproject.toml scripts/setup.sh
 	./scripts/setup.sh $(VENV)
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/dpmf curves --schedule exponential --beta 0.1 \
-	    --n 16,32,64,128,256,512,1024,2048,4096 \
-	    --factorizations identity,sqrt_prefix,sqrt_prefix_scaled,lr_aware,sqrt,bisr:16,lr_bisr:16 \
-	    --out $(OUT)/curves
+	$(VENV)/bin/dpmf train --dataset fashion-mnist --model cnn --optimizer dp-muon \
+	    --factorization auto --max-bands 64 --schedule cosine --beta 0.1 \
+	    --batch-size 1024 --epochs 5 --epsilon 3 --delta 1e-5 --threads 2 \
+	    --out $(OUT)/demo $(if $(wildcard $(OUT)/demo/checkpoint.pt),--resume)
 
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -q

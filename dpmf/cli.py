@@ -201,12 +201,19 @@ _TRAIN_FLAGS = (
     ("--data-dir", str, "folder with the data set's files (must exist when given)"),
     ("--model", str, "cnn|cnn3|mlp|wrn16-4 (default cnn)"),
     ("--optimizer", str, "dp-sgd|dp-adam|dp-muon|dp-muon-s|dp-muon-bc (default dp-sgd)"),
-    ("--factorization", str, "strategy, e.g. identity, bisr:16, bsr:8, lr_aware (default identity)"),
+    (
+        "--factorization",
+        str,
+        "strategy, e.g. identity, bisr:16, bsr:8, lr_aware, bsr_opt:32, blt:4, dense (default "
+        "identity), or auto: the recommendation of dpmf pick for this run (sets the scheme too)",
+    ),
     (
         "--scheme",
         str,
-        "poisson|cyclic_poisson|balls_in_bins|epoch_balls_in_bins|fixed_order|single_release",
+        "poisson|cyclic_poisson|balls_in_bins|epoch_balls_in_bins|fixed_order|single_release"
+        " (with --factorization auto: poisson or auto let pick choose)",
     ),
+    ("--max-bands", int, "with --factorization auto: at most this many bands or BLT buffers (default 64)"),
     ("--epochs", int, "epochs E (the run has E·ceil(N/B) steps)"),
     ("--batch-size", int, "expected (logical) batch size B"),
     ("--delta", float, "δ (default 1e-5)"),
@@ -384,11 +391,12 @@ def _accounting_run(args) -> dict:
         schedule = Schedule(args.schedule, 1.0 if args.beta is None else args.beta, args.gamma)
     factorization = None
     if spec is not None:
-        from dpmf.mechanisms import factorize
+        from dpmf.pick import build_strategy
         from dpmf.workloads import from_schedule, prefix_sum
 
         workload = prefix_sum(steps) if schedule is None else from_schedule(schedule, steps)
-        factorization = factorize(workload, spec)
+        # optimized strategies are optimized for the participation of the scheme, as in pick/train
+        factorization = build_strategy(workload, spec, args.scheme, -(-N // B))
     return dict(
         dataset_size=N,
         batch_size=B,

@@ -50,7 +50,15 @@ from dpmf.mechanisms import Participation, b_row_norms, factorize
 from dpmf.mechanisms.dense import DENSE_MAX_STEPS
 from dpmf.workloads import Schedule, from_schedule
 
-__all__ = ["PICK_SCHEMES", "PickEntry", "PickResult", "pick", "candidate_specs"]
+__all__ = [
+    "PICK_SCHEMES",
+    "PickEntry",
+    "PickResult",
+    "build_strategy",
+    "candidate_specs",
+    "participation_for_scheme",
+    "pick",
+]
 
 PICK_SCHEMES = ("auto", "cyclic_poisson", "fixed_order", "balls_in_bins", "single_release")
 _DPSGD_SCHEME = {
@@ -298,9 +306,64 @@ def _banded_spec(name: str) -> bool:
     return name in ("identity", "bsr", "lr_bsr", "bsr_opt")
 
 
+def participation_for_scheme(scheme: str, steps_per_epoch: int, steps: int) -> Participation:
+    """The participation an optimized strategy is optimized for under ``scheme``.
+
+    ``fixed_order`` with more than one epoch: fixed_epochs(b, ⌈n/b⌉) (its accountant's
+    sensitivity); every other scheme normalizes by the largest column norm of C (the amplified
+    schemes) or has one participation, so single participation.
+
+    Args:
+        scheme: a scheme of ``dpmf.accountants.schemes``.
+        steps_per_epoch: b = ⌈N/B⌉ ≥ 1.
+        steps: n ≥ 1.
+
+    Raises:
+        ValueError: b or n < 1.
+    """
+    b = check_int("steps_per_epoch", steps_per_epoch, minimum=1)
+    n = check_int("steps", steps, minimum=1)
+    k = math.ceil(n / b)
+    return Participation.fixed_epochs(b, k) if scheme == "fixed_order" and k > 1 else Participation.single()
+
+
+# bounded effort for the optimized strategies: one start, no cascade, capped iterations (what
+# matters for choosing is the ranking; ``optimize_*`` directly give fully converged strategies)
+PICK_OPTIONS = {
+    "blt": {"starts": 1, "max_iterations": 150},
+    "bsr_opt": {"max_iterations": 100, "cascade": False},
+    "bisr_opt": {"max_iterations": 200},
+}
+
+
+def build_strategy(workload, spec: str, scheme: str, steps_per_epoch: int):
+    """The factorization ``spec`` of ``workload`` for a run accounted under ``scheme``.
+
+    The optimized strategies (dense, bisr_opt, bsr_opt, blt) are optimized for
+    ``participation_for_scheme(scheme, steps_per_epoch, n)`` with the effort of ``PICK_OPTIONS``
+    (``dpmf pick`` and ``dpmf train`` build the same strategy); the others are ``factorize``'s.
+
+    Args:
+        workload: an n-step workload.
+        spec: a factorization name (``bsr:16``, ``blt:4``, ``dense`` …).
+        scheme: the batch-sampling scheme the run is accounted under.
+        steps_per_epoch: b = ⌈N/B⌉.
+
+    Returns:
+        a ``Factorization``.
+
+    Raises:
+        ValueError: an invalid spec, or an optimized strategy infeasible for the participation.
+    """
+    name = spec.partition(":")[0]
+    if name in PICK_OPTIONS or name == "dense":
+        participation = participation_for_scheme(scheme, steps_per_epoch, workload.n)
+        return factorize(workload, spec, participation=participation, **PICK_OPTIONS.get(name, {}))
+    return factorize(workload, spec)
+
+
 def _build(workload, spec, name, scheme, b, k, N, B):
     """The factorization and its scheme (optimized ones for that scheme's participation)."""
-    n = workload.n
     if name == "identity":
         return factorize(workload, "identity"), _DPSGD_SCHEME[scheme]
     if scheme == "auto":
@@ -313,23 +376,8 @@ def _build(workload, spec, name, scheme, b, k, N, B):
             raise _Skip("C is not banded (cyclic_poisson needs a banded strategy)")
         if p > N // B:
             raise _Skip(f"{p} bands need q = B·p/N > 1")
-    participation = (
-        Participation.fixed_epochs(b, k) if sch == "fixed_order" and k > 1 else Participation.single()
-    )
-    if name in ("dense", "bisr_opt", "bsr_opt", "blt"):
-        options = {}
-        # bounded effort: one start, no cascade, capped iterations (the ranking is what
-        # matters here; use ``optimize_*`` directly for fully converged strategies)
-        if name == "blt":
-            options = {"starts": 1, "max_iterations": 150}
-        elif name == "bsr_opt":
-            options = {"max_iterations": 100, "cascade": False}
-        elif name == "bisr_opt":
-            options = {"max_iterations": 200}
-        f = factorize(workload, spec, participation=participation, **options)
-    else:
-        f = factorize(workload, spec)
-    if f.n != n:  # pragma: no cover - internal consistency
+    f = build_strategy(workload, spec, sch, b)
+    if f.n != workload.n:  # pragma: no cover - internal consistency
         raise AssertionError("factorization of the wrong size")
     return f, sch
 

@@ -159,6 +159,10 @@ def test_gradient_accumulation_is_accounted_at_the_logical_batch(tmp_path):
         (["--epsilon", "3", "--optimizer", "sgd"], "optimizer='sgd' is invalid"),
         (["--epsilon", "3", "--factorization", "bisr:4", "--scheme", "poisson"], "factorization='bisr:4'"),
         (["--epsilon", "3", "--config", "/nonexistent.yaml"], "no such file"),
+        (["--noise-multiplier", "1", "--factorization", "auto"], "needs a target epsilon"),
+        (["--epsilon", "3", "--factorization", "auto", "--scheme", "epoch_balls_in_bins"], "scheme="),
+        (["--epsilon", "3", "--factorization", "auto", "--max-bands", "0"], "max_bands=0 is invalid"),
+        (["--epsilon", "3", "--factorization", "bisr:4", "--scheme", "auto"], "scheme='auto' is invalid"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, extra, match):
@@ -320,3 +324,31 @@ def test_fashion_mnist_one_epoch_at_epsilon_3_reaches_80_percent(tmp_path):
     res = train(c, str(tmp_path), progress=False, log=lambda *a: None)
     assert res.privacy.epsilon <= 3.0 and res.steps == 118
     assert res.test_accuracy >= 0.80
+
+
+def test_factorization_auto_trains_with_the_pick_recommendation(tmp_path):
+    """auto = the first entry of pick's ranking for this run; the run is accounted at ε under
+    that strategy's scheme, and its noise generator is the strategy's."""
+    from dpmf.pick import pick
+
+    c = cfg(factorization="auto", epochs=2, batch_size=256, max_bands=2, schedule="cosine", beta=0.1)
+    logs = []
+    res = train(c, str(tmp_path), progress=False, log=logs.append)
+    N, b = 1438, 6  # digits training split; ⌈1438/256⌉ steps per epoch
+    ref = pick(
+        dataset_size=N,
+        batch_size=256,
+        steps=2 * b,
+        epsilon=3.0,
+        delta=1e-5,
+        schedule=Schedule("cosine", 0.1),
+        max_bands=2,
+        progress=False,
+    )
+    rec = ref.recommendation
+    out = json.loads((tmp_path / "results.json").read_text())
+    assert out["config"]["factorization"] == rec.factorization
+    assert out["config"]["scheme"] == rec.scheme
+    assert res.privacy.noise_multiplier == pytest.approx(rec.noise_multiplier, rel=1e-9)
+    assert res.privacy.epsilon <= 3.0 + 1e-9
+    assert any(line.startswith("pick 1: " + rec.factorization) for line in logs)

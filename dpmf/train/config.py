@@ -41,9 +41,17 @@ class TrainConfig:
         model: ``cnn``, ``cnn3``, ``mlp`` or ``wrn16-4``.
         optimizer: ``dp-sgd``, ``dp-adam``, ``dp-muon``, ``dp-muon-s`` or ``dp-muon-bc``.
         factorization: the strategy, as for ``factorize`` (``identity`` = plain DP-SGD noise,
-            ``bisr:16``, ``bsr:8``, ``lr_aware``, …).
+            ``bisr:16``, ``bsr:8``, ``lr_aware``, ``bsr_opt:32``, ``blt:4``, ``dense``, …;
+            the optimized ones are optimized for the participation of ``scheme``), or ``auto``:
+            the recommendation of ``dpmf.pick.pick`` for this run (needs ``epsilon``), which
+            also sets the scheme.
         scheme: batch sampling and its accounting (``poisson``, ``cyclic_poisson``,
             ``balls_in_bins``, ``epoch_balls_in_bins``, ``fixed_order``, ``single_release``).
+            With ``factorization="auto"``: ``poisson`` (the default) or ``auto`` let ``pick``
+            choose per candidate (its ``auto``); ``cyclic_poisson``, ``fixed_order``,
+            ``balls_in_bins`` and ``single_release`` restrict it to that scheme.
+        max_bands: with ``factorization="auto"``, the memory budget of ``pick``: at most this
+            many bands (or BLT buffers), ≥ 1.
         epochs: E ≥ 1; the run has E·⌈N/B⌉ steps.
         batch_size: B, the expected (logical) batch size, 1 ≤ B ≤ N.
         epsilon: target ε > 0 (σ is calibrated); exactly one of epsilon / noise_multiplier.
@@ -81,6 +89,7 @@ class TrainConfig:
     optimizer: str = "dp-sgd"
     factorization: str = "identity"
     scheme: str = "poisson"
+    max_bands: int = 64
     epochs: int = 10
     batch_size: int = 512
     epsilon: float | None = 3.0
@@ -115,8 +124,18 @@ class TrainConfig:
         model = "wrn16-4" if self.model == "wrn16_4" else self.model
         object.__setattr__(self, "model", check_choice("model", model, MODELS))
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
-        parse_factorization(self.factorization)
-        check_choice("scheme", self.scheme, SCHEMES)
+        object.__setattr__(self, "max_bands", check_int("max_bands", self.max_bands, minimum=1))
+        if self.factorization == "auto":
+            from dpmf.pick import PICK_SCHEMES
+
+            check_choice("scheme", self.scheme, ("poisson",) + PICK_SCHEMES)
+            if self.epsilon is None:
+                raise ValueError(
+                    "factorization='auto' is invalid with noise_multiplier: the choice needs a target epsilon"
+                )
+        else:
+            parse_factorization(self.factorization)
+            check_choice("scheme", self.scheme, SCHEMES)
         object.__setattr__(self, "epochs", check_int("epochs", self.epochs, minimum=1))
         object.__setattr__(self, "batch_size", check_int("batch_size", self.batch_size, minimum=1))
         if (self.epsilon is None) == (self.noise_multiplier is None):

@@ -33,7 +33,7 @@ from torch import nn
 from dpmf._io import atomic_write_json
 from dpmf.accountants import account, calibrate
 from dpmf.accountants.schemes import build_event, check_run, strategy_bandwidth
-from dpmf.mechanisms import DenseLowerTriangular, Factorization, ScaledToeplitz, factorize
+from dpmf.mechanisms import DenseLowerTriangular, Factorization, ScaledToeplitz
 from dpmf.optim import (
     DPSGD,
     Disk,
@@ -50,6 +50,7 @@ from dpmf.optim import (
 from dpmf.optim.clipping import trainable_parameters
 from dpmf.optim.noise import noise_for_factorization
 from dpmf.optim.privatize import Privatizer
+from dpmf.pick import build_strategy
 from dpmf.train.config import TrainConfig
 from dpmf.train.data import load_dataset
 from dpmf.train.loop import CHECKPOINT, Trainer, TrainOutcome
@@ -145,8 +146,13 @@ def leading_block(factorization: Factorization, steps: int) -> Factorization:
 
 def build_filter(config: TrainConfig) -> Transform | None:
     """The temporal filter stage of ``config`` (``dpmf.optim.filters``), or None."""
-    return make_filter(config.filter, a=config.doppler_a, b=config.doppler_b,
-                       kappa=config.disk_kappa, gamma=config.disk_gamma)
+    return make_filter(
+        config.filter,
+        a=config.doppler_a,
+        b=config.doppler_b,
+        kappa=config.disk_kappa,
+        gamma=config.disk_gamma,
+    )
 
 
 def build_optimizer(config: TrainConfig, model: nn.Module, *, log=print) -> torch.optim.Optimizer:
@@ -163,12 +169,14 @@ def build_optimizer(config: TrainConfig, model: nn.Module, *, log=print) -> torc
     filt = build_filter(config)
     if config.optimizer == "dp-sgd":
         return DPSGD(
-            model.parameters(), lr=config.base_lr, momentum=config.momentum,
-            weight_decay=config.weight_decay, filter=filt,
+            model.parameters(),
+            lr=config.base_lr,
+            momentum=config.momentum,
+            weight_decay=config.weight_decay,
+            filter=filt,
         )
     if config.optimizer == "dp-adam":
-        return DPAdam(model.parameters(), lr=config.base_lr, weight_decay=config.weight_decay,
-                      filter=filt)
+        return DPAdam(model.parameters(), lr=config.base_lr, weight_decay=config.weight_decay, filter=filt)
     vectors = {}
     for name, p in trainable_parameters(model):
         if p.ndim >= 2 and 1 in matrix_shape(tuple(p.shape)):
@@ -253,6 +261,40 @@ def epsilon_after(
     )
 
 
+def choose_strategy(config: TrainConfig, dataset_size: int, steps: int, *, progress=True, log=print):
+    """``config`` with ``factorization="auto"`` resolved by ``dpmf.pick.pick``: the
+    recommended factorization and scheme for this run's N, B, n, (ε, δ), schedule and
+    ``max_bands`` (ranked by σ·MeanSE). Deterministic: the same config gives the same choice
+    (so ``--resume`` finds the same strategy). Logs the five best candidates.
+
+    Raises:
+        ValueError: no candidate can be accounted under the requested scheme.
+    """
+    from dpmf.pick import pick
+
+    res = pick(
+        dataset_size=dataset_size,
+        batch_size=config.batch_size,
+        steps=steps,
+        epsilon=config.epsilon,
+        delta=config.delta,
+        schedule=Schedule(config.schedule, config.beta, config.gamma),
+        max_bands=config.max_bands,
+        scheme="auto" if config.scheme == "poisson" else config.scheme,
+        accountant=config.accountant if config.accountant in ("pld", "rdp", "prv") else None,
+        samples=config.samples,
+        seed=config.seed,
+        progress=progress,
+    )
+    for i, e in enumerate(res.ranking[:5], 1):
+        log(
+            f"pick {i}: {e.factorization} ({e.scheme}) σ = {e.noise_multiplier:.4g}, "
+            f"σ·MeanSE = {e.noise_mean_se:.4g}, σ·MaxSE = {e.noise_max_se:.4g}"
+        )
+    rec = res.recommendation
+    return config.replace(factorization=rec.factorization, scheme=rec.scheme)
+
+
 def train(
     config: TrainConfig,
     out_dir: str,
@@ -299,7 +341,9 @@ def train(
     spe = steps_per_epoch(N, config.batch_size)
     n = config.epochs * spe
     chi_schedule = LearningRateSchedule(Schedule(config.schedule, config.beta, config.gamma), n)
-    factorization = factorize(chi_schedule.workload(), config.factorization)
+    if config.factorization == "auto":
+        config = choose_strategy(config, N, n, progress=progress, log=log)
+    factorization = build_strategy(chi_schedule.workload(), config.factorization, config.scheme, spe)
     groups = strategy_bandwidth(factorization.C) if config.scheme == "cyclic_poisson" else None
     privacy = _account(config, factorization, N, n, progress=progress, min_sep=groups)
     sigma, sens = privacy.noise_multiplier, privacy.sensitivity
