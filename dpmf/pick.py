@@ -265,7 +265,7 @@ def pick(
         name = spec.partition(":")[0]
         try:
             f, sch = _build(workload, spec, name, scheme, b, k, N, B)
-        except _Skip as exc:
+        except (_Skip, ValueError) as exc:  # ValueError: an optimized strategy infeasible/unsolved
             skipped.append((spec, str(exc)))
             continue
         try:

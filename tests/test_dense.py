@@ -250,3 +250,17 @@ def test_invalid_input():
         optimize_dense(w, Participation.fixed_epochs(2, 2))  # n > b·k
     with pytest.raises(TypeError, match="foo"):
         factorize(w, "dense", foo=1)
+
+
+def test_factorize_refuses_a_dense_solve_far_from_its_lower_bound():
+    """Exponential decay β = 0.1 under min_sep(16, 4): the dual Newton solve stalls with the
+    primal far above the certified bound; factorize says so instead of returning it."""
+    from dpmf.workloads import Schedule, from_schedule
+
+    w = from_schedule(Schedule("exponential", 0.1), 64)
+    part = Participation.separated(16, 4)
+    res = optimize_dense(w, part)
+    assert not res.converged and res.gap > 1e-3
+    assert res.value > res.lower_bound  # the lower bound is still a valid certificate
+    with pytest.raises(ValueError, match="factorization='dense' is invalid .* min_sep"):
+        factorize(w, "dense", participation=part)

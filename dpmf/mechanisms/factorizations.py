@@ -76,6 +76,9 @@ FACTORIZATIONS = (
     "bsr_opt",
     "blt",
 )
+# factorize(..., "dense") refuses a solve that stopped further than this (relative) above its
+# certified lower bound; optimize_dense returns such runs with converged=False for inspection
+DENSE_MAX_GAP = 1e-3
 BANDED = ("bsr", "bisr", "lr_bsr", "lr_bisr", "bisr_opt", "bsr_opt")
 OPTIMIZED = ("dense", "bisr_opt", "bsr_opt", "blt")
 
@@ -212,8 +215,10 @@ def factorize(
 
     Raises:
         TypeError: options given to a strategy that is not optimized, or unknown options.
-        ValueError: unknown name or invalid bands (see ``parse_factorization``), or invalid
-            options (raised by the optimizer).
+        ValueError: unknown name or invalid bands (see ``parse_factorization``), invalid
+            options (raised by the optimizer), or a ``dense`` solve that stopped more than
+            ``DENSE_MAX_GAP`` (relative) above its certified lower bound (seen for steep
+            learning-rate decays under min_sep participation).
     """
     if not isinstance(workload, Workload):
         raise TypeError(f"workload={workload!r} is invalid: must be a dpmf.workloads.Workload")
@@ -260,7 +265,16 @@ def _optimized(workload: Workload, name: str, p: int | None, participation, opti
     if name == "dense":
         from dpmf.mechanisms.dense import optimize_dense
 
-        return optimize_dense(workload, participation, **options).factorization
+        res = optimize_dense(workload, participation, **options)
+        if res.gap > DENSE_MAX_GAP:
+            label = "single" if participation is None else participation.label
+            raise ValueError(
+                f"factorization='dense' is invalid for {workload.name!r} under {label}: the solver "
+                f"stopped {res.gap:.3g} (relative) above its certified lower bound "
+                f"({res.value:.6g} against {res.lower_bound:.6g}, {res.iterations} iterations); "
+                "use a banded-optimized strategy, or optimize_dense(...) to inspect the run"
+            )
+        return res.factorization
     if name == "blt":
         from dpmf.mechanisms.blt import optimize_blt
 
