@@ -122,6 +122,6 @@ def _range(minimum, maximum) -> str:
 
 
 def _interval(low, high, low_inclusive, high_inclusive) -> str:
-    left = ("[" if low_inclusive else "(") + ("-inf" if low is None else f"{low:g}")
-    right = ("inf" if high is None else f"{high:g}") + ("]" if high_inclusive else ")")
+    left = "(-inf" if low is None else ("[" if low_inclusive else "(") + f"{low:g}"
+    right = "inf)" if high is None else f"{high:g}" + ("]" if high_inclusive else ")")
     return f"{left}, {right}"

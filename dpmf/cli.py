@@ -386,6 +386,10 @@ def _accounting_run(args) -> dict:
         raise UsageError(f"--factorization {spec} is invalid with --scheme {args.scheme} (DP-SGD only)")
     if (args.beta is not None or args.gamma is not None) and args.schedule is None:
         raise UsageError("--beta/--gamma need --schedule")
+    if args.schedule == "constant" and args.beta is not None and args.beta != 1.0:
+        raise UsageError("--beta is invalid with --schedule constant (β = 1)")
+    if args.schedule not in (None, "constant") and args.beta is None:
+        raise UsageError(f"--schedule {args.schedule} needs --beta (final multiplier in (0, 1])")
     schedule = None
     if args.schedule is not None:
         schedule = Schedule(args.schedule, 1.0 if args.beta is None else args.beta, args.gamma)

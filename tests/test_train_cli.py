@@ -163,6 +163,8 @@ def test_gradient_accumulation_is_accounted_at_the_logical_batch(tmp_path):
         (["--epsilon", "3", "--factorization", "auto", "--scheme", "epoch_balls_in_bins"], "scheme="),
         (["--epsilon", "3", "--factorization", "auto", "--max-bands", "0"], "max_bands=0 is invalid"),
         (["--epsilon", "3", "--factorization", "bisr:4", "--scheme", "auto"], "scheme='auto' is invalid"),
+        (["--epsilon", "3", "--schedule", "cosine"], "beta=1.0 is invalid with schedule='cosine'"),
+        (["--epsilon", "3", "--beta", "0.1"], "beta=0.1 is invalid with schedule='constant'"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, extra, match):

@@ -22,7 +22,7 @@ from dpmf.accountants.events import (
     flatten,
 )
 from dpmf.accountants.gaussian import gaussian_mu
-from dpmf.accountants.library import PLDAccountant, PRVAccountant, RDPAccountant
+from dpmf.accountants.library import NoiseTooSmallError, PLDAccountant, PRVAccountant, RDPAccountant
 from dpmf.accountants.montecarlo import (
     MonteCarloAccountant,
     certified_delta,
@@ -196,15 +196,13 @@ def account_segments(
     segs = list(segments)
     if not segs:
         raise ValueError(
-            "segments is invalid: must contain at least one (noise_multiplier, sampling_rate, "
-            "steps)"
+            "segments is invalid: must contain at least one (noise_multiplier, sampling_rate, steps)"
         )
     events = []
     for i, seg in enumerate(segs):
         if len(seg) != 3:
             raise ValueError(
-                f"segments[{i}]={seg!r} is invalid: must be (noise_multiplier, sampling_rate, "
-                "steps)"
+                f"segments[{i}]={seg!r} is invalid: must be (noise_multiplier, sampling_rate, steps)"
             )
         try:
             events.append(PoissonGaussianEvent(*seg))
@@ -249,7 +247,10 @@ def _smallest_feasible(eps_of: Callable[[float], float], target: float, sigma0: 
 
     def f(x: float) -> float:
         s = math.exp(x)
-        e = eps_of(s)
+        try:
+            e = eps_of(s)
+        except NoiseTooSmallError:  # below what the accountant can measure: treat as infeasible
+            return 1e6
         evaluated[s] = e
         return (min(e, 1e6) - target) if math.isfinite(e) else 1e6
 
@@ -261,17 +262,13 @@ def _smallest_feasible(eps_of: Callable[[float], float], target: float, sigma0: 
         while f(lo) <= 0:
             hi, lo = lo, lo - step
             if lo < math.log(1e-6):
-                raise ValueError(
-                    "calibration failed: the target is met for every noise multiplier >= 1e-6"
-                )
+                raise ValueError("calibration failed: the target is met for every noise multiplier >= 1e-6")
     else:
         lo, hi = x, x + step
         while f(hi) > 0:
             lo, hi = hi, hi + step
             if hi > math.log(1e6):
-                raise ValueError(
-                    "calibration failed: the target is not met by any noise multiplier <= 1e6"
-                )
+                raise ValueError("calibration failed: the target is not met by any noise multiplier <= 1e6")
     brentq(f, lo, hi, xtol=rtol / 4.0, rtol=1e-12)
     feasible = [s for s, e in evaluated.items() if e <= target]
     best = min(feasible)
@@ -294,12 +291,14 @@ def _gaussian_mu2(event) -> float | None:
 def _calibrate_library(name: str, event1, epsilon: float, delta: float, rtol: float):
     """σ multiplier for a library accountant; returns (σ, Measurement at σ, details)."""
     mu2 = _gaussian_mu2(event1)
-    if mu2 is not None and name in ("pld", "prv"):
+    if mu2 is not None and name == "pld":
         sigma = math.sqrt(mu2) / gaussian_mu(epsilon, delta)  # exact (analytic PLD)
         acc = _make(name, None, 0, None, None)
         meas = acc.epsilon(_rescaled(event1, sigma), delta)
-        while meas.epsilon > epsilon:  # round-off: move outwards
-            sigma *= 1.0 + 1e-12
+        step = 1e-12
+        while meas.epsilon > epsilon:  # round-off: move outwards, growing steps
+            sigma *= 1.0 + step
+            step *= 2.0
             meas = acc.epsilon(_rescaled(event1, sigma), delta)
         return sigma, meas, {"calibration": "closed form"}
     guess = math.sqrt(mu2) / gaussian_mu(epsilon, delta) if mu2 is not None else 1.0
@@ -327,10 +326,13 @@ def _calibrate_library(name: str, event1, epsilon: float, delta: float, rtol: fl
     for _ in range(3):  # secant steps towards the target, rtol/4 on the safe side
         if slope <= 0:
             break
-        s2 = best * math.exp((best_meas.epsilon - epsilon) / slope + rtol / 4.0)
+        s2 = best * math.exp(max((best_meas.epsilon - epsilon) / slope, -0.5) + rtol / 4.0)
         if s2 >= best * (1.0 - rtol / 4.0):
             break
-        meas2 = fine.epsilon(_rescaled(event1, s2), delta)
+        try:
+            meas2 = fine.epsilon(_rescaled(event1, s2), delta)
+        except NoiseTooSmallError:
+            break
         evals += 1
         if meas2.epsilon <= epsilon:
             best, best_meas = s2, meas2
@@ -449,9 +451,7 @@ def _calibrate_monte_carlo(event1, epsilon, delta, samples, seed, confidence, pr
         f"Monte Carlo calibration: {K} candidates per round on fresh streams, each certified at "
         f"alpha/(2^round*{K}) ({m} samples per direction, seed {seed})"
     )
-    meas = Measurement(
-        epsilon, delta, "monte_carlo", "certified", method, confidence, m, seed, None, d_est
-    )
+    meas = Measurement(epsilon, delta, "monte_carlo", "certified", method, confidence, m, seed, None, d_est)
     return best, meas, details
 
 
@@ -534,11 +534,7 @@ def calibrate(
     rtol = check_real("rtol", rtol, low=0.0, high=0.1, low_inclusive=False)
     event1, info = build_event(run, 1.0)
     if name == "monte_carlo":
-        m = (
-            samples
-            if samples is not None
-            else samples_needed(delta, confidence=1.0 - (1.0 - conf) / 16.0)
-        )
+        m = samples if samples is not None else samples_needed(delta, confidence=1.0 - (1.0 - conf) / 16.0)
         sigma, meas, extra = _calibrate_monte_carlo(event1, epsilon, delta, m, seed, conf, progress)
     else:
         sigma, meas, extra = _calibrate_library(name, event1, epsilon, delta, rtol)

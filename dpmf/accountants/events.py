@@ -130,9 +130,7 @@ class MixtureGaussianEvent:
         G = (G + G.T) / 2.0
         G.setflags(write=False)
         object.__setattr__(self, "gram", G)
-        object.__setattr__(
-            self, "repetitions", check_int("repetitions", self.repetitions, minimum=1)
-        )
+        object.__setattr__(self, "repetitions", check_int("repetitions", self.repetitions, minimum=1))
 
     @property
     def bins(self) -> int:

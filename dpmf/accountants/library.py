@@ -55,6 +55,26 @@ def _library_events(event) -> list:
     return out
 
 
+# Below this per-step noise multiplier a Poisson-subsampled Gaussian's privacy loss is too wide
+# for the PLD/PRV grids (gigabytes of memory or hours): those accountants refuse it.
+MIN_SUBSAMPLED_NOISE_MULTIPLIER = 0.1
+
+
+class NoiseTooSmallError(ValueError):
+    """A noise multiplier below ``MIN_SUBSAMPLED_NOISE_MULTIPLIER`` for the PLD/PRV accountants."""
+
+
+def _check_discretizable(events, name: str) -> None:
+    for e in events:
+        if isinstance(e, PoissonGaussianEvent) and e.noise_multiplier < MIN_SUBSAMPLED_NOISE_MULTIPLIER:
+            raise NoiseTooSmallError(
+                f"noise_multiplier={e.noise_multiplier:g} (per step, after normalization) is invalid "
+                f"for the {name} accountant with Poisson subsampling: must be >= "
+                f"{MIN_SUBSAMPLED_NOISE_MULTIPLIER:g} (the privacy loss is too wide to discretize); "
+                "accountant='rdp' gives an upper bound"
+            )
+
+
 def _gaussian_mu(events) -> float | None:
     """μ of the composition when every event is Gaussian: μ² = Σ count/σ²; else None."""
     if all(isinstance(e, GaussianEvent) for e in events):
@@ -67,9 +87,7 @@ def _dp_event(events) -> dp_accounting.DpEvent:
     for e in events:
         if isinstance(e, GaussianEvent):
             parts.append(
-                dp_accounting.SelfComposedDpEvent(
-                    dp_accounting.GaussianDpEvent(e.noise_multiplier), e.count
-                )
+                dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(e.noise_multiplier), e.count)
             )
         else:
             inner = dp_accounting.PoissonSampledDpEvent(
@@ -120,6 +138,7 @@ class PLDAccountant(_LibraryAccountant):
         )
 
     def _accountant(self, events):
+        _check_discretizable(events, self.name)
         acc = _pld.PLDAccountant(value_discretization_interval=self.value_discretization_interval)
         acc.compose(_dp_event(events))
         return acc
@@ -167,9 +186,7 @@ class RDPAccountant(_LibraryAccountant):
         """δ at ``epsilon`` from the RDP curve (an upper bound)."""
         epsilon = _check_epsilon(epsilon)
         d = float(self._accountant(_library_events(event)).get_delta(epsilon))
-        return Measurement(
-            epsilon, min(max(d, 0.0), 1.0), self.name, "upper_bound", "dp-accounting RDP"
-        )
+        return Measurement(epsilon, min(max(d, 0.0), 1.0), self.name, "upper_bound", "dp-accounting RDP")
 
 
 class PRVAccountant(_LibraryAccountant):
@@ -209,10 +226,9 @@ class PRVAccountant(_LibraryAccountant):
     def _accountant(self, events, delta_error: float):
         from prv_accountant import PRVAccountant as _PRV
 
+        _check_discretizable(events, self.name)
         prvs, counts = self._prvs(events)
-        acc = _PRV(
-            prvs, eps_error=self.eps_error, delta_error=delta_error, max_self_compositions=counts
-        )
+        acc = _PRV(prvs, eps_error=self.eps_error, delta_error=delta_error, max_self_compositions=counts)
         return acc, counts
 
     def epsilon(self, event, delta: float) -> Measurement:
@@ -231,6 +247,4 @@ class PRVAccountant(_LibraryAccountant):
         acc, counts = self._accountant(events, 1e-12)
         _, _, upper = acc.compute_delta(epsilon, counts)
         method = f"prv-accountant (eps_error={self.eps_error:g}, upper end)"
-        return Measurement(
-            epsilon, min(max(float(upper), 0.0), 1.0), self.name, "upper_bound", method
-        )
+        return Measurement(epsilon, min(max(float(upper), 0.0), 1.0), self.name, "upper_bound", method)

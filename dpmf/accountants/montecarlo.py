@@ -115,9 +115,7 @@ def certified_delta(mean: float, samples: int, confidence: float) -> float:
     return float(hi)
 
 
-def samples_needed(
-    delta: float, *, ratio: float = 0.5, confidence: float = 0.99, power: float = 0.9
-) -> int:
+def samples_needed(delta: float, *, ratio: float = 0.5, confidence: float = 0.99, power: float = 0.9) -> int:
     """Samples per direction so that a run whose true δ ≤ ratio·``delta`` certifies ``delta``.
 
     Certification at confidence 1 − α succeeds when the sample mean δ̂ ≤ d for some d with
@@ -350,9 +348,7 @@ class PrivacyLossSample:
         return certified_delta(0.0, self.samples, self.confidence)
 
     def _epsilon(self, delta: float, fn) -> float:
-        delta = check_real(
-            "delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False
-        )
+        delta = check_real("delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
         lo = self.threshold
         if fn(lo) <= delta:
             return lo
@@ -533,9 +529,7 @@ class MonteCarloAccountant:
         Raises:
             ValueError: δ outside (0, 1), an unsupported event, or too few samples to certify δ.
         """
-        delta = check_real(
-            "delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False
-        )
+        delta = check_real("delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
         _blocks(event)
         m = self.samples_for(delta)
         if self.confidence is not None:
@@ -587,9 +581,7 @@ class MonteCarloAccountant:
         est = s.delta_estimate(epsilon)
         method = _method(m, self.seed)
         if self.confidence is None:
-            return Measurement(
-                epsilon, est, self.name, "estimate", method, None, m, self.seed, None, est
-            )
+            return Measurement(epsilon, est, self.name, "estimate", method, None, m, self.seed, None, est)
         return Measurement(
             epsilon,
             s.delta_certified(epsilon),

@@ -42,9 +42,7 @@ class Measurement:
 
     def __post_init__(self):
         if self.guarantee not in GUARANTEES:
-            raise ValueError(
-                f"guarantee={self.guarantee!r} is invalid: must be one of {GUARANTEES}"
-            )
+            raise ValueError(f"guarantee={self.guarantee!r} is invalid: must be one of {GUARANTEES}")
         if math.isnan(self.epsilon) or self.epsilon < 0:
             raise ValueError(f"epsilon={self.epsilon!r} is invalid: must be >= 0 (internal error)")
 
@@ -102,9 +100,7 @@ class PrivacyResult:
 
     def __post_init__(self):
         if self.guarantee not in GUARANTEES:
-            raise ValueError(
-                f"guarantee={self.guarantee!r} is invalid: must be one of {GUARANTEES}"
-            )
+            raise ValueError(f"guarantee={self.guarantee!r} is invalid: must be one of {GUARANTEES}")
         if math.isnan(self.epsilon) or self.epsilon < 0:
             raise ValueError(f"epsilon={self.epsilon!r} is invalid: must be >= 0 (internal error)")
         object.__setattr__(self, "details", dict(self.details))

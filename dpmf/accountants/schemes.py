@@ -126,15 +126,12 @@ def check_run(scheme, dataset_size, batch_size, steps, factorization=None, min_s
     dataset_size = check_int("dataset_size", dataset_size, minimum=1)
     batch_size = check_int("batch_size", batch_size, minimum=1)
     if batch_size > dataset_size:
-        raise ValueError(
-            f"batch_size={batch_size} is invalid: must be in [1, dataset_size={dataset_size}]"
-        )
+        raise ValueError(f"batch_size={batch_size} is invalid: must be in [1, dataset_size={dataset_size}]")
     steps = check_int("steps", steps, minimum=1)
     if factorization is not None:
         if not isinstance(factorization, Factorization):
             raise TypeError(
-                f"factorization={factorization!r} is invalid: must be a "
-                "dpmf.mechanisms.Factorization or None"
+                f"factorization={factorization!r} is invalid: must be a dpmf.mechanisms.Factorization or None"
             )
         if factorization.n != steps:
             raise ValueError(
@@ -238,9 +235,7 @@ def build_event(run: Run, noise_multiplier: float):
                 "epochs"
             )
         s = _max_column_norm(run)
-        return GaussianEvent(sigma), dict(
-            sensitivity=s, sampling_rate=None, details={"participations": 1}
-        )
+        return GaussianEvent(sigma), dict(sensitivity=s, sampling_rate=None, details={"participations": 1})
     if scheme == "fixed_order":
         k = math.ceil(n / b)
         if C is None:
@@ -289,9 +284,7 @@ def build_event(run: Run, noise_multiplier: float):
         if full:
             events.append(MixtureGaussianEvent(sigma, np.eye(b), full))
         if rest:
-            events.append(
-                MixtureGaussianEvent(sigma, np.diag((np.arange(b) < rest).astype(float)), 1)
-            )
+            events.append(MixtureGaussianEvent(sigma, np.diag((np.arange(b) < rest).astype(float)), 1))
         event = events[0] if len(events) == 1 else ComposedEvent(tuple(events))
         details = {"bins": b, "epochs": full + (1 if rest else 0), "last_epoch_steps": rest or b}
         return event, dict(sensitivity=1.0, sampling_rate=None, details=details)
@@ -303,6 +296,4 @@ def build_event(run: Run, noise_multiplier: float):
         _check_nonnegative_gram(C)
         G = bin_gram(C, b, s)
     details = {"bins": b, "participations": math.ceil(n / b)}
-    return MixtureGaussianEvent(sigma, G, 1), dict(
-        sensitivity=s, sampling_rate=None, details=details
-    )
+    return MixtureGaussianEvent(sigma, G, 1), dict(sensitivity=s, sampling_rate=None, details=details)

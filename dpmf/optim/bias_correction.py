@@ -65,8 +65,7 @@ def _check_noise_std(noise_std):
     if isinstance(noise_std, torch.Tensor):
         if noise_std.ndim != 0:
             raise ValueError(
-                f"noise_std is invalid: must be a number or a 0-d tensor, got shape "
-                f"{tuple(noise_std.shape)}"
+                f"noise_std is invalid: must be a number or a 0-d tensor, got shape {tuple(noise_std.shape)}"
             )
         return noise_std
     return check_real("noise_std", noise_std, low=0.0)
@@ -112,9 +111,7 @@ def bias_corrected(
     if not isinstance(Y, torch.Tensor) or not Y.is_floating_point():
         raise TypeError("Y is invalid: must be a floating-point torch.Tensor")
     if Y.ndim not in (2, 3):
-        raise ValueError(
-            f"Y of shape {tuple(Y.shape)} is invalid: must be (m, n) or a batch (B, m, n)"
-        )
+        raise ValueError(f"Y of shape {tuple(Y.shape)} is invalid: must be (m, n) or a batch (B, m, n)")
     noise_std = _check_noise_std(noise_std)
     weights = richardson_weights(order)
     probes = check_int("probes", probes, minimum=1)
@@ -198,12 +195,26 @@ def newton_schulz_bc(
 
     if Y.ndim == 2:
         return bias_corrected(
-            f, Yn, sn.reshape(()), order=order, probes=probes, antithetic=antithetic,
+            f,
+            Yn,
+            sn.reshape(()),
+            order=order,
+            probes=probes,
+            antithetic=antithetic,
             generator=generator,
         )
     # A batch with per-matrix scales: correct each matrix with its own normalized s.
-    return torch.stack([
-        bias_corrected(f, Yn[i], sn[i].reshape(()), order=order, probes=probes,
-                       antithetic=antithetic, generator=generator)
-        for i in range(Y.shape[0])
-    ])
+    return torch.stack(
+        [
+            bias_corrected(
+                f,
+                Yn[i],
+                sn[i].reshape(()),
+                order=order,
+                probes=probes,
+                antithetic=antithetic,
+                generator=generator,
+            )
+            for i in range(Y.shape[0])
+        ]
+    )

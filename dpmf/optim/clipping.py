@@ -203,8 +203,9 @@ def _check_points(points, named) -> list[tuple[float, dict | None]] | None:
                 )
             for n, v in shift.items():
                 if not isinstance(v, torch.Tensor) or v.shape != shapes[n]:
-                    raise ValueError(f"points[{j}].shift[{n!r}] is invalid: must be a tensor of "
-                                     f"shape {tuple(shapes[n])}")
+                    raise ValueError(
+                        f"points[{j}].shift[{n!r}] is invalid: must be a tensor of shape {tuple(shapes[n])}"
+                    )
         plan.append((float(weight), shift))
     if not plan:
         raise ValueError("points is invalid: an evaluation plan needs at least one point")
@@ -275,9 +276,7 @@ def clipped_sum(
     all_norms = []
     for start in range(0, batch, micro_batch_size):
         stop = min(start + micro_batch_size, batch)
-        grads = per_example_gradients(
-            model, loss_fn, inputs[start:stop], targets[start:stop], points=points
-        )
+        grads = per_example_gradients(model, loss_fn, inputs[start:stop], targets[start:stop], points=points)
         sq = torch.zeros(stop - start, dtype=torch.float64, device=inputs.device)
         for g in grads:
             flat = g.reshape(g.shape[0], -1)

@@ -128,8 +128,7 @@ class Doppler(Transform):
         a, b = a / a[0], b / a[0]
         if b[0] == 0.0:
             raise ValueError(
-                f"b={self.b!r} is invalid: b[0] must be nonzero (the current gradient must enter "
-                "the output)"
+                f"b={self.b!r} is invalid: b[0] must be nonzero (the current gradient must enter the output)"
             )
         horizon, rho = _step_response_horizon(a, b)
         if rho >= 1.0:
@@ -190,8 +189,7 @@ def single_pass_gamma(kappa: float) -> float:
     Raises:
         ValueError: kappa outside (0, 1).
     """
-    kappa = check_real("kappa", kappa, low=0.0, high=1.0, low_inclusive=False,
-                       high_inclusive=False)
+    kappa = check_real("kappa", kappa, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
     return (1.0 - kappa) / kappa
 
 
@@ -234,10 +232,10 @@ class Disk(Transform):
     gamma: float = 0.5
 
     def __post_init__(self):
-        object.__setattr__(self, "kappa", check_real("kappa", self.kappa, low=0.0, high=1.0,
-                                                     low_inclusive=False))
-        object.__setattr__(self, "gamma", check_real("gamma", self.gamma, low=0.0,
-                                                     low_inclusive=False))
+        object.__setattr__(
+            self, "kappa", check_real("kappa", self.kappa, low=0.0, high=1.0, low_inclusive=False)
+        )
+        object.__setattr__(self, "gamma", check_real("gamma", self.gamma, low=0.0, low_inclusive=False))
 
     @property
     def extrapolation_weight(self) -> float:
@@ -270,8 +268,9 @@ class Disk(Transform):
         return 1.0 if step == 1 else self.kappa
 
 
-def make_filter(name: str, *, a=(1.0, -0.9), b=(0.1,), kappa: float = 0.7,
-                gamma: float = 0.5) -> Transform | None:
+def make_filter(
+    name: str, *, a=(1.0, -0.9), b=(0.1,), kappa: float = 0.7, gamma: float = 0.5
+) -> Transform | None:
     """The filter stage called ``name``: None for "none", ``Doppler(a, b)`` for "doppler",
     ``Disk(kappa, gamma)`` for "disk" (the arguments of the other filters are ignored).
 
@@ -284,4 +283,3 @@ def make_filter(name: str, *, a=(1.0, -0.9), b=(0.1,), kappa: float = 0.7,
     if name == "disk":
         return Disk(kappa, gamma)
     return None
-

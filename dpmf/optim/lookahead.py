@@ -59,15 +59,20 @@ def named_tensors(params) -> list[tuple[str, torch.Tensor]]:
     if isinstance(params, Iterable) and not isinstance(params, (str, bytes, torch.Tensor)):
         named = list(params)
         for i, item in enumerate(named):
-            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-                    and isinstance(item[1], torch.Tensor)):
+            if not (
+                isinstance(item, tuple)
+                and len(item) == 2
+                and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)
+            ):
                 raise TypeError(
                     f"params is invalid: item {i} is {type(item).__name__}; expected an "
                     "nn.Module or (name, tensor) pairs such as model.named_parameters()"
                 )
         return named
-    raise TypeError(f"params={type(params).__name__} is invalid: expected an nn.Module or "
-                    "(name, tensor) pairs")
+    raise TypeError(
+        f"params={type(params).__name__} is invalid: expected an nn.Module or (name, tensor) pairs"
+    )
 
 
 class DiskLookahead:
@@ -132,13 +137,14 @@ class DiskLookahead:
         names = [n for n, _ in named]
         if names != list(previous):
             raise ValueError(
-                f"params is invalid: names {names} differ from those of the previous step "
-                f"{list(previous)}"
+                f"params is invalid: names {names} differ from those of the previous step {list(previous)}"
             )
         for n, p in named:
             if p.shape != previous[n].shape:
-                raise ValueError(f"params is invalid: {n!r} has shape {tuple(p.shape)}, "
-                                 f"previously {tuple(previous[n].shape)}")
+                raise ValueError(
+                    f"params is invalid: {n!r} has shape {tuple(p.shape)}, "
+                    f"previously {tuple(previous[n].shape)}"
+                )
 
     def state_dict(self) -> dict:
         """κ, γ and θ_{t−1} (tensors on their devices), for checkpoints."""
@@ -153,7 +159,8 @@ class DiskLookahead:
         """
         for key in ("kappa", "gamma"):
             if state.get(key) != getattr(self, key):
-                raise ValueError(f"state is invalid: {key}={state.get(key)!r} differs from "
-                                 f"{getattr(self, key)!r}")
+                raise ValueError(
+                    f"state is invalid: {key}={state.get(key)!r} differs from {getattr(self, key)!r}"
+                )
         prev = state.get("previous")
         self._previous = None if prev is None else {n: v.clone() for n, v in prev.items()}

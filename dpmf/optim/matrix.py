@@ -31,9 +31,7 @@ def matrix_shape(shape) -> tuple[int, int]:
     """
     shape = tuple(int(s) for s in shape)
     if len(shape) < 2:
-        raise ValueError(
-            f"shape={shape} is invalid: a matrix view needs a tensor with at least 2 dimensions"
-        )
+        raise ValueError(f"shape={shape} is invalid: a matrix view needs a tensor with at least 2 dimensions")
     return shape[0], math.prod(shape[1:])
 
 

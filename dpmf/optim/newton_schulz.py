@@ -41,9 +41,7 @@ def check_coefficients(coefficients) -> tuple[float, float, float]:
             f"coefficients={coefficients!r} is invalid: must be a sequence (a, b, c) of 3 reals"
         ) from None
     if len(items) != 3 or not all(isinstance(v, numbers.Real) for v in items):
-        raise ValueError(
-            f"coefficients={coefficients!r} is invalid: must be a sequence (a, b, c) of 3 reals"
-        )
+        raise ValueError(f"coefficients={coefficients!r} is invalid: must be a sequence (a, b, c) of 3 reals")
     return tuple(check_real(f"coefficients[{i}]", v) for i, v in enumerate(items))
 
 

@@ -85,6 +85,7 @@ def _stage_id(stage) -> str:
         return f"{type(stage).__module__}.{type(stage).__qualname__}"
     return repr(stage)
 
+
 # Hyperparameters every group carries (a class overrides some of them).
 _BASE_DEFAULTS = dict(
     rule="sgd",
@@ -131,8 +132,12 @@ def dp_adam(
 
 
 def dp_muon(
-    beta=0.95, lookahead=True, ns_steps=5, ns_coefficients=QUINTIC_COEFFICIENTS,
-    weight_decay=0.0, filter=None,
+    beta=0.95,
+    lookahead=True,
+    ns_steps=5,
+    ns_coefficients=QUINTIC_COEFFICIENTS,
+    weight_decay=0.0,
+    filter=None,
 ) -> Transform:
     """DP-Muon (DESIGN.md, Training): M_t = βM_{t−1} + (1−β)G̃_t; M̂_t = (1−β)G̃_t + βM_t;
     X₅ = five quintic Newton–Schulz steps from M̂_t/‖M̂_t‖_F; u = √min(4, max(1, m/n))·X₅
@@ -147,8 +152,13 @@ def dp_muon(
 
 
 def dp_muon_s(
-    beta=0.95, lookahead=True, ns_steps=5, ns_coefficients=QUINTIC_COEFFICIENTS,
-    power_iterations=2, weight_decay=0.0, filter=None,
+    beta=0.95,
+    lookahead=True,
+    ns_steps=5,
+    ns_coefficients=QUINTIC_COEFFICIENTS,
+    power_iterations=2,
+    weight_decay=0.0,
+    filter=None,
 ) -> Transform:
     """DP-Muon-S (DESIGN.md, Training): u = σ₁(M_t)·√max(1, m/n)·X₅, σ₁ of the heavy-ball
     (EMA) momentum M_t by warm-started power iteration."""
@@ -163,8 +173,15 @@ def dp_muon_s(
 
 
 def dp_muon_bc(
-    beta=0.95, lookahead=True, ns_steps=5, ns_coefficients=QUINTIC_COEFFICIENTS,
-    order=1, probes=1, weight_decay=0.0, filter=None, antithetic=True,
+    beta=0.95,
+    lookahead=True,
+    ns_steps=5,
+    ns_coefficients=QUINTIC_COEFFICIENTS,
+    order=1,
+    probes=1,
+    weight_decay=0.0,
+    filter=None,
+    antithetic=True,
 ) -> Transform:
     """DP-MuonBC: DP-Muon with X₅ replaced by the order-K heat-extrapolated Newton–Schulz
     (``dpmf.optim.bias_correction``); the fresh-noise std of M̂_t is (1−β)(1+β) times that of
@@ -197,25 +214,27 @@ def build_transform(group: dict) -> Transform:
     if rule == "sgd":
         return dp_sgd(group["momentum"], group["nesterov"], wd, filt)
     if rule == "adam":
-        return dp_adam(group["betas"], group["eps"], wd, _bool(group, "decoupled_weight_decay"),
-                       filt)
-    common = dict(beta=group["beta"], lookahead=group["lookahead"], ns_steps=group["ns_steps"],
-                  ns_coefficients=group["ns_coefficients"], weight_decay=wd, filter=filt)
+        return dp_adam(group["betas"], group["eps"], wd, _bool(group, "decoupled_weight_decay"), filt)
+    common = dict(
+        beta=group["beta"],
+        lookahead=group["lookahead"],
+        ns_steps=group["ns_steps"],
+        ns_coefficients=group["ns_coefficients"],
+        weight_decay=wd,
+        filter=filt,
+    )
     if rule == "muon":
         return dp_muon(**common)
     if rule == "muon_s":
         return dp_muon_s(power_iterations=group["power_iterations"], **common)
-    return dp_muon_bc(order=group["order"], probes=group["probes"],
-                      antithetic=group["antithetic"], **common)
+    return dp_muon_bc(order=group["order"], probes=group["probes"], antithetic=group["antithetic"], **common)
 
 
 def _pair(name, value):
     try:
         a, b = value
     except (TypeError, ValueError):
-        raise ValueError(
-            f"{name}={value!r} is invalid: must be a pair of reals in [0, 1)"
-        ) from None
+        raise ValueError(f"{name}={value!r} is invalid: must be a pair of reals in [0, 1)") from None
     return a, b
 
 
@@ -259,9 +278,17 @@ class DPOptimizer(torch.optim.Optimizer):
             without a proper matrix view in a matrix rule — before any step.
     """
 
-    def __init__(self, params, defaults: dict, *, matrix_rule: str = "muon",
-                 vector_rule: str = "sgd", vector_lr: float | None = None, probe_seed: int = 0,
-                 check_finite: bool = True):
+    def __init__(
+        self,
+        params,
+        defaults: dict,
+        *,
+        matrix_rule: str = "muon",
+        vector_rule: str = "sgd",
+        vector_lr: float | None = None,
+        probe_seed: int = 0,
+        check_finite: bool = True,
+    ):
         self.matrix_rule = check_choice("matrix_rule", matrix_rule, RULES)
         self.vector_rule = check_choice(
             "vector_rule", vector_rule, [r for r in RULES if r not in MATRIX_RULES]
@@ -334,8 +361,9 @@ class DPOptimizer(torch.optim.Optimizer):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"params[{i}] is invalid: must be a torch.Tensor, got {type(p)}")
             if not p.is_floating_point():
-                raise TypeError(f"parameter {name or i!r} of dtype {p.dtype} is invalid: "
-                                "must be floating point")
+                raise TypeError(
+                    f"parameter {name or i!r} of dtype {p.dtype} is invalid: must be floating point"
+                )
             uses_matrix = group.get("transform") is None and group["rule"] in MATRIX_RULES
             if uses_matrix:
                 check_matrix_parameter(name if name is not None else f"params[{i}]", p.shape)
@@ -385,14 +413,19 @@ class DPOptimizer(torch.optim.Optimizer):
         """
         sd = super().state_dict()
         sd["param_groups"] = [
-            dict(g, **{k: {_STAGE_RECORD: _stage_id(g[k])} for k in _STAGE_KEYS
-                       if isinstance(g.get(k), Transform)})
+            dict(
+                g,
+                **{
+                    k: {_STAGE_RECORD: _stage_id(g[k])}
+                    for k in _STAGE_KEYS
+                    if isinstance(g.get(k), Transform)
+                },
+            )
             for g in sd["param_groups"]
         ]
         gens = dict(self._pending_generator_states)
         gens.update({k: g.get_state() for k, g in self._generators.items()})
-        sd["dpmf"] = {"noise_std": self._noise_std, "probe_seed": self.probe_seed,
-                      "generators": gens}
+        sd["dpmf"] = {"noise_std": self._noise_std, "probe_seed": self.probe_seed, "generators": gens}
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -404,15 +437,19 @@ class DPOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         extra = state_dict.pop("dpmf", None)
         groups = []
-        for i, (saved, own) in enumerate(zip(state_dict.get("param_groups", []),
-                                             self.param_groups, strict=False)):
+        for i, (saved, own) in enumerate(
+            zip(state_dict.get("param_groups", []), self.param_groups, strict=False)
+        ):
             saved = dict(saved)
             for key in _STAGE_KEYS:
                 if key not in saved:
                     continue
                 value, mine = saved[key], own.get(key)
-                theirs = value[_STAGE_RECORD] if isinstance(value, dict) and _STAGE_RECORD in value \
+                theirs = (
+                    value[_STAGE_RECORD]
+                    if isinstance(value, dict) and _STAGE_RECORD in value
                     else _stage_id(value)
+                )
                 if theirs != _stage_id(mine):
                     raise ValueError(
                         f"state_dict is invalid for this optimizer: param_groups[{i}] was saved "
@@ -420,7 +457,7 @@ class DPOptimizer(torch.optim.Optimizer):
                     )
                 saved[key] = mine
             groups.append(saved)
-        state_dict["param_groups"] = groups + list(state_dict.get("param_groups", []))[len(groups):]
+        state_dict["param_groups"] = groups + list(state_dict.get("param_groups", []))[len(groups) :]
         super().load_state_dict(state_dict)
         if extra is not None:
             self._noise_std = extra.get("noise_std")
@@ -467,8 +504,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 state = self.state[p]
                 if "transform" not in state:
                     state["transform"] = transform.init(p)
-                ctx = StepContext(name=name, noise_std=self._noise_std,
-                                  generator=self._generator(p.device))
+                ctx = StepContext(name=name, noise_std=self._noise_std, generator=self._generator(p.device))
                 update, state["transform"] = transform.update(p.grad, state["transform"], p, ctx)
                 p.add_(update.to(p.dtype), alpha=-lr)
         return loss
@@ -505,11 +541,31 @@ class DPSGD(DPOptimizer):
             momentum.
     """
 
-    def __init__(self, params, lr=required, momentum=0.0, nesterov=False, weight_decay=0.0, *,
-                 filter=None, check_finite=True):
-        super().__init__(params, dict(lr=lr, rule="auto", momentum=momentum, nesterov=nesterov,
-                                      weight_decay=weight_decay, filter=filter),
-                         matrix_rule="sgd", vector_rule="sgd", check_finite=check_finite)
+    def __init__(
+        self,
+        params,
+        lr=required,
+        momentum=0.0,
+        nesterov=False,
+        weight_decay=0.0,
+        *,
+        filter=None,
+        check_finite=True,
+    ):
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                rule="auto",
+                momentum=momentum,
+                nesterov=nesterov,
+                weight_decay=weight_decay,
+                filter=filter,
+            ),
+            matrix_rule="sgd",
+            vector_rule="sgd",
+            check_finite=check_finite,
+        )
 
 
 class DPAdam(DPOptimizer):
@@ -521,13 +577,33 @@ class DPAdam(DPOptimizer):
         ValueError: lr < 0, betas outside [0, 1), eps <= 0, weight_decay < 0.
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 decoupled_weight_decay=False, *, filter=None, check_finite=True):
-        super().__init__(params, dict(lr=lr, rule="auto", betas=tuple(betas), eps=eps,
-                                      weight_decay=weight_decay,
-                                      decoupled_weight_decay=decoupled_weight_decay,
-                                      filter=filter),
-                         matrix_rule="adam", vector_rule="adam", check_finite=check_finite)
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        decoupled_weight_decay=False,
+        *,
+        filter=None,
+        check_finite=True,
+    ):
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                rule="auto",
+                betas=tuple(betas),
+                eps=eps,
+                weight_decay=weight_decay,
+                decoupled_weight_decay=decoupled_weight_decay,
+                filter=filter,
+            ),
+            matrix_rule="adam",
+            vector_rule="adam",
+            check_finite=check_finite,
+        )
 
 
 class DPMuon(DPOptimizer):
@@ -563,24 +639,53 @@ class DPMuon(DPOptimizer):
 
     _matrix_rule = "muon"
 
-    def __init__(self, params, lr=0.02, beta=0.95, *, lookahead=True, ns_steps=5,
-                 ns_coefficients=QUINTIC_COEFFICIENTS, weight_decay=0.0, vector_momentum=0.9,
-                 vector_nesterov=False, vector_lr=None, filter=None, check_finite=True, **extra):
+    def __init__(
+        self,
+        params,
+        lr=0.02,
+        beta=0.95,
+        *,
+        lookahead=True,
+        ns_steps=5,
+        ns_coefficients=QUINTIC_COEFFICIENTS,
+        weight_decay=0.0,
+        vector_momentum=0.9,
+        vector_nesterov=False,
+        vector_lr=None,
+        filter=None,
+        check_finite=True,
+        **extra,
+    ):
         if "momentum" in extra or "nesterov" in extra:
             raise TypeError(
                 f"{type(self).__name__}: the matrices' EMA momentum is beta (and lookahead); the "
                 "1-D parameters' heavy-ball momentum is vector_momentum (and vector_nesterov)"
             )
-        defaults = dict(lr=lr, rule="auto", beta=beta, lookahead=lookahead, ns_steps=ns_steps,
-                        ns_coefficients=tuple(ns_coefficients), weight_decay=weight_decay,
-                        momentum=vector_momentum, nesterov=vector_nesterov, filter=filter)
+        defaults = dict(
+            lr=lr,
+            rule="auto",
+            beta=beta,
+            lookahead=lookahead,
+            ns_steps=ns_steps,
+            ns_coefficients=tuple(ns_coefficients),
+            weight_decay=weight_decay,
+            momentum=vector_momentum,
+            nesterov=vector_nesterov,
+            filter=filter,
+        )
         probe_seed = extra.pop("probe_seed", 0)
         unknown = sorted(set(extra) - set(_BASE_DEFAULTS))
         if unknown:
             raise TypeError(f"{type(self).__name__} got unexpected keyword arguments {unknown}")
         defaults.update(extra)
-        super().__init__(params, defaults, matrix_rule=self._matrix_rule, vector_lr=vector_lr,
-                         probe_seed=probe_seed, check_finite=check_finite)
+        super().__init__(
+            params,
+            defaults,
+            matrix_rule=self._matrix_rule,
+            vector_lr=vector_lr,
+            probe_seed=probe_seed,
+            check_finite=check_finite,
+        )
 
 
 class DPMuonS(DPMuon):
@@ -613,7 +718,16 @@ class DPMuonBC(DPMuon):
 
     _matrix_rule = "muon_bc"
 
-    def __init__(self, params, lr=0.02, beta=0.95, *, order=1, probes=1, antithetic=True,
-                 probe_seed=0, **kwargs):
-        super().__init__(params, lr, beta, order=order, probes=probes, antithetic=antithetic,
-                         probe_seed=probe_seed, **kwargs)
+    def __init__(
+        self, params, lr=0.02, beta=0.95, *, order=1, probes=1, antithetic=True, probe_seed=0, **kwargs
+    ):
+        super().__init__(
+            params,
+            lr,
+            beta,
+            order=order,
+            probes=probes,
+            antithetic=antithetic,
+            probe_seed=probe_seed,
+            **kwargs,
+        )

@@ -55,8 +55,7 @@ def top_singular_value(
         raise ValueError(f"M is invalid: must be a 2-D tensor, got {getattr(M, 'shape', M)!r}")
     if not isinstance(v, torch.Tensor) or tuple(v.shape) != (M.shape[1],):
         raise ValueError(
-            f"v is invalid: must be a tensor of shape ({M.shape[1]},), "
-            f"got {tuple(getattr(v, 'shape', ()))}"
+            f"v is invalid: must be a tensor of shape ({M.shape[1]},), got {tuple(getattr(v, 'shape', ()))}"
         )
     iterations = check_int("iterations", iterations, minimum=0)
     work = torch.promote_types(M.dtype, torch.float32)

@@ -48,7 +48,9 @@ def _named(model) -> tuple[list[tuple[str, torch.Tensor]], nn.Module | None]:
         named = list(model)
         for i, item in enumerate(named):
             if (
-                not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], str)
+                not isinstance(item, tuple)
+                or len(item) != 2
+                or not isinstance(item[0], str)
                 or not isinstance(item[1], torch.Tensor)
             ):
                 raise TypeError(
@@ -129,8 +131,12 @@ def route_parameters(
     if embedding_names is not None:
         emb = _check_names("embedding_names", embedding_names)
     elif module is not None:
-        ids = {id(p) for m in module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
-               for p in m.parameters(recurse=False)}
+        ids = {
+            id(p)
+            for m in module.modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+            for p in m.parameters(recurse=False)
+        }
         emb = _names_of(named, ids)
     else:
         emb = set()
@@ -170,9 +176,7 @@ def route_parameters(
         if rule in MATRIX_RULES:
             check_matrix_parameter(name, p.shape)
         groups.setdefault(rule, []).append((name, p))
-    return [
-        {"params": params, "rule": rule, **opts.get(rule, {})} for rule, params in groups.items()
-    ]
+    return [{"params": params, "rule": rule, **opts.get(rule, {})} for rule, params in groups.items()]
 
 
 def _default_rule(name, p, matrix_rule, vector_rule, embeddings, emb, head, head_set):

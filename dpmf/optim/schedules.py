@@ -44,9 +44,7 @@ class LearningRateSchedule:
 
     def __post_init__(self):
         if not isinstance(self.schedule, Schedule):
-            raise TypeError(
-                f"schedule={self.schedule!r} is invalid: must be a dpmf.workloads.Schedule"
-            )
+            raise TypeError(f"schedule={self.schedule!r} is invalid: must be a dpmf.workloads.Schedule")
         object.__setattr__(self, "steps", check_int("steps", self.steps, minimum=1))
         chi = np.array(self.schedule.values(self.steps), dtype=np.float64)
         chi.setflags(write=False)
@@ -91,8 +89,7 @@ def lr_scheduler(
     if isinstance(schedule, LearningRateSchedule):
         if steps is not None and check_int("steps", steps, minimum=1) != schedule.steps:
             raise ValueError(
-                f"steps={steps} is invalid: the LearningRateSchedule was built for "
-                f"{schedule.steps} steps"
+                f"steps={steps} is invalid: the LearningRateSchedule was built for {schedule.steps} steps"
             )
         fn = schedule
     else:

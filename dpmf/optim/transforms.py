@@ -189,9 +189,7 @@ class AddDecayedWeights(Transform):
     weight_decay: float = 0.0
 
     def __post_init__(self):
-        object.__setattr__(
-            self, "weight_decay", check_real("weight_decay", self.weight_decay, low=0.0)
-        )
+        object.__setattr__(self, "weight_decay", check_real("weight_decay", self.weight_decay, low=0.0))
 
     def update(self, update, state, param, ctx):
         if self.weight_decay == 0.0:
@@ -351,9 +349,7 @@ class Orthogonalize(Transform):
     def __post_init__(self):
         object.__setattr__(self, "steps", check_int("steps", self.steps, minimum=0))
         object.__setattr__(self, "coefficients", check_coefficients(self.coefficients))
-        object.__setattr__(
-            self, "eps", check_real("eps", self.eps, low=0.0, high=1.0, low_inclusive=False)
-        )
+        object.__setattr__(self, "eps", check_real("eps", self.eps, low=0.0, high=1.0, low_inclusive=False))
 
     def update(self, update, state, param, ctx):
         _matrix_dims(param, ctx)
@@ -387,9 +383,7 @@ class OrthogonalizeBiasCorrected(Transform):
             raise TypeError(f"antithetic={self.antithetic!r} is invalid: must be a bool")
         object.__setattr__(self, "steps", check_int("steps", self.steps, minimum=0))
         object.__setattr__(self, "coefficients", check_coefficients(self.coefficients))
-        object.__setattr__(
-            self, "eps", check_real("eps", self.eps, low=0.0, high=1.0, low_inclusive=False)
-        )
+        object.__setattr__(self, "eps", check_real("eps", self.eps, low=0.0, high=1.0, low_inclusive=False))
 
     def update(self, update, state, param, ctx):
         _matrix_dims(param, ctx)
@@ -401,9 +395,15 @@ class OrthogonalizeBiasCorrected(Transform):
                 "stage before it declare its fresh_gain"
             )
         X = newton_schulz_bc(
-            matrix_view(update), ctx.noise_std, order=self.order, probes=self.probes,
-            antithetic=self.antithetic, generator=ctx.generator, steps=self.steps,
-            coefficients=self.coefficients, eps=self.eps,
+            matrix_view(update),
+            ctx.noise_std,
+            order=self.order,
+            probes=self.probes,
+            antithetic=self.antithetic,
+            generator=ctx.generator,
+            steps=self.steps,
+            coefficients=self.coefficients,
+            eps=self.eps,
         )
         return X.to(update.dtype).reshape(update.shape), state
 
@@ -426,7 +426,8 @@ class ScaleBySpectralNorm(Transform):
 
     def __post_init__(self):
         object.__setattr__(
-            self, "power_iterations",
+            self,
+            "power_iterations",
             check_int("power_iterations", self.power_iterations, minimum=1),
         )
         if not isinstance(self.source, str):

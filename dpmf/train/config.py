@@ -181,6 +181,13 @@ class TrainConfig:
         object.__setattr__(
             self, "beta", check_real("beta", self.beta, low=0.0, high=1.0, low_inclusive=False)
         )
+        if self.schedule == "constant" and self.beta != 1.0:
+            raise ValueError(f"beta={self.beta!r} is invalid with schedule='constant': it must be 1")
+        if self.schedule != "constant" and self.beta == 1.0:
+            raise ValueError(
+                f"beta=1.0 is invalid with schedule={self.schedule!r}: it makes the schedule constant; "
+                "give the final learning-rate multiplier in (0, 1), or schedule='constant'"
+            )
         if self.gamma is not None:
             object.__setattr__(self, "gamma", check_real("gamma", self.gamma, low=0.0, low_inclusive=False))
         object.__setattr__(self, "seed", check_int("seed", self.seed, minimum=0))
