@@ -38,9 +38,7 @@ def _ints(text: str) -> list[int]:
     try:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def baseline_seconds(W: np.ndarray, threads: int) -> float:
@@ -62,10 +60,7 @@ def main(argv=None) -> int:
     parser.add_argument("--schedule", default="constant")
     parser.add_argument("--beta", type=float, default=1.0)
     args = parser.parse_args(argv)
-    print(
-        f"cpus={os.cpu_count()} load_average={os.getloadavg()} "
-        f"schedule={args.schedule} beta={args.beta}"
-    )
+    print(f"cpus={os.cpu_count()} load_average={os.getloadavg()} schedule={args.schedule} beta={args.beta}")
     header = (
         f"{'n':>5} {'thr':>3} {'start':>5} {'eigh_s':>8} {'solve_s':>9} {'ratio':>7} {'newton':>6} "
         f"{'hvp':>5} {'mean_se':>12} {'lower_bound':>12} {'gap':>9} {'conv':>5} {'target':>7}"

@@ -24,8 +24,7 @@ def test_replace_composition_matches_the_baselines_dc_gain():
     assert sgd["momentum"] == 0.0 and sgd["lr"] == pytest.approx(0.5 / (1 - 0.9))
     muon = ablation.method_settings("DiSK-Muon")
     assert muon["muon_beta"] == 0.0 and muon["vector_lr"] == pytest.approx(0.05 / (1 - 0.9))
-    assert ablation.method_settings("DiSK-Muon", "stack") == {"optimizer": "dp-muon",
-                                                              "filter": "disk"}
+    assert ablation.method_settings("DiSK-Muon", "stack") == {"optimizer": "dp-muon", "filter": "disk"}
     assert ablation.method_settings("DP-SGD") == {"optimizer": "dp-sgd", "filter": "none"}
     with pytest.raises(ValueError, match="method"):
         ablation.method_settings("Kalman-SGD")
@@ -35,9 +34,11 @@ def test_replace_composition_matches_the_baselines_dc_gain():
 
 def test_summary_is_mean_and_sample_std_in_percent():
     acc = {("A", 256): [0.80, 0.82, 0.87], ("A", 1024): [0.5], ("B", 256): [0.7, 0.9]}
-    rows = [dict(method=m, batch_size=b, seed=i, test_accuracy=a, epsilon=4.0, steps=10,
-                 noise_multiplier=0.6)
-            for (m, b), values in acc.items() for i, a in enumerate(values)]
+    rows = [
+        dict(method=m, batch_size=b, seed=i, test_accuracy=a, epsilon=4.0, steps=10, noise_multiplier=0.6)
+        for (m, b), values in acc.items()
+        for i, a in enumerate(values)
+    ]
     summary = {(s["method"], s["batch_size"]): s for s in ablation.summarize(rows)}
     assert summary["A", 256]["mean"] == pytest.approx(83.0)
     assert summary["A", 256]["std"] == pytest.approx(statistics.stdev([80.0, 82.0, 87.0]))
@@ -48,8 +49,15 @@ def test_summary_is_mean_and_sample_std_in_percent():
 
 
 def test_miniature_ablation_on_digits(tmp_path):
-    kw = dict(methods=("DP-SGD", "DiSK-SGD"), batch_sizes=(256,), seeds=(0, 1), epsilon=3.0,
-              epochs=1, overrides={"dataset": "digits", "data_dir": None}, log=lambda *a: None)
+    kw = dict(
+        methods=("DP-SGD", "DiSK-SGD"),
+        batch_sizes=(256,),
+        seeds=(0, 1),
+        epsilon=3.0,
+        epochs=1,
+        overrides={"dataset": "digits", "data_dir": None},
+        log=lambda *a: None,
+    )
     rows = ablation.run_ablation(str(tmp_path), **kw)
     assert len(rows) == 4 and len({r["epsilon"] for r in rows}) == 1  # filters cost no ε
     assert {r["filter"] for r in rows} == {"none", "disk"}

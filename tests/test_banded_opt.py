@@ -88,9 +88,7 @@ def test_max_se_objective():
     w, part = prefix_sum(128), Participation.separated(32, 4)
     res = optimize_banded(w, "bisr_opt", 8, part, objective="max_se")
     start = evaluate(factorize(w, "bisr:8"), part)
-    assert res.value <= start.max_se and res.value == pytest.approx(
-        evaluate(res.factorization, part).max_se
-    )
+    assert res.value <= start.max_se and res.value == pytest.approx(evaluate(res.factorization, part).max_se)
     with pytest.raises(ValueError, match="Toeplitz"):
         optimize_banded(_exp(32), "bisr_opt", 4, objective="max_se")
 

@@ -119,9 +119,7 @@ def test_closed_form_prefix_error(objective):
 def test_max_se_near_square_root_three_buffers_n10000():
     n = 10_000
     sqrt_max = _sqrt_max_se(n)
-    assert evaluate(factorize(prefix_sum(n), "sqrt_prefix")).max_se == pytest.approx(
-        sqrt_max, rel=1e-10
-    )
+    assert evaluate(factorize(prefix_sum(n), "sqrt_prefix")).max_se == pytest.approx(sqrt_max, rel=1e-10)
     res = optimize_blt(prefix_sum(n), 3, objective="max_se", starts=1)
     assert res.value <= 1.05 * sqrt_max
     assert res.value >= sqrt_max * (1 - 1e-3)  # the square root is near-optimal among Toeplitz
@@ -135,9 +133,7 @@ def test_max_se_near_square_root_three_buffers_n10000():
 def test_max_se_near_square_root_two_to_five_buffers_n10000():
     n = 10_000
     sqrt_max = _sqrt_max_se(n)
-    ratios = {
-        d: optimize_blt(prefix_sum(n), d, objective="max_se").value / sqrt_max for d in (2, 3, 4, 5)
-    }
+    ratios = {d: optimize_blt(prefix_sum(n), d, objective="max_se").value / sqrt_max for d in (2, 3, 4, 5)}
     # measured: 2 buffers +5.45 % (the best 2-buffer BLT we found from every start), 3: +0.88 %,
     # 4: +0.13 %, 5: +0.02 %
     assert ratios[2] <= 1.06

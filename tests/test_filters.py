@@ -103,8 +103,9 @@ def test_doppler_white_noise_variance_is_sum_of_squared_impulse_response(case):
     state = stage.init(torch.zeros(N))
     var = []
     for _ in range(T):
-        out, state = stage.update(torch.randn(N, generator=gen, dtype=torch.float64), state,
-                                  None, StepContext())
+        out, state = stage.update(
+            torch.randn(N, generator=gen, dtype=torch.float64), state, None, StepContext()
+        )
         var.append(float(out.var()))
     predicted = np.cumsum(h**2) / c**2  # Var m̂_t = Σ_{k<t} h_k² / c_t²
     tol = 5 * math.sqrt(2 / N)  # relative std of a variance estimate from N Gaussian samples
@@ -126,8 +127,7 @@ def test_doppler_state_on_parameter_device_and_dtype_and_memory():
         out, state = stage.update(torch.ones(3, 4), state, p, StepContext())
     assert out.dtype == torch.float32
     assert len(state["outputs"]) == 2 and len(state["inputs"]) == 2  # na = nb = 2
-    assert all(x.dtype == torch.float32 and x.shape == p.shape
-               for x in state["outputs"] + state["inputs"])
+    assert all(x.dtype == torch.float32 and x.shape == p.shape for x in state["outputs"] + state["inputs"])
     default = Doppler()
     s = default.init(p)
     for _ in range(3):
@@ -143,16 +143,19 @@ def test_doppler_does_not_modify_its_input():
     assert torch.equal(g, keep)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(a=(1.0, -1.1)), "stable"),
-    (dict(a=(1.0, 1.0)), "stable"),
-    (dict(a=(0.0, 1.0)), r"a\[0\]"),
-    (dict(b=(0.0, 0.1)), r"b\[0\]"),
-    (dict(b=(1.0, -1.0)), "DC gain"),
-    (dict(b=(0.3, -0.1, -0.2)), "normalizer"),
-    (dict(b=(float("nan"),)), "NaN"),
-    (dict(a=()), "length"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(a=(1.0, -1.1)), "stable"),
+        (dict(a=(1.0, 1.0)), "stable"),
+        (dict(a=(0.0, 1.0)), r"a\[0\]"),
+        (dict(b=(0.0, 0.1)), r"b\[0\]"),
+        (dict(b=(1.0, -1.0)), "DC gain"),
+        (dict(b=(0.3, -0.1, -0.2)), "normalizer"),
+        (dict(b=(float("nan"),)), "NaN"),
+        (dict(a=()), "length"),
+    ],
+)
 def test_doppler_bad_coefficients_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Doppler(**kwargs)
@@ -208,8 +211,9 @@ def test_disk_without_noise_returns_the_true_gradient():
     for kappa, gamma in [(0.7, 0.5), (0.3, 2.0), (0.7, single_pass_gamma(0.7)), (1.0, 0.5)]:
         filtered, true, _ = run_disk(kappa, gamma, steps=12, noise_std=0.0)
         for t, (m, g) in enumerate(zip(filtered, true, strict=True), start=1):
-            torch.testing.assert_close(m, g, rtol=1e-10, atol=1e-12,
-                                       msg=f"kappa={kappa} gamma={gamma} step {t}")
+            torch.testing.assert_close(
+                m, g, rtol=1e-10, atol=1e-12, msg=f"kappa={kappa} gamma={gamma} step {t}"
+            )
     # the prediction matters: the same filter fed the gradient at x_t only lags behind
     filtered, true, _ = run_disk(0.7, 0.5, steps=5, noise_std=0.0, lookahead=False)
     assert float((filtered[-1] - true[-1]).abs().max()) > 1e-3
@@ -286,10 +290,15 @@ def test_disk_lookahead_state_dict_round_trip():
         DiskLookahead(0.5, 0.8).load_state_dict(a.state_dict())
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(kappa=0.0), "kappa"), (dict(kappa=1.5), "kappa"), (dict(gamma=0.0), "gamma"),
-    (dict(gamma=float("inf")), "gamma"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(kappa=0.0), "kappa"),
+        (dict(kappa=1.5), "kappa"),
+        (dict(gamma=0.0), "gamma"),
+        (dict(gamma=float("inf")), "gamma"),
+    ],
+)
 def test_disk_bad_hyperparameters_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Disk(**kwargs)
@@ -323,8 +332,10 @@ def test_disk_sgd_with_momentum_equals_sgd_on_prefiltered_gradients():
     for g in G:
         m = g.copy() if m is None else 0.3 * m + 0.7 * g
         pre.append(m)
-    p1, p2 = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64)), torch.nn.Parameter(
-        torch.zeros(4, dtype=torch.float64))
+    p1, p2 = (
+        torch.nn.Parameter(torch.zeros(4, dtype=torch.float64)),
+        torch.nn.Parameter(torch.zeros(4, dtype=torch.float64)),
+    )
     o1 = DPSGD([p1], lr=0.1, momentum=0.9, filter=Disk(0.7, 0.5))
     o2 = DPSGD([p2], lr=0.1, momentum=0.9)
     for t in range(5):

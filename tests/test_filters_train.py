@@ -55,13 +55,13 @@ def test_plan_clips_the_combined_per_example_vector():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(6, 4, generator=gen, dtype=torch.float64)
     y = torch.randint(0, 2, (6,), generator=gen)
-    shift = {n: 0.5 * torch.randn(p.shape, generator=gen, dtype=torch.float64)
-             for n, p in model.named_parameters()}
+    shift = {
+        n: 0.5 * torch.randn(p.shape, generator=gen, dtype=torch.float64) for n, p in model.named_parameters()
+    }
     weights = (0.2, 0.8)
     plan = (EvaluationPoint(weights[0]), EvaluationPoint(weights[1], shift))
     zeta = 0.05
-    got = clipped_sum(model, F.cross_entropy, x, y, clip_norm=zeta, points=plan,
-                      micro_batch_size=4)
+    got = clipped_sum(model, F.cross_entropy, x, y, clip_norm=zeta, points=plan, micro_batch_size=4)
     expected = [torch.zeros_like(p) for p in model.parameters()]
     norms = []
     for i in range(6):
@@ -81,11 +81,14 @@ def test_plan_clips_the_combined_per_example_vector():
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("points, match", [
-    ((), "at least one point"),
-    ((EvaluationPoint(float("nan")),), "weight"),
-    ((EvaluationPoint(1.0, {"0.weight": torch.zeros(3, 4)}),), "every trainable parameter"),
-])
+@pytest.mark.parametrize(
+    "points, match",
+    [
+        ((), "at least one point"),
+        ((EvaluationPoint(float("nan")),), "weight"),
+        ((EvaluationPoint(1.0, {"0.weight": torch.zeros(3, 4)}),), "every trainable parameter"),
+    ],
+)
 def test_bad_plans_refused(points, match):
     model = small_model()
     x, y = torch.zeros(2, 4, dtype=torch.float64), torch.zeros(2, dtype=torch.long)
@@ -111,28 +114,53 @@ def test_filters_do_not_change_the_privacy_of_the_run(tmp_path):
     privacy, _, steps = results["none"]
     assert privacy["epsilon"] <= 3.0 and privacy["steps"] == steps  # every step accounted once
     # σ given instead of ε: the same ε with and without the filter
-    eps = {name: train(cfg(filter=name, epochs=1, noise_multiplier=1.3, epsilon=None),
-                       str(tmp_path / f"s_{name}"), **QUIET).privacy.epsilon
-           for name in ("none", "disk")}
+    eps = {
+        name: train(
+            cfg(filter=name, epochs=1, noise_multiplier=1.3, epsilon=None),
+            str(tmp_path / f"s_{name}"),
+            **QUIET,
+        ).privacy.epsilon
+        for name in ("none", "disk")
+    }
     assert eps["disk"] == eps["none"]
 
 
 def test_cli_filter_flags_build_the_filtered_optimizer(tmp_path, capsys):
     out = tmp_path / "run"
-    args = ["train", "--dataset", "digits", "--epochs", "1", "--batch-size", "256", "--no-progress",
-            "--epsilon", "3", "--optimizer", "dp-sgd", "--filter", "doppler",
-            "--doppler-a", "1,-0.8", "--doppler-b", "0.2", "--out", str(out)]
+    args = [
+        "train",
+        "--dataset",
+        "digits",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "256",
+        "--no-progress",
+        "--epsilon",
+        "3",
+        "--optimizer",
+        "dp-sgd",
+        "--filter",
+        "doppler",
+        "--doppler-a",
+        "1,-0.8",
+        "--doppler-b",
+        "0.2",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["config"]["filter"] == "doppler" and res["config"]["doppler_a"] == [1.0, -0.8]
     ckpt = load_checkpoint(out / "checkpoint.pt")
     assert ckpt["optimizer"]["param_groups"][0]["filter"] == {
-        "dpmf_stage": repr(Doppler((1.0, -0.8), (0.2,)))}
-    assert main(["train", "--dataset", "digits", "--filter", "lowpass", "--out",
-                 str(tmp_path / "bad")]) == 2
+        "dpmf_stage": repr(Doppler((1.0, -0.8), (0.2,)))
+    }
+    assert main(["train", "--dataset", "digits", "--filter", "lowpass", "--out", str(tmp_path / "bad")]) == 2
     assert "filter='lowpass' is invalid" in capsys.readouterr().err
-    opt = build_optimizer(cfg(filter="disk", disk_kappa=0.5, disk_gamma=1.0), small_model(),
-                          log=lambda *a: None)
+    opt = build_optimizer(
+        cfg(filter="disk", disk_kappa=0.5, disk_gamma=1.0), small_model(), log=lambda *a: None
+    )
     assert all(repr(g["filter"]) == "Disk(kappa=0.5, gamma=1.0)" for g in opt.param_groups)
 
 

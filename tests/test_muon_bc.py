@@ -89,8 +89,7 @@ def test_cubic_map_without_antithetic_probes_is_unbiased_too():
     M = torch.randn(3, 4, generator=torch.Generator().manual_seed(30), dtype=torch.float64)
     s, N = 0.3, 20000
     Y, g = _draws(M, s, N, seed=31)
-    bc = _pair_mean(bias_corrected(cubic, Y, s, order=1, probes=2, antithetic=False,
-                                   generator=g), N)
+    bc = _pair_mean(bias_corrected(cubic, Y, s, order=1, probes=2, antithetic=False, generator=g), N)
     z, se = _entry_z(bc, cubic(M))
     assert z.abs().max() < 5.0 and (s**2 * 8 * M).norm() > 20 * se.norm()
 
@@ -187,9 +186,7 @@ def test_ema_fresh_gain_matches_finite_difference():
             out_b, _ = stage.update(g1 + 1.0, {"momentum": saved.clone()}, p, StepContext())
             measured = (out_b - out_a).mean().item()
             assert measured == pytest.approx(stage.fresh_gain(state), abs=1e-12)
-            assert stage.fresh_gain(state) == pytest.approx(
-                (1 - beta) * (1 + beta) if look else 1 - beta
-            )
+            assert stage.fresh_gain(state) == pytest.approx((1 - beta) * (1 + beta) if look else 1 - beta)
 
 
 def _tiny_weight(seed=70, shape=(6, 10)):

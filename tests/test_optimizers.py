@@ -109,8 +109,11 @@ def test_conv_kernel_reshaped_out_by_in_kh_kw():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(momentum=0.0), dict(momentum=0.9, weight_decay=1e-2),
-     dict(momentum=0.9, nesterov=True, weight_decay=5e-3)],
+    [
+        dict(momentum=0.0),
+        dict(momentum=0.9, weight_decay=1e-2),
+        dict(momentum=0.9, nesterov=True, weight_decay=5e-3),
+    ],
 )
 def test_dp_sgd_matches_torch_sgd(kwargs):
     shapes = [(5, 4), (4,), (2, 3, 2, 2)]
@@ -127,9 +130,12 @@ def test_dp_sgd_matches_torch_sgd(kwargs):
 
 @pytest.mark.parametrize(
     "kwargs, torch_cls",
-    [(dict(), torch.optim.Adam), (dict(weight_decay=1e-2), torch.optim.Adam),
-     (dict(betas=(0.8, 0.99), eps=1e-6), torch.optim.Adam),
-     (dict(weight_decay=1e-2, decoupled_weight_decay=True), torch.optim.AdamW)],
+    [
+        (dict(), torch.optim.Adam),
+        (dict(weight_decay=1e-2), torch.optim.Adam),
+        (dict(betas=(0.8, 0.99), eps=1e-6), torch.optim.Adam),
+        (dict(weight_decay=1e-2, decoupled_weight_decay=True), torch.optim.AdamW),
+    ],
 )
 def test_dp_adam_matches_torch_adam(kwargs, torch_cls):
     shapes = [(5, 4), (4,)]
@@ -189,8 +195,13 @@ def test_dp_muon_s_is_homogeneous_of_degree_one():
 def _all_optimizers(params):
     bc = DPMuonBC(params, lr=0.1)
     bc.set_noise_std(0.7)
-    return [DPSGD(params, lr=0.1, momentum=0.9), DPAdam(params, lr=0.1), DPMuon(params, lr=0.1),
-            DPMuonS(params, lr=0.1), bc]
+    return [
+        DPSGD(params, lr=0.1, momentum=0.9),
+        DPAdam(params, lr=0.1),
+        DPMuon(params, lr=0.1),
+        DPMuonS(params, lr=0.1),
+        bc,
+    ]
 
 
 def test_zero_gradient_gives_zero_update_for_every_optimizer():
@@ -247,12 +258,15 @@ def test_non_matrices_never_reach_newton_schulz(monkeypatch):
         def wrapped(G, *args, **kwargs):
             seen.append((tuple(G.shape), kwargs.get("batched", False)))
             return fn(G, *args, **kwargs)
+
         return wrapped
 
     monkeypatch.setattr(transforms_module, "newton_schulz", spy(transforms_module.newton_schulz))
     monkeypatch.setattr(bc_module, "newton_schulz", spy(bc_module.newton_schulz))
     model = torch.nn.Sequential(
-        torch.nn.Conv2d(2, 4, 3), torch.nn.GroupNorm(2, 4), torch.nn.Flatten(),
+        torch.nn.Conv2d(2, 4, 3),
+        torch.nn.GroupNorm(2, 4),
+        torch.nn.Flatten(),
         torch.nn.Linear(4 * 4 * 4, 5),
     )
     x = torch.randn(3, 2, 6, 6)
@@ -355,8 +369,7 @@ def test_filter_stage_runs_first_and_enters_the_noise_std(monkeypatch):
 def test_custom_transform_group():
     p = make_params([(3, 4)], seed=15)[0]
     theta0 = p.detach().clone()
-    opt = DPSGD([{"params": [p], "transform": Chain((EmaMomentum(0.5, False), Scale(2.0)))}],
-                lr=0.1)
+    opt = DPSGD([{"params": [p], "transform": Chain((EmaMomentum(0.5, False), Scale(2.0)))}], lr=0.1)
     G = grads_for([p], seed=16)[0]
     p.grad = G
     opt.step()

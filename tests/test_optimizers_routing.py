@@ -41,17 +41,27 @@ def _rules(groups):
 def test_default_routing_uses_placeholders_by_shape():
     rules = _rules(route_parameters(Net()))
     assert rules == {
-        "embed.weight": "matrix", "conv.weight": "matrix", "conv.bias": "vector",
-        "norm.weight": "vector", "norm.bias": "vector", "hidden.weight": "matrix",
-        "hidden.bias": "vector", "head.weight": "matrix", "head.bias": "vector",
+        "embed.weight": "matrix",
+        "conv.weight": "matrix",
+        "conv.bias": "vector",
+        "norm.weight": "vector",
+        "norm.bias": "vector",
+        "hidden.weight": "matrix",
+        "hidden.bias": "vector",
+        "head.weight": "matrix",
+        "head.bias": "vector",
     }  # frozen.* left out
 
 
 def test_routing_embeddings_head_and_explicit_rules():
     net = Net()
-    groups = route_parameters(net, embeddings="adam", head="sgd",
-                              rules={"hidden.bias": "adam"},
-                              options={"adam": {"lr": 1e-3}, "sgd": {"momentum": 0.5}})
+    groups = route_parameters(
+        net,
+        embeddings="adam",
+        head="sgd",
+        rules={"hidden.bias": "adam"},
+        options={"adam": {"lr": 1e-3}, "sgd": {"momentum": 0.5}},
+    )
     rules = _rules(groups)
     assert rules["embed.weight"] == "adam"
     assert rules["head.weight"] == "sgd" and rules["head.bias"] == "sgd"
@@ -69,7 +79,9 @@ def test_optimizers_resolve_the_placeholders():
     net = Net()
     groups = route_parameters(net, embeddings="adam")
     expected = {
-        DPMuon: ("muon", "sgd"), DPMuonBC: ("muon_bc", "sgd"), DPSGD: ("sgd", "sgd"),
+        DPMuon: ("muon", "sgd"),
+        DPMuonBC: ("muon_bc", "sgd"),
+        DPSGD: ("sgd", "sgd"),
         DPAdam: ("adam", "adam"),
     }
     for cls, (matrix, vector) in expected.items():
@@ -87,7 +99,8 @@ def test_dp_muon_vector_lr_and_auto_split():
     net = Net()
     opt = DPMuon(net.parameters(), lr=0.02, vector_lr=0.5)  # frozen ones included, as torch
     assert [(g["rule"], g["lr"], len(g["params"])) for g in opt.param_groups] == [
-        ("muon", 0.02, 5), ("sgd", 0.5, 6)
+        ("muon", 0.02, 5),
+        ("sgd", 0.5, 6),
     ]
     assert len(DPSGD(net.parameters(), lr=0.1).param_groups) == 1
 
@@ -95,8 +108,15 @@ def test_dp_muon_vector_lr_and_auto_split():
 def test_routing_with_named_parameters_and_its_errors():
     net = Net()
     named = list(net.named_parameters())
-    rules = _rules(route_parameters(named, head="adam", head_names=["head.weight", "head.bias"],
-                                    embeddings="sgd", embedding_names=["embed.weight"]))
+    rules = _rules(
+        route_parameters(
+            named,
+            head="adam",
+            head_names=["head.weight", "head.bias"],
+            embeddings="sgd",
+            embedding_names=["embed.weight"],
+        )
+    )
     assert rules["head.weight"] == rules["head.bias"] == "adam"
     assert rules["embed.weight"] == "sgd"
     with pytest.raises(ValueError, match="head_names"):
