@@ -310,3 +310,18 @@ def test_mixture_event_validation():
         MixtureGaussianEvent(1.0, np.array([[1.0, 2.0], [0.0, 1.0]]))
     with pytest.raises(ValueError, match="noise_multiplier"):
         MixtureGaussianEvent(0.0, np.eye(2))
+
+
+def test_threaded_chunks_give_the_same_numbers_as_one_thread(monkeypatch):
+    """Chunks run on several cores but each has its own stream and they are summed in order."""
+    import os
+
+    from dpmf.accountants import montecarlo
+
+    ev = MixtureGaussianEvent(1.3, np.array([[1.0, 0.4, 0.0], [0.4, 1.0, 0.4], [0.0, 0.4, 1.0]]), 2)
+    scales = np.array([0.9, 1.0, 1.2])
+    many = montecarlo.delta_means(ev, scales, 1.0, 3_000_000, seed=3, progress=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    one = montecarlo.delta_means(ev, scales, 1.0, 3_000_000, seed=3, progress=False)
+    np.testing.assert_array_equal(many[0], one[0])
+    np.testing.assert_array_equal(many[1], one[1])

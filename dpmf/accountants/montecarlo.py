@@ -40,6 +40,9 @@ Schuchardt & Kalinin (2026) for this approach.
 from __future__ import annotations
 
 import math
+import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -271,14 +274,35 @@ def _iterate(event, scales, samples: int, seed: int, stream: int, progress, desc
             disable=None if progress is None else not progress,
             leave=False,
         )
+
+    def work(i: int):
+        count = min(chunk, samples - i * chunk)
+        return count, _chunk_losses(blocks, scales, count, np.random.default_rng([seed, stream, i]))
+
+    # numpy's element-wise work releases the GIL: chunks run on the machine's cores, and are
+    # yielded in order (every chunk has its own stream, so the result does not depend on it)
+    workers = max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1, 8))
+    pool = ThreadPoolExecutor(max_workers=workers) if workers > 1 and n_chunks > 1 else None
     try:
-        for i in range(n_chunks):
-            count = min(chunk, samples - i * chunk)
-            rng = np.random.default_rng([seed, stream, i])
-            yield _chunk_losses(blocks, scales, count, rng)
+        pending: deque = deque()
+        next_i = 0
+        while next_i < n_chunks or pending:
+            while pool is not None and next_i < n_chunks and len(pending) < 2 * workers:
+                pending.append(pool.submit(work, next_i))
+                next_i += 1
+            if pool is None:
+                count, out = work(next_i)
+                next_i += 1
+            else:
+                count, out = pending.popleft().result()
+            yield out
             if bar is not None:
                 bar.update(count)
     finally:
+        if pool is not None:
+            for f in pending:
+                f.cancel()
+            pool.shutdown(wait=True)
         if bar is not None:
             bar.close()
 
