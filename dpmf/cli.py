@@ -366,7 +366,6 @@ def _accounting_run(args) -> dict:
     from dpmf.accountants.api import _check_accountant, _check_mc
     from dpmf.accountants.schemes import check_run
     from dpmf.mechanisms import parse_factorization
-    from dpmf.workloads import Schedule
 
     N = check_int("dataset_size", args.dataset_size, minimum=1)
     B = check_int("batch_size", args.batch_size, minimum=1)
@@ -384,15 +383,7 @@ def _accounting_run(args) -> dict:
         spec = None if name == "identity" else args.factorization
     if spec is not None and args.scheme in ("poisson", "epoch_balls_in_bins"):
         raise UsageError(f"--factorization {spec} is invalid with --scheme {args.scheme} (DP-SGD only)")
-    if (args.beta is not None or args.gamma is not None) and args.schedule is None:
-        raise UsageError("--beta/--gamma need --schedule")
-    if args.schedule == "constant" and args.beta is not None and args.beta != 1.0:
-        raise UsageError("--beta is invalid with --schedule constant (β = 1)")
-    if args.schedule not in (None, "constant") and args.beta is None:
-        raise UsageError(f"--schedule {args.schedule} needs --beta (final multiplier in (0, 1])")
-    schedule = None
-    if args.schedule is not None:
-        schedule = Schedule(args.schedule, 1.0 if args.beta is None else args.beta, args.gamma)
+    schedule = _schedule_from_args(args)
     factorization = None
     if spec is not None:
         from dpmf.pick import build_strategy
@@ -413,6 +404,26 @@ def _accounting_run(args) -> dict:
         min_sep=args.min_sep,
         progress=False if args.no_progress else None,
     )
+
+
+def _schedule_from_args(args):
+    """The ``Schedule`` of --schedule/--beta/--gamma (None without --schedule): a decaying
+    schedule needs --beta, the constant one takes none but 1.
+
+    Raises:
+        UsageError: --beta/--gamma without --schedule, or a β that does not fit the schedule.
+    """
+    from dpmf.workloads import Schedule
+
+    if args.schedule is None:
+        if args.beta is not None or args.gamma is not None:
+            raise UsageError("--beta/--gamma need --schedule")
+        return None
+    if args.schedule == "constant" and args.beta is not None and args.beta != 1.0:
+        raise UsageError("--beta is invalid with --schedule constant (β = 1)")
+    if args.schedule != "constant" and args.beta is None:
+        raise UsageError(f"--schedule {args.schedule} needs --beta (final multiplier in (0, 1])")
+    return Schedule(args.schedule, 1.0 if args.beta is None else args.beta, args.gamma)
 
 
 def _print_result(result, as_json: bool) -> None:
@@ -543,7 +554,6 @@ def _run_pick(args) -> int:
 
     from dpmf._validation import check_int
     from dpmf.pick import pick
-    from dpmf.workloads import Schedule
 
     N = check_int("dataset_size", args.dataset_size, minimum=1)
     B = check_int("batch_size", args.batch_size, minimum=1)
@@ -551,12 +561,7 @@ def _run_pick(args) -> int:
         steps = check_int("steps", args.steps, minimum=1)
     else:
         steps = check_int("epochs", args.epochs, minimum=1) * (-(-N // B))
-    if args.schedule == "constant" and args.beta is not None and args.beta != 1.0:
-        raise UsageError("--beta is invalid with --schedule constant (β = 1)")
-    beta = 1.0 if args.beta is None else args.beta
-    if args.beta is None and args.schedule != "constant":
-        raise UsageError(f"--schedule {args.schedule} needs --beta (final multiplier in (0, 1])")
-    schedule = Schedule(args.schedule, beta, args.gamma)
+    schedule = _schedule_from_args(args)
     result = pick(
         dataset_size=N,
         batch_size=B,

@@ -6,17 +6,10 @@ import os
 import statistics
 
 import pytest
-import torch
 
 from dpmf.train import ablation
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_replace_composition_matches_the_baselines_dc_gain():

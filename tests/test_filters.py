@@ -25,14 +25,7 @@ from dpmf.optim import (
     single_pass_gamma,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Element-wise work on ~1e5 entries: torch's intra-op threads only add contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 BUTTER2 = tuple(map(tuple, ss.butter(2, 0.1)))  # (b, a), second-order low-pass

@@ -16,14 +16,7 @@ from dpmf.train.checkpoint import load_checkpoint
 from dpmf.train.config import TrainConfig
 from dpmf.train.run import build_optimizer, train
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: one intra-op thread avoids spinning threads on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 QUIET = {"progress": False, "log": lambda *a: None}

@@ -16,14 +16,7 @@ from dpmf.optim.noise import (
 )
 from dpmf.workloads import Schedule, from_schedule, prefix_sum
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: one intra-op thread avoids spinning threads on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 N = 8  # steps of the small strategies

@@ -15,14 +15,7 @@ from dpmf.train.metrics import read_metrics_csv
 from dpmf.train.run import build_optimizer, leading_block, train
 from dpmf.workloads import Schedule, from_schedule
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: one intra-op thread avoids spinning threads on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 BASE = ["--dataset", "digits", "--epochs", "3", "--batch-size", "128", "--no-progress"]

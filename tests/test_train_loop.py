@@ -17,14 +17,7 @@ from dpmf.train.models import build_model
 from dpmf.train.samplers import make_sampler
 from dpmf.workloads import prefix_sum
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: one intra-op thread avoids spinning threads on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

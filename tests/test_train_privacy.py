@@ -12,14 +12,7 @@ from dpmf.optim.noise import identity_noise, noise_for_factorization
 from dpmf.optim.privatize import Privatizer
 from dpmf.workloads import prefix_sum
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: one intra-op thread avoids spinning threads on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def wide_model(d_in=50, d_out=400):
