@@ -255,7 +255,6 @@ def pick(
 
     workload = from_schedule(schedule, n)
     specs = candidate_specs(schedule, n, max_bands, optimized=optimized, dense_max_steps=dense_max_steps)
-    k = math.ceil(n / b)
     cache: dict = {}
     entries, skipped = [], []
     bar = tqdm(specs, desc="pick", unit="strategy", disable=None if progress is None else not progress)
@@ -264,7 +263,7 @@ def pick(
         t1 = time.perf_counter()
         name = spec.partition(":")[0]
         try:
-            f, sch = _build(workload, spec, name, scheme, b, k, N, B)
+            f, sch = _build(workload, spec, name, scheme, b, N, B)
         except (_Skip, ValueError) as exc:  # ValueError: an optimized strategy infeasible/unsolved
             skipped.append((spec, str(exc)))
             continue
@@ -362,7 +361,7 @@ def build_strategy(workload, spec: str, scheme: str, steps_per_epoch: int):
     return factorize(workload, spec)
 
 
-def _build(workload, spec, name, scheme, b, k, N, B):
+def _build(workload, spec, name, scheme, b, N, B):
     """The factorization and its scheme (optimized ones for that scheme's participation)."""
     if name == "identity":
         return factorize(workload, "identity"), _DPSGD_SCHEME[scheme]
