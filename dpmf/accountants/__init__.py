@@ -1,9 +1,10 @@
 """Privacy accounting: the (ε, δ) of a training run with DP-SGD or a matrix mechanism.
 
 Events (what happened) are in ``events``; accountants (how private it was) in ``library``
-(PLD, RDP, PRV) and ``montecarlo`` (balls-in-bins, certified); the batch-sampling schemes of a
-training run in ``schemes``; the entry points ``account``, ``calibrate``, ``max_steps`` and
-``max_batch_size`` in ``api``.
+(PLD, RDP, PRV) and ``montecarlo`` (balls-in-bins, certified); the one generic calibrator in
+``calibration``; the entry points ``account``, ``calibrate``, ``max_steps`` and
+``max_batch_size`` (on a ``dpmf.PrivatePlan``, or keyword conveniences that build one) in
+``api``. The batch-sampling schemes are objects of ``dpmf.plan.schemes``.
 """
 
 from dpmf.accountants.api import (
@@ -22,7 +23,7 @@ from dpmf.accountants.events import (
     PoissonGaussianEvent,
 )
 from dpmf.accountants.gaussian import gaussian_delta, gaussian_epsilon, gaussian_mu
-from dpmf.accountants.library import PLDAccountant, PRVAccountant, RDPAccountant
+from dpmf.accountants.library import PLDAccountant, PRVAccountant, RDPAccountant, to_dp_event
 from dpmf.accountants.montecarlo import (
     MonteCarloAccountant,
     PrivacyLossSample,
@@ -32,20 +33,10 @@ from dpmf.accountants.montecarlo import (
     samples_needed,
 )
 from dpmf.accountants.result import GUARANTEES, Measurement, PrivacyResult
-from dpmf.accountants.schemes import (
-    MONTE_CARLO_SCHEMES,
-    SCHEMES,
-    Run,
-    bin_gram,
-    build_event,
-    check_run,
-)
 
 __all__ = [
     "ACCOUNTANTS",
     "GUARANTEES",
-    "MONTE_CARLO_SCHEMES",
-    "SCHEMES",
     "ComposedEvent",
     "GaussianEvent",
     "Measurement",
@@ -57,14 +48,10 @@ __all__ = [
     "PrivacyLossSample",
     "PrivacyResult",
     "RDPAccountant",
-    "Run",
     "account",
     "account_segments",
-    "bin_gram",
-    "build_event",
     "calibrate",
     "certified_delta",
-    "check_run",
     "default_accountant",
     "gaussian_delta",
     "gaussian_epsilon",
@@ -74,4 +61,5 @@ __all__ = [
     "max_steps",
     "sample_privacy_losses",
     "samples_needed",
+    "to_dp_event",
 ]

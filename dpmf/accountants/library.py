@@ -248,3 +248,23 @@ class PRVAccountant(_LibraryAccountant):
         _, _, upper = acc.compute_delta(epsilon, counts)
         method = f"prv-accountant (eps_error={self.eps_error:g}, upper end)"
         return Measurement(epsilon, min(max(float(upper), 0.0), 1.0), self.name, "upper_bound", method)
+
+
+def to_dp_event(event) -> dp_accounting.DpEvent:
+    """The ``dp_accounting`` DpEvent that describes ``event`` exactly.
+
+    Gaussian and Poisson-subsampled Gaussian events (and their compositions) map to
+    ``GaussianDpEvent``, ``PoissonSampledDpEvent`` and ``SelfComposedDpEvent``/
+    ``ComposedDpEvent``, so the run can be composed with other mechanisms in dp-accounting.
+
+    Raises:
+        ValueError: the event contains a mixture of Gaussians (balls-in-bins batching), which no
+            dp_accounting event describes; account it with the Monte Carlo accountant.
+    """
+    events = flatten(event)
+    if not all(isinstance(e, GaussianEvent | PoissonGaussianEvent) for e in events):
+        raise ValueError(
+            "event is invalid for to_dp_event: balls-in-bins batching (a mixture of Gaussians) has no "
+            "dp_accounting DpEvent; account it with accountant='monte_carlo'"
+        )
+    return _dp_event(events)

@@ -15,15 +15,18 @@ from dpmf.mechanisms.blt import (
 from dpmf.mechanisms.bounds import lower_bound, nuclear_norm
 from dpmf.mechanisms.dense import DenseResult, optimize_dense, reverse_cholesky
 from dpmf.mechanisms.errors import Evaluation, b_row_norms, evaluate, max_se, mean_se
-from dpmf.mechanisms.factorizations import (
-    BANDED,
-    FACTORIZATIONS,
-    OPTIMIZED,
-    Factorization,
-    factorize,
-    parse_factorization,
-)
+from dpmf.mechanisms.factorizations import Factorization
+from dpmf.mechanisms.lcgd import LCGDFactorization, LCGDResult, lcgd, optimize_lcgd
 from dpmf.mechanisms.participation import PARTICIPATIONS, Participation
+from dpmf.mechanisms.registry import (
+    STRATEGIES,
+    Strategy,
+    factorize,
+    get_strategy,
+    parse_factorization,
+    register_strategy,
+    strategy_names,
+)
 from dpmf.mechanisms.sensitivity import Sensitivity, gram, sensitivity
 from dpmf.mechanisms.structured import DenseLowerTriangular, ScaledToeplitz
 from dpmf.mechanisms.toeplitz import (
@@ -35,7 +38,24 @@ from dpmf.mechanisms.toeplitz import (
     toeplitz_product,
 )
 
+#: the registered strategy names, those whose parameter is a band count, and the optimized ones
+#: (snapshots of ``STRATEGIES`` at import; ``strategy_names()`` sees later registrations)
+FACTORIZATIONS = strategy_names()
+BANDED = tuple(
+    name for name, e in STRATEGIES.items() if e.parameter is not None and e.parameter.name == "bands"
+)
+OPTIMIZED = tuple(name for name, e in STRATEGIES.items() if e.optimized)
+
 __all__ = [
+    "LCGDFactorization",
+    "LCGDResult",
+    "STRATEGIES",
+    "Strategy",
+    "get_strategy",
+    "lcgd",
+    "optimize_lcgd",
+    "register_strategy",
+    "strategy_names",
     "BANDED",
     "BLTFactorization",
     "BLTResult",

@@ -42,7 +42,7 @@ import numpy as np
 from dpmf._validation import check_choice, check_int
 from dpmf.mechanisms._lbfgs import minimize_lbfgs
 from dpmf.mechanisms.errors import evaluate
-from dpmf.mechanisms.factorizations import Factorization, factorize
+from dpmf.mechanisms.factorizations import Factorization, closed_form
 from dpmf.mechanisms.participation import Participation
 from dpmf.mechanisms.structured import ScaledToeplitz
 from dpmf.mechanisms.toeplitz import inverse_coefficients
@@ -149,7 +149,7 @@ def optimize_banded(
         last_row_sq(workload, np.ones(n))  # raises the ValueError naming the workload
     p = min(p, n)
 
-    start_fact = factorize(workload, f"{start}:{p}")
+    start_fact = closed_form(workload, start, p)
     start_eval = evaluate(start_fact, participation, with_lower_bound=False)
     start_value = getattr(start_eval, objective)
 

@@ -55,6 +55,7 @@ from dpmf.mechanisms._lbfgs import minimize_lbfgs
 from dpmf.mechanisms.errors import evaluate
 from dpmf.mechanisms.factorizations import Factorization
 from dpmf.mechanisms.participation import Participation
+from dpmf.mechanisms.streaming import BLTLayout, NoiseLayout
 from dpmf.mechanisms.structured import ScaledToeplitz
 from dpmf.mechanisms.toeplitz import inverse_coefficients, inverse_sqrt_coefficients
 from dpmf.mechanisms.toeplitz_objective import (
@@ -290,6 +291,13 @@ class BLTFactorization(Factorization):
     @property
     def label(self) -> str:
         return f"blt:{self.buffers}"
+
+    def noise_layout(self, mode: str | None = None) -> NoiseLayout:
+        """``BLTLayout`` (d buffers) unless a Toeplitz-inverse ``mode`` is forced."""
+        Ci = self.C_inverse
+        if mode is None and isinstance(Ci, BufferedToeplitz):
+            return BLTLayout(self.n, Ci.omega, Ci.theta, Ci.row_scale, Ci.col_scale)
+        return super().noise_layout(mode)
 
     @property
     def theta(self) -> np.ndarray:

@@ -16,10 +16,14 @@ dense                optimized dense C (``dense.py``)       A·C⁻¹
 bisr_opt:p           (Toep(g))⁻¹, p optimized g             A·Toep(g)
 bsr_opt:p            Toep(c), p optimized c                 A·C⁻¹
 blt:d                (BLT(θ, ω))⁻¹, d optimized buffers     A·BLT(θ, ω)
+lcgd:λ               Toep(1, λ, λ², …) = Toep(1, −λ)⁻¹      A·Toep(1, −λ)
+lcgd_opt             as lcgd, λ optimized                   A·Toep(1, −λ)
 ==================== ====================================== =====================
 
-The last four are optimized for the workload and a participation pattern (``factorize``'s
-``participation`` and options; see ``dpmf.mechanisms.dense``, ``banded_opt`` and ``blt``).
+This module holds the ``Factorization`` type and the closed-form strategies (``closed_form``);
+the name → builder registry, with the optimized strategies (dense, bisr_opt, bsr_opt, blt,
+lcgd_opt: optimized for the workload and a participation pattern), is
+``dpmf.mechanisms.registry`` and its ``factorize``.
 
 r_j = binom(2j, j)/4^j; D = diag(χ) is the workload's learning-rate scale; T, the Toeplitz
 matrix a banded strategy is built from, is the workload's Toeplitz factor (A itself when A is
@@ -30,7 +34,8 @@ based, scaled, square-root and learning-rate-aware factorizations, Table 2 and e
 Kalinin & Lampert, "Banded Square Root Matrix Factorization for Differentially Private Model
 Training" (NeurIPS 2024) for BSR; Kalinin, Lampert et al., "Back to Square Roots: An Optimal
 Bound on the Matrix Factorization Error for Multi-Epoch Differentially Private SGD" (2025) for
-BISR.
+BISR; Kalinin, McKenna, Pagh & Lampert, "DP-λCGD" (ICML 2026, arXiv 2601.22334) for λCGD
+(C⁻¹ = Toep(1, −λ): each step's noise is correlated with the previous step's only).
 """
 
 from __future__ import annotations
@@ -40,7 +45,6 @@ from functools import cached_property
 
 import numpy as np
 
-from dpmf._validation import check_choice, check_int
 from dpmf.mechanisms.structured import DenseLowerTriangular, LowerTriangular, ScaledToeplitz
 from dpmf.mechanisms.toeplitz import (
     band,
@@ -49,39 +53,19 @@ from dpmf.mechanisms.toeplitz import (
     sqrt_coefficients,
 )
 from dpmf.mechanisms.triangular import sqrtm_lower_triangular
+from dpmf.mechanisms.streaming import (
+    BandedSqrtLayout,
+    DenseInverseLayout,
+    NoiseLayout,
+    ToeplitzInverseLayout,
+)
 from dpmf.workloads.workload import Workload
 
 __all__ = [
-    "FACTORIZATIONS",
-    "BANDED",
-    "OPTIMIZED",
     "Factorization",
-    "factorize",
-    "parse_factorization",
+    "closed_form",
+    "CLOSED_FORMS",
 ]
-
-FACTORIZATIONS = (
-    "identity",
-    "output",
-    "sqrt_prefix",
-    "sqrt_prefix_scaled",
-    "sqrt",
-    "lr_aware",
-    "bsr",
-    "bisr",
-    "lr_bsr",
-    "lr_bisr",
-    "dense",
-    "bisr_opt",
-    "bsr_opt",
-    "blt",
-)
-# factorize(..., "dense") refuses a solve that stopped further than this (relative) above its
-# certified lower bound; optimize_dense returns such runs with converged=False for inspection
-DENSE_MAX_GAP = 1e-3
-BANDED = ("bsr", "bisr", "lr_bsr", "lr_bisr", "bisr_opt", "bsr_opt")
-OPTIMIZED = ("dense", "bisr_opt", "bsr_opt", "blt")
-
 
 @dataclass(frozen=True, eq=False)
 class Factorization:
@@ -138,6 +122,36 @@ class Factorization:
         Ci = self.C_inverse
         return Ci.bandwidth if isinstance(Ci, ScaledToeplitz) else None
 
+    def noise_layout(self, mode: str | None = None) -> NoiseLayout:
+        """How (C⁻¹Z)_t is streamed, chosen from the structure of C and C⁻¹ (p(M): the number
+        of non-zero diagonals of M); ``dpmf.optim.noise.noise_stream`` builds the generator.
+
+        * C⁻¹ = diag(r)·Toep(g)·diag(s) with p(C⁻¹) ≤ p(C) (identity, BISR, banded-optimized,
+          λCGD, ``output`` of the prefix sum): ``ToeplitzInverseLayout`` with p(C⁻¹)
+          coefficients — buffered (p(C⁻¹) − 1 past raw vectors) when banded, regenerated
+          (O(d) memory, O(t·d) work at step t) when full (square roots, learning-rate aware);
+        * otherwise C = diag(r)·Toep(c)·diag(s) banded (BSR): ``BandedSqrtLayout``;
+        * a dense C⁻¹: ``DenseInverseLayout``.
+
+        Strategies with a cheaper generator of their own override this (BLT).
+
+        Args:
+            mode: ``"buffer"`` or ``"regenerate"`` to force the Toeplitz-inverse layout's mode;
+                None chooses as above.
+
+        Raises:
+            ValueError: an unknown mode.
+        """
+        Ci, C, n = self.C_inverse, self.C, self.n
+        if isinstance(Ci, ScaledToeplitz):
+            p_inv = Ci.bandwidth
+            p_c = C.bandwidth if isinstance(C, ScaledToeplitz) else n
+            if p_inv <= p_c or p_c >= n:
+                chosen = mode or ("buffer" if p_inv < n else "regenerate")
+                return ToeplitzInverseLayout(n, Ci.coeffs[:p_inv], Ci.row_scale, Ci.col_scale, chosen)
+            return BandedSqrtLayout(n, C.coeffs[:p_c], C.row_scale, C.col_scale)
+        return DenseInverseLayout(n, Ci.dense())
+
     def C_dense(self) -> np.ndarray:
         """C as an n×n array."""
         return self.C.dense()
@@ -154,134 +168,77 @@ class Factorization:
         return float(np.max(np.abs(self.B_dense() @ self.C_dense() - A)) / np.max(np.abs(A)))
 
 
-def parse_factorization(spec: str, bands: int | None = None) -> tuple[str, int | None]:
-    """Split ``"bisr:16"`` into ``("bisr", 16)``; ``bands`` fills in a missing p.
-
-    For ``blt`` the number after the colon is the number of buffers (``"blt:4"``).
-
-    Raises:
-        ValueError: unknown name, missing or invalid p for a banded factorization (or buffers
-            for ``blt``), or a p given to a factorization that takes none.
-    """
-    if not isinstance(spec, str):
-        raise TypeError(f"factorization={spec!r} is invalid: must be a string such as 'bisr:16'")
-    name, _, p = spec.strip().partition(":")
-    check_choice("factorization", name, FACTORIZATIONS)
-    if p:
-        try:
-            bands = int(p)
-        except ValueError:
-            raise ValueError(f"bands={p!r} is invalid in {spec!r}: must be an integer >= 1") from None
-    if name == "blt":
-        if bands is None:
-            raise ValueError(f"factorization={spec!r} is invalid: blt needs buffers, e.g. 'blt:4'")
-        return name, check_int("buffers", bands, minimum=1)
-    if name in BANDED:
-        if bands is None:
-            raise ValueError(f"factorization={spec!r} is invalid: {name} needs bands, e.g. '{name}:16'")
-        return name, check_int("bands", bands, minimum=1)
-    if p:
-        raise ValueError(f"factorization={spec!r} is invalid: {name} takes no bands")
-    return name, None
+def _identity(workload: Workload, p) -> Factorization:
+    return Factorization("identity", None, workload, ScaledToeplitz(_unit(workload.n)))
 
 
-def factorize(
-    workload: Workload,
-    spec: str,
-    bands: int | None = None,
-    *,
-    participation=None,
-    **options,
-) -> Factorization:
-    """Build the factorization ``spec`` (e.g. ``"lr_aware"``, ``"bisr:16"``) of ``workload``.
-
-    Args:
-        workload: the n×n workload A.
-        spec: a name from ``FACTORIZATIONS``, banded ones with ``:p``, ``blt`` with ``:d``
-            buffers.
-        bands: p (or d for ``blt``), when not given in ``spec``. p ≥ n keeps every diagonal.
-        participation: the ``Participation`` the optimized strategies (``OPTIMIZED``: dense,
-            bisr_opt, bsr_opt, blt) are optimized for; default single participation. The
-            other strategies do not depend on it.
-        **options: keyword options of the optimizer, for the optimized strategies only:
-            ``dense.optimize_dense`` (objective, tol, max_iterations, warm_start, …),
-            ``banded_opt.optimize_banded`` (objective, start, max_iterations) and
-            ``blt.optimize_blt`` (objective, max_iterations, starts).
-
-    Returns:
-        ``Factorization`` with structured C and C⁻¹ (O(n) memory for Toeplitz strategies;
-        the square root of a non-Toeplitz workload and ``dense`` are dense, O(n²)). Use the
-        ``optimize_*`` functions directly for the optimizers' convergence reports.
-
-    Raises:
-        TypeError: options given to a strategy that is not optimized, or unknown options.
-        ValueError: unknown name or invalid bands (see ``parse_factorization``), invalid
-            options (raised by the optimizer), or a ``dense`` solve that stopped more than
-            ``DENSE_MAX_GAP`` (relative) above its certified lower bound (seen for steep
-            learning-rate decays under min_sep participation).
-    """
-    if not isinstance(workload, Workload):
-        raise TypeError(f"workload={workload!r} is invalid: must be a dpmf.workloads.Workload")
-    name, p = parse_factorization(spec, bands)
-    if name in OPTIMIZED:
-        return _optimized(workload, name, p, participation, options)
-    if options:
-        raise TypeError(
-            f"options {sorted(options)} are invalid for factorization={spec!r}: only the "
-            f"optimized strategies ({', '.join(OPTIMIZED)}) take options"
-        )
-    n = workload.n
-    chi = workload.schedule_values
-    base = workload.toeplitz_coeffs if workload.is_toeplitz else np.asarray(workload.coeffs)
-    B_matrix = None
-    if name == "identity":
-        C = ScaledToeplitz(_unit(n))
-    elif name == "output":
-        C = ScaledToeplitz(np.asarray(workload.coeffs), None, workload.column_scale)
-    elif name == "sqrt_prefix":
-        C = ScaledToeplitz(binomial_series(-0.5, n))
-    elif name == "sqrt_prefix_scaled":
-        C = ScaledToeplitz(binomial_series(-0.5, n), None, workload.column_scale)
-    elif name == "sqrt":
-        if workload.is_toeplitz:
-            C = ScaledToeplitz(sqrt_coefficients(base))
-        else:
-            X = sqrtm_lower_triangular(workload.dense())
-            C, B_matrix = DenseLowerTriangular(X), X
-    elif name == "lr_aware":
-        C = ScaledToeplitz(sqrt_coefficients(chi))
-    else:
-        T = chi if name.startswith("lr_") else base
-        if name in ("bsr", "lr_bsr"):
-            C = ScaledToeplitz(band(sqrt_coefficients(T), p))
-        else:
-            noise = ScaledToeplitz(band(inverse_sqrt_coefficients(T), p))
-            return Factorization(name, p, workload, noise.inverse(), noise)
-    return Factorization(name, p, workload, C, None, B_matrix)
+def _output(workload: Workload, p) -> Factorization:
+    C = ScaledToeplitz(np.asarray(workload.coeffs), None, workload.column_scale)
+    return Factorization("output", None, workload, C)
 
 
-def _optimized(workload: Workload, name: str, p: int | None, participation, options: dict):
-    """Dispatch to the optimizers (imported here: they build on this module)."""
-    if name == "dense":
-        from dpmf.mechanisms.dense import optimize_dense
+def _sqrt_prefix(workload: Workload, p) -> Factorization:
+    return Factorization("sqrt_prefix", None, workload, ScaledToeplitz(binomial_series(-0.5, workload.n)))
 
-        res = optimize_dense(workload, participation, **options)
-        if res.gap > DENSE_MAX_GAP:
-            label = "single" if participation is None else participation.label
-            raise ValueError(
-                f"factorization='dense' is invalid for {workload.name!r} under {label}: the solver "
-                f"stopped {res.gap:.3g} (relative) above its certified lower bound "
-                f"({res.value:.6g} against {res.lower_bound:.6g}, {res.iterations} iterations); "
-                "use a banded-optimized strategy, or optimize_dense(...) to inspect the run"
-            )
-        return res.factorization
-    if name == "blt":
-        from dpmf.mechanisms.blt import optimize_blt
 
-        return optimize_blt(workload, p, participation, **options).factorization
-    from dpmf.mechanisms.banded_opt import optimize_banded
+def _sqrt_prefix_scaled(workload: Workload, p) -> Factorization:
+    C = ScaledToeplitz(binomial_series(-0.5, workload.n), None, workload.column_scale)
+    return Factorization("sqrt_prefix_scaled", None, workload, C)
 
-    return optimize_banded(workload, name, p, participation, **options).factorization
+
+def _sqrt(workload: Workload, p) -> Factorization:
+    if workload.is_toeplitz:
+        return Factorization("sqrt", None, workload, ScaledToeplitz(sqrt_coefficients(workload.toeplitz_coeffs)))
+    X = sqrtm_lower_triangular(workload.dense())
+    return Factorization("sqrt", None, workload, DenseLowerTriangular(X), None, X)
+
+
+def _lr_aware(workload: Workload, p) -> Factorization:
+    return Factorization("lr_aware", None, workload, ScaledToeplitz(sqrt_coefficients(workload.schedule_values)))
+
+
+def _banded_base(workload: Workload, lr: bool) -> np.ndarray:
+    """T's coefficients: Toep(χ) for the ``lr_`` variants, else the workload's Toeplitz factor."""
+    if lr:
+        return workload.schedule_values
+    return workload.toeplitz_coeffs if workload.is_toeplitz else np.asarray(workload.coeffs)
+
+
+def _bsr(name: str, lr: bool):
+    def build(workload: Workload, p: int) -> Factorization:
+        C = ScaledToeplitz(band(sqrt_coefficients(_banded_base(workload, lr)), p))
+        return Factorization(name, p, workload, C)
+
+    return build
+
+
+def _bisr(name: str, lr: bool):
+    def build(workload: Workload, p: int) -> Factorization:
+        noise = ScaledToeplitz(band(inverse_sqrt_coefficients(_banded_base(workload, lr)), p))
+        return Factorization(name, p, workload, noise.inverse(), noise)
+
+    return build
+
+
+#: name → builder(workload, p) of the closed-form strategies (p: bands, or None)
+CLOSED_FORMS = {
+    "identity": _identity,
+    "output": _output,
+    "sqrt_prefix": _sqrt_prefix,
+    "sqrt_prefix_scaled": _sqrt_prefix_scaled,
+    "sqrt": _sqrt,
+    "lr_aware": _lr_aware,
+    "bsr": _bsr("bsr", False),
+    "bisr": _bisr("bisr", False),
+    "lr_bsr": _bsr("lr_bsr", True),
+    "lr_bisr": _bisr("lr_bisr", True),
+}
+
+
+def closed_form(workload: Workload, name: str, p: int | None = None) -> Factorization:
+    """The closed-form strategy ``name`` (a key of ``CLOSED_FORMS``) of ``workload``, p bands
+    for the banded ones (validated by the caller: ``dpmf.mechanisms.registry.factorize``)."""
+    return CLOSED_FORMS[name](workload, p)
 
 
 def _unit(n: int) -> np.ndarray:

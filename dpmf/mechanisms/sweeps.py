@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from dpmf._validation import check_choice, check_int
 from dpmf.mechanisms.bounds import lower_bound
 from dpmf.mechanisms.errors import evaluate
-from dpmf.mechanisms.factorizations import factorize, parse_factorization
+from dpmf.mechanisms.registry import factorize, parse_factorization
 from dpmf.mechanisms.participation import Participation
 from dpmf.workloads.schedules import Schedule
 from dpmf.workloads.workload import from_schedule

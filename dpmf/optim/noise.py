@@ -52,9 +52,18 @@ import numpy as np
 import torch
 
 from dpmf._validation import check_choice, check_int, check_vector
+from dpmf.mechanisms.streaming import (
+    NOISE_MODES,
+    BandedSqrtLayout,
+    BLTLayout,
+    DenseInverseLayout,
+    ToeplitzInverseLayout,
+)
 
 __all__ = [
     "NOISE_MODES",
+    "STREAMS",
+    "noise_stream",
     "CorrelatedNoise",
     "ToeplitzInverseNoise",
     "BandedSqrtNoise",
@@ -65,7 +74,6 @@ __all__ = [
     "noise_for_factorization",
 ]
 
-NOISE_MODES = ("buffer", "regenerate")
 _SEED_MASK = (1 << 63) - 1
 
 
@@ -516,6 +524,34 @@ class DenseInverseNoise(CorrelatedNoise):
         return y
 
 
+def noise_stream(layout, dim: int, *, seed: int, device=None, dtype=torch.float32) -> CorrelatedNoise:
+    """The generator of a strategy's ``NoiseLayout`` (``dpmf.mechanisms.streaming``) for ``dim``
+    coordinates: one generator class per layout class (``STREAMS``).
+
+    Raises:
+        TypeError: not a known layout.
+    """
+    build = STREAMS.get(type(layout))
+    if build is None:
+        raise TypeError(f"layout={layout!r} is invalid: no noise generator for {type(layout).__name__}")
+    return build(layout, dim, {"seed": seed, "device": device, "dtype": dtype})
+
+
+#: layout class → builder(layout, dim, common keyword arguments)
+STREAMS = {
+    ToeplitzInverseLayout: lambda L, dim, kw: ToeplitzInverseNoise(
+        L.coeffs, dim, steps=L.steps, row_scale=L.row_scale, col_scale=L.col_scale, mode=L.mode, **kw
+    ),
+    BandedSqrtLayout: lambda L, dim, kw: BandedSqrtNoise(
+        L.coeffs, dim, steps=L.steps, row_scale=L.row_scale, col_scale=L.col_scale, **kw
+    ),
+    BLTLayout: lambda L, dim, kw: BLTNoise(
+        L.omega, L.theta, dim, steps=L.steps, row_scale=L.row_scale, col_scale=L.col_scale, **kw
+    ),
+    DenseInverseLayout: lambda L, dim, kw: DenseInverseNoise(L.matrix, dim, **kw),
+}
+
+
 def noise_for_factorization(
     factorization,
     dim: int,
@@ -525,71 +561,31 @@ def noise_for_factorization(
     dtype=torch.float32,
     mode: str | None = None,
 ) -> CorrelatedNoise:
-    """The cheapest streaming generator of (C⁻¹Z)_t for a ``Factorization``.
-
-    Choice, by the structure of C and C⁻¹ (p(M) = number of non-zero diagonals):
-
-    * C⁻¹ a BLT (``dpmf.mechanisms.blt.BufferedToeplitz``, ``blt:d``): ``BLTNoise``, d buffers;
-    * C⁻¹ = diag(r)·Toep(g)·diag(s) with p(C⁻¹) ≤ p(C) (identity, BISR, banded-optimized,
-      ``output`` of the prefix sum): ``ToeplitzInverseNoise`` with p(C⁻¹) bands;
-    * otherwise C = diag(r)·Toep(c)·diag(s) banded (p(C) < n: BSR): ``BandedSqrtNoise``;
-    * a full Toeplitz C⁻¹ (square root of the prefix sum, learning-rate aware):
-      ``ToeplitzInverseNoise`` in regenerate mode (O(d) memory, O(t·d) work at step t);
-    * a dense C⁻¹: ``DenseInverseNoise``.
+    """The cheapest streaming generator of (C⁻¹Z)_t for a ``Factorization``: the generator of
+    its own ``noise_layout(mode)`` (BLT buffers for BLT strategies; a Toeplitz inverse with
+    p(C⁻¹) coefficients for identity, BISR, banded-optimized, λCGD, buffered when banded and
+    regenerated when full; the banded-square-root recursion for BSR; a dense inverse otherwise).
 
     Args:
         factorization: a ``dpmf.mechanisms.Factorization`` (n steps).
         dim: d, the number of noised coordinates.
         seed: seed of the raw noise stream.
         device, dtype: of the produced noise (the model's).
-        mode: ``"buffer"`` or ``"regenerate"`` for ``ToeplitzInverseNoise``; None picks
+        mode: ``"buffer"`` or ``"regenerate"`` for a Toeplitz-inverse generator; None picks
             buffer for a banded C⁻¹ (p < n) and regenerate for a full one.
 
     Returns:
         a ``CorrelatedNoise`` covering n = ``factorization.n`` steps.
 
     Raises:
-        TypeError: not a factorization with structured ``C`` and ``C_inverse``.
+        TypeError: not a factorization (no ``noise_layout``).
         ValueError: unknown mode.
     """
-    from dpmf.mechanisms.blt import BufferedToeplitz
-    from dpmf.mechanisms.structured import DenseLowerTriangular, ScaledToeplitz
-
-    C = getattr(factorization, "C", None)
-    Ci = getattr(factorization, "C_inverse", None)
-    if Ci is None or C is None:
+    if not callable(getattr(factorization, "noise_layout", None)):
         raise TypeError(
             f"factorization={factorization!r} is invalid: must have C and C_inverse "
             "(a dpmf.mechanisms.Factorization)"
         )
     if mode is not None:
         check_choice("mode", mode, NOISE_MODES)
-    n = int(Ci.n)
-    common = {"seed": seed, "device": device, "dtype": dtype}
-    if isinstance(Ci, BufferedToeplitz) and mode is None:
-        return BLTNoise(
-            Ci.omega, Ci.theta, dim, steps=n, row_scale=Ci.row_scale, col_scale=Ci.col_scale, **common
-        )
-    if isinstance(Ci, ScaledToeplitz):
-        p_inv = Ci.bandwidth
-        p_c = C.bandwidth if isinstance(C, ScaledToeplitz) else n
-        if p_inv <= p_c or p_c >= n:
-            chosen = mode or ("buffer" if p_inv < n else "regenerate")
-            return ToeplitzInverseNoise(
-                Ci.coeffs[:p_inv],
-                dim,
-                steps=n,
-                row_scale=Ci.row_scale,
-                col_scale=Ci.col_scale,
-                mode=chosen,
-                **common,
-            )
-        return BandedSqrtNoise(
-            C.coeffs[:p_c], dim, steps=n, row_scale=C.row_scale, col_scale=C.col_scale, **common
-        )
-    if isinstance(Ci, DenseLowerTriangular):
-        return DenseInverseNoise(Ci.dense(), dim, **common)
-    raise TypeError(
-        f"factorization.C_inverse={type(Ci).__name__} is not supported: expected ScaledToeplitz "
-        "or DenseLowerTriangular"
-    )
+    return noise_stream(factorization.noise_layout(mode), dim, seed=seed, device=device, dtype=dtype)

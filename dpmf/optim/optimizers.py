@@ -288,6 +288,7 @@ class DPOptimizer(torch.optim.Optimizer):
         vector_lr: float | None = None,
         probe_seed: int = 0,
         check_finite: bool = True,
+        noise_std: float | None = None,
     ):
         self.matrix_rule = check_choice("matrix_rule", matrix_rule, RULES)
         self.vector_rule = check_choice(
@@ -298,7 +299,9 @@ class DPOptimizer(torch.optim.Optimizer):
         if not isinstance(check_finite, bool):
             raise TypeError(f"check_finite={check_finite!r} is invalid: must be a bool")
         self.check_finite = check_finite
-        self._noise_std: float | None = None
+        self._noise_std: float | None = None if noise_std is None else check_real("noise_std", noise_std, low=0.0)
+        self._source = None
+        self._chains: dict[int, tuple] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._pending_generator_states: dict[str, torch.Tensor] = {}
         full = dict(_BASE_DEFAULTS)
@@ -370,24 +373,21 @@ class DPOptimizer(torch.optim.Optimizer):
 
     # -- noise std for the bias correction --------------------------------------------------
 
-    def set_noise_std(self, std: float | None) -> None:
-        """Set the std of the fresh Gaussian noise per entry of the privatized gradient p.grad.
-
-        "Fresh" is the part of this step's noise independent of all earlier steps: for DP-SGD
-        (C = I) the whole per-entry std σ·ζ/B; for a lower-triangular strategy C with
-        Z ~ N(0, σ²ζ²sens(C)²), the innovation of (C⁻¹Z)_t, i.e. σ·ζ·sens(C)·|(C⁻¹)_tt|/B
-        (B the expected batch size). Only DP-MuonBC uses it; the stages convert it to the std
-        of the noise in the matrix they correct (×(1−β)(1+β) for Nesterov EMA momentum).
-        Call once, or each step if it changes; None clears it.
-
-        Raises:
-            ValueError: std < 0 or not finite.
+    def bind(self, source) -> None:
+        """Take the fresh-noise std of each step from ``source`` (a ``dpmf.optim.Privatizer``,
+        whose ``bind`` calls this): its ``fresh_noise_std``, the per-entry std of the part of
+        this step's noise in p.grad independent of earlier steps, σ·ζ·s·|(C⁻¹)_tt|/B̄. Only
+        DP-MuonBC uses it; the stages convert it to the std of the noise in the matrix they
+        correct (×(1−β)(1+β) for Nesterov EMA momentum).
         """
-        self._noise_std = None if std is None else check_real("std", std, low=0.0)
+        self._source = source
 
     @property
     def noise_std(self) -> float | None:
-        """The value given to ``set_noise_std`` (None if never set)."""
+        """The fresh-noise std per entry of p.grad: from the bound privatizer's last step, else
+        the ``noise_std`` given at construction (None if neither)."""
+        if self._source is not None:
+            return self._source.fresh_noise_std
         return self._noise_std
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -425,7 +425,7 @@ class DPOptimizer(torch.optim.Optimizer):
         ]
         gens = dict(self._pending_generator_states)
         gens.update({k: g.get_state() for k, g in self._generators.items()})
-        sd["dpmf"] = {"noise_std": self._noise_std, "probe_seed": self.probe_seed, "generators": gens}
+        sd["dpmf"] = {"probe_seed": self.probe_seed, "generators": gens}
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -460,7 +460,6 @@ class DPOptimizer(torch.optim.Optimizer):
         state_dict["param_groups"] = groups + list(state_dict.get("param_groups", []))[len(groups) :]
         super().load_state_dict(state_dict)
         if extra is not None:
-            self._noise_std = extra.get("noise_std")
             self.probe_seed = extra.get("probe_seed", self.probe_seed)
             self._generators = {}
             self._pending_generator_states = dict(extra.get("generators", {}))
@@ -495,19 +494,30 @@ class DPOptimizer(torch.optim.Optimizer):
                     raise TypeError(f"parameter {name!r}: sparse gradients are not supported")
                 items.append((name, p))
             if items:
-                work.append((group, build_transform(group), items))
+                work.append((group, self._chain(gi, group), items))
         if self.check_finite:
             self._check_finite([it for _, _, items in work for it in items])
+        noise_std = self.noise_std
         for group, transform, items in work:
             lr = group["lr"]
             for name, p in items:
                 state = self.state[p]
                 if "transform" not in state:
                     state["transform"] = transform.init(p)
-                ctx = StepContext(name=name, noise_std=self._noise_std, generator=self._generator(p.device))
+                ctx = StepContext(name=name, noise_std=noise_std, generator=self._generator(p.device))
                 update, state["transform"] = transform.update(p.grad, state["transform"], p, ctx)
                 p.add_(update.to(p.dtype), alpha=-lr)
         return loss
+
+    def _chain(self, index: int, group: dict) -> Transform:
+        """The group's stage chain, built once and rebuilt only when a hyperparameter other
+        than ``lr`` changes (the learning-rate schedule changes ``lr`` every step)."""
+        key = tuple((k, repr(v)) for k, v in sorted(group.items()) if k not in ("params", "param_names", "lr"))
+        cached = self._chains.get(index)
+        if cached is None or cached[0] != key:
+            cached = (key, build_transform(group))
+            self._chains[index] = cached
+        return cached[1]
 
     @staticmethod
     def _check_finite(items) -> None:
@@ -704,8 +714,9 @@ class DPMuonBC(DPMuon):
     """DP-MuonBC: DP-Muon with the order-``order`` bias-corrected Newton–Schulz map
     (``dpmf.optim.bias_correction``): 2·f(M̂_t) − mean_j f(M̂_t ± s·ξ_j) at order 1, with
     fresh probes ξ_j ~ N(0, I) from the optimizer's own generator seeded by ``probe_seed``
-    and s = (1−β)(1+β)·(std given to ``set_noise_std``) — the std of the fresh noise in M̂_t
-    (β·M_t with look-ahead off gives (1−β)·std). Call ``set_noise_std`` before the first step.
+    and s = (1−β)(1+β)·std — the std of the fresh noise in M̂_t (β·M_t with look-ahead off
+    gives (1−β)·std), with std the optimizer's ``noise_std``: the bound privatizer's fresh-noise
+    std of the step (``Privatizer.bind``), or the ``noise_std`` given at construction.
 
     Args:
         order: extrapolation order K >= 1 (bias O(s^(2K+2))).

@@ -6,7 +6,7 @@ with ζ the clip norm, σ the noise multiplier, sens = sens(C) the sensitivity o
 for the run's participation pattern, (C⁻¹Z)_t the step's correlated noise of unit scale
 (``dpmf.optim.noise``) and B̄ the **expected** batch size, a public number (dividing by the
 realised size would leak it). This is the release of the matrix mechanism B(CG + Z) in the
-form that streams over steps (DESIGN.md, Training; Denisov et al., "Improved Differential
+form that streams over steps (Denisov et al., "Improved Differential
 Privacy for SGD via Optimal Private Linear Operators on Adaptive Streams", NeurIPS 2022);
 everything an optimizer does with g̃_t afterwards is post-processing.
 
@@ -65,11 +65,15 @@ class Privatizer:
         model: the network; refused if a layer couples examples (BatchNorm). Frozen parameters
             (``requires_grad=False``) get no gradient and no noise.
         loss_fn: ``loss_fn(output, target)`` → scalar on a batch of one example.
+        plan: the run's ``dpmf.PrivatePlan`` with its noise multiplier: σ, the sensitivity s and
+            the expected batch size B̄ are taken from it (then do not pass them), and the noise
+            stream must be the plan's (same strategy, same number of steps).
         clip_norm: ζ > 0.
-        noise_multiplier: σ ≥ 0 (from the accountant; 0 means no privacy).
-        sensitivity: sens(C) > 0 of the strategy under the run's participation pattern (the
-            accountant's ``sensitivity``; 1 for DP-SGD).
-        expected_batch_size: B̄ > 0, the public expected number of examples per step.
+        noise_multiplier: σ ≥ 0 (without a plan; 0 means no privacy).
+        sensitivity: sens(C) > 0 of the strategy under the run's participation pattern (without
+            a plan; 1 for DP-SGD).
+        expected_batch_size: B̄ > 0, the public expected number of examples per step (without
+            a plan).
         noise: the unit-scale correlated noise stream; its ``dim`` must equal the number of
             trainable entries and its device/dtype the model's.
         micro_batch_size: the most per-example gradients held at once; None: as many as fit
@@ -79,8 +83,9 @@ class Privatizer:
             pass, 0.63 s in micro-batches of 64).
 
     Raises:
-        ValueError: any argument outside its range, a batch-coupled model, or a noise stream
-            whose dimension does not match the model.
+        ValueError: any argument outside its range, a batch-coupled model, a noise stream
+            whose dimension does not match the model, σ/s/B̄ given together with a plan, or a
+            noise stream that is not the plan's.
         TypeError: a noise stream of another device or dtype than the parameters.
     """
 
@@ -90,13 +95,30 @@ class Privatizer:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         *,
         clip_norm: float,
-        noise_multiplier: float,
-        sensitivity: float,
-        expected_batch_size: float,
         noise: CorrelatedNoise,
+        plan=None,
+        noise_multiplier: float | None = None,
+        sensitivity: float | None = None,
+        expected_batch_size: float | None = None,
         micro_batch_size: int | None = None,
     ):
         check_per_example_safe(model)
+        if plan is not None:
+            given = [k for k, v in (("noise_multiplier", noise_multiplier), ("sensitivity", sensitivity),
+                                    ("expected_batch_size", expected_batch_size)) if v is not None]
+            if given:
+                raise ValueError(f"{given[0]} is invalid together with plan: the plan fixes it")
+            noise_multiplier = plan.require_noise_multiplier()
+            sensitivity = plan.sensitivity
+            expected_batch_size = plan.expected_batch_size
+            _check_noise_matches_plan(noise, plan)
+        else:
+            missing = [k for k, v in (("noise_multiplier", noise_multiplier), ("sensitivity", sensitivity),
+                                      ("expected_batch_size", expected_batch_size)) if v is None]
+            if missing:
+                raise ValueError(f"{missing[0]} is required without a plan (or pass plan=)")
+        self.plan = plan
+        self.last_step: PrivateStep | None = None
         self.model = model
         self.loss_fn = loss_fn
         self.clip_norm = check_real("clip_norm", clip_norm, low=0.0, low_inclusive=False)
@@ -126,6 +148,18 @@ class Privatizer:
     def noise_std(self) -> float:
         """σ·ζ·sens: the noise standard deviation on the summed clipped gradients."""
         return self.noise_multiplier * self.clip_norm * self.sensitivity
+
+    @property
+    def fresh_noise_std(self) -> float | None:
+        """The fresh-noise std of the last privatized step (``PrivateStep.fresh_noise_std``), or
+        None before the first step."""
+        return None if self.last_step is None else self.last_step.fresh_noise_std
+
+    def bind(self, optimizer) -> None:
+        """Let a dpmf DP optimizer read each step's fresh-noise std from this privatizer
+        (``DPOptimizer.bind``); other optimizers need nothing."""
+        if hasattr(optimizer, "bind"):
+            optimizer.bind(self)
 
     @property
     def step(self) -> int:
@@ -180,7 +214,7 @@ class Privatizer:
             p.grad = g
         mean_norm = float(summed.norms.mean()) if summed.batch_size else 0.0
         fresh = scale * abs(self.noise.innovation(t)) / self.expected_batch_size
-        return PrivateStep(
+        self.last_step = PrivateStep(
             t,
             summed.batch_size,
             self.expected_batch_size,
@@ -188,4 +222,20 @@ class Privatizer:
             fresh,
             summed.clipped_fraction,
             mean_norm,
+        )
+        return self.last_step
+
+
+def _check_noise_matches_plan(noise: CorrelatedNoise, plan) -> None:
+    """Refuse a noise stream that is not the plan's strategy's (another generator, other
+    coefficients, or another number of steps)."""
+    expected = plan.noise(1, 0, device=noise.device, dtype=noise.dtype)  # d = 1: no large buffers
+    theirs, ours = noise.fingerprint(), expected.fingerprint()
+    for key in ("seed", "dim", "mode"):
+        theirs.pop(key, None)
+        ours.pop(key, None)
+    if theirs != ours:
+        raise ValueError(
+            f"noise is invalid for this plan: it streams {theirs}, the plan's strategy "
+            f"{plan.label!r} needs {ours}; build it with plan.noise(dim, seed)"
         )

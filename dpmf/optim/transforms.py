@@ -69,7 +69,7 @@ class StepContext:
     Attributes:
         name: the parameter's name, for error messages.
         noise_std: std of the fresh Gaussian noise per entry of the current update (None:
-            unknown). Set by the optimizer from ``set_noise_std`` and propagated by ``Chain``.
+            unknown). Set by the optimizer (``DPOptimizer.noise_std``) and propagated by ``Chain``.
         generator: torch.Generator on the parameter's device for stages that draw random
             probes (post-processing randomness), or None.
         aux: intermediate tensors a stage publishes for later stages of the same step (e.g.
@@ -365,7 +365,7 @@ class OrthogonalizeBiasCorrected(Transform):
 
     Raises:
         ValueError: bad order/probes/steps; at update time a parameter without a proper matrix
-            view, or an unknown fresh-noise std (``set_noise_std`` not called, or a stage
+            view, or an unknown fresh-noise std (no privatizer bound and no ``noise_std`` given, or a stage
             before this one that does not declare its ``fresh_gain``).
     """
 
@@ -390,9 +390,10 @@ class OrthogonalizeBiasCorrected(Transform):
         if ctx.noise_std is None:
             raise ValueError(
                 f"parameter {ctx.name!r}: the fresh-noise std of the input to the bias-corrected "
-                "orthogonalization is unknown: call optimizer.set_noise_std(std) with the std of "
-                "the fresh Gaussian noise per entry of the privatized gradient, and make every "
-                "stage before it declare its fresh_gain"
+                "orthogonalization is unknown: bind the optimizer to its privatizer "
+                "(privatizer.bind(optimizer)) or give noise_std= (the std of the fresh Gaussian "
+                "noise per entry of the privatized gradient), and make every stage before it "
+                "declare its fresh_gain"
             )
         X = newton_schulz_bc(
             matrix_view(update),

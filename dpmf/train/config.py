@@ -13,10 +13,10 @@ import os
 from dataclasses import dataclass, fields
 
 from dpmf._validation import check_choice, check_int, check_real
-from dpmf.mechanisms.factorizations import parse_factorization
+from dpmf.mechanisms.registry import parse_factorization
 from dpmf.train.data import DATASETS
 from dpmf.train.models import MODELS
-from dpmf.train.samplers import SCHEMES
+from dpmf.plan.schemes import SCHEMES, Poisson, scheme_names
 from dpmf.workloads.schedules import SCHEDULES
 
 __all__ = ["OPTIMIZERS", "ACCOUNTANTS", "DEFAULT_LR", "TrainConfig"]
@@ -88,7 +88,7 @@ class TrainConfig:
     model: str = "cnn"
     optimizer: str = "dp-sgd"
     factorization: str = "identity"
-    scheme: str = "poisson"
+    scheme: str = Poisson.name
     max_bands: int = 64
     epochs: int = 10
     batch_size: int = 512
@@ -126,16 +126,16 @@ class TrainConfig:
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         object.__setattr__(self, "max_bands", check_int("max_bands", self.max_bands, minimum=1))
         if self.factorization == "auto":
-            from dpmf.pick import PICK_SCHEMES
+            from dpmf.plan.pick import PICK_SCHEMES
 
-            check_choice("scheme", self.scheme, ("poisson",) + PICK_SCHEMES)
+            check_choice("scheme", self.scheme, (Poisson.name,) + PICK_SCHEMES)
             if self.epsilon is None:
                 raise ValueError(
                     "factorization='auto' is invalid with noise_multiplier: the choice needs a target epsilon"
                 )
         else:
             parse_factorization(self.factorization)
-            check_choice("scheme", self.scheme, SCHEMES)
+            check_choice("scheme", self.scheme, scheme_names())
         object.__setattr__(self, "epochs", check_int("epochs", self.epochs, minimum=1))
         object.__setattr__(self, "batch_size", check_int("batch_size", self.batch_size, minimum=1))
         if (self.epsilon is None) == (self.noise_multiplier is None):
@@ -212,7 +212,8 @@ class TrainConfig:
     def per_epoch_epsilon(self) -> bool:
         """Whether ε is accounted after every epoch (``epsilon_each_epoch`` or its default)."""
         if self.epsilon_each_epoch is None:
-            return "balls_in_bins" not in self.scheme
+            cls = SCHEMES.get(self.scheme)
+            return True if cls is None else cls.epsilon_each_epoch
         return self.epsilon_each_epoch
 
     def _check_filter(self) -> None:

@@ -99,8 +99,8 @@ class Trainer:
         sampler: the batch sampler, covering ``epochs·steps_per_epoch`` steps.
         privatizer: clip → sum → noise → divide; its noise stream covers the same steps.
         optimizer: any ``torch.optim.Optimizer`` over the trainable parameters, freshly built:
-            each group's ``lr`` is taken as its base rate η_g. If it has ``set_noise_std``
-            (DP-MuonBC), it is given the step's fresh-noise std before every step.
+            each group's ``lr`` is taken as its base rate η_g. A DP optimizer bound to the
+            privatizer (``Privatizer.bind``) reads each step's fresh-noise std from it.
         lr_multipliers: χ, shape (T,), step t uses η_g·χ_t in group g.
         epochs: E ≥ 1.
         out_dir: folder for the checkpoint, metrics CSV and curves PNG.
@@ -234,9 +234,7 @@ class Trainer:
             group["lr"] = base * chi
         lr = self.base_lrs[0] * chi
         points = None if self.lookahead is None else self.lookahead.points(self.model)
-        info = self.privatizer.privatize(x, y, example_ids=ids, points=points)
-        if hasattr(self.optimizer, "set_noise_std"):
-            self.optimizer.set_noise_std(info.fresh_noise_std)
+        self.privatizer.privatize(x, y, example_ids=ids, points=points)
         params = [p for _, p in trainable_parameters(self.model)]
         before = [p.detach().clone() for p in params]
         self.optimizer.step()

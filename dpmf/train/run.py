@@ -31,9 +31,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpmf._io import atomic_write_json
-from dpmf.accountants import account, calibrate
-from dpmf.accountants.schemes import build_event, check_run, strategy_bandwidth
-from dpmf.mechanisms import DenseLowerTriangular, Factorization, ScaledToeplitz
 from dpmf.optim import (
     DPSGD,
     Disk,
@@ -48,15 +45,14 @@ from dpmf.optim import (
     route_parameters,
 )
 from dpmf.optim.clipping import trainable_parameters
-from dpmf.optim.noise import noise_for_factorization
 from dpmf.optim.privatize import Privatizer
-from dpmf.pick import build_strategy
+from dpmf.plan.plan import PrivatePlan, leading_block
 from dpmf.train.config import TrainConfig
 from dpmf.train.data import load_dataset
 from dpmf.train.loop import CHECKPOINT, Trainer, TrainOutcome
 from dpmf.train.models import build_model
-from dpmf.train.samplers import make_sampler, steps_per_epoch
-from dpmf.workloads import Schedule, Workload
+from dpmf.train.samplers import steps_per_epoch
+from dpmf.workloads import Schedule
 
 __all__ = [
     "RESULTS",
@@ -66,7 +62,7 @@ __all__ = [
     "build_filter",
     "resolve_device",
     "leading_block",
-    "epsilon_after",
+    "plan_for",
     "sub_seed",
 ]
 
@@ -116,32 +112,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' is invalid: CUDA is not available here (use cpu or auto)")
     return torch.device(name)
-
-
-def leading_block(factorization: Factorization, steps: int) -> Factorization:
-    """The factorization of the first ``steps`` steps: the leading t×t blocks of A and C.
-
-    The first t rows of C·G + Z depend only on the first t gradients through C's leading block
-    (C is lower-triangular), so the privacy spent after t steps is that of this factorization.
-
-    Raises:
-        ValueError: steps outside [1, n].
-    """
-    n = factorization.n
-    if not 1 <= steps <= n:
-        raise ValueError(f"steps={steps} is invalid: must be in [1, {n}]")
-    if steps == n:
-        return factorization
-    w = factorization.workload
-    scale = None if w.column_scale is None else np.asarray(w.column_scale)[:steps]
-    workload = Workload(np.asarray(w.coeffs)[:steps], scale, name=w.name)
-    C = factorization.C
-    if isinstance(C, ScaledToeplitz):
-        cut = lambda v: None if v is None else v[:steps]  # noqa: E731
-        C_t = ScaledToeplitz(C.coeffs[:steps], cut(C.row_scale), cut(C.col_scale))
-    else:
-        C_t = DenseLowerTriangular(C.dense()[:steps, :steps])
-    return Factorization(factorization.name, factorization.bands, workload, C_t)
 
 
 def build_filter(config: TrainConfig) -> Transform | None:
@@ -202,63 +172,36 @@ def build_optimizer(config: TrainConfig, model: nn.Module, *, log=print) -> torc
     return cls(groups, **kwargs)
 
 
-def _account(
-    config: TrainConfig,
-    factorization,
-    dataset_size: int,
-    steps: int,
-    *,
-    progress: bool,
-    noise_multiplier: float | None = None,
-    accountant: str | None = None,
-    min_sep: int | None = None,
-):
-    common = dict(
-        dataset_size=dataset_size,
-        batch_size=config.batch_size,
-        steps=steps,
-        delta=config.delta,
-        factorization=factorization,
-        accountant=accountant or config.accountant,
-        samples=config.samples,
-        seed=config.seed,
-        progress=progress,
-        min_sep=min_sep,
-    )
-    sigma = noise_multiplier if noise_multiplier is not None else config.noise_multiplier
-    if sigma is not None:
-        return account(config.scheme, noise_multiplier=sigma, **common)
-    return calibrate(config.scheme, epsilon=config.epsilon, **common)
+def plan_for(config: TrainConfig, dataset_size: int, *, progress: bool = False, log=print):
+    """The run's calibrated ``PrivatePlan`` (and ``config`` with ``factorization="auto"`` resolved).
 
+    The plan binds N, B, n = epochs·⌈N/B⌉, the scheme, the strategy (built on A_χ for the
+    scheme's participation) and the schedule; σ is calibrated for ``config.epsilon`` or taken
+    from ``config.noise_multiplier`` (its ε accounted), with the config's accountant and Monte
+    Carlo settings. Everything the run samples, adds and reports comes from this plan.
 
-def epsilon_after(
-    config: TrainConfig, factorization, privacy, dataset_size: int, steps: int, *, min_sep: int | None = None
-) -> float:
-    """ε spent after the first ``steps`` steps of a run whose whole-run accounting is ``privacy``.
+    Returns:
+        (config, plan): ``plan.noise_multiplier`` and ``plan.privacy`` set.
 
-    The first t rows of C·G + Z are the release of the leading block C_t (``leading_block``)
-    with the noise the run actually adds, std σ·ζ·s_n (s_n = ``privacy.sensitivity``). The
-    accountant measures a run whose noise is σ'·ζ·s_t with s_t its own normalization for C_t
-    (s_t ≤ s_n), so it is called with σ' = σ·s_n/s_t.
+    Raises:
+        ValueError: a strategy the scheme cannot account, or a target no σ meets.
     """
-    if steps == factorization.n:
-        return float(privacy.epsilon)
-    block = leading_block(factorization, steps)
-    run = check_run(config.scheme, dataset_size, config.batch_size, steps, block, min_sep)
-    s_t = build_event(run, 1.0)[1]["sensitivity"]
-    sigma = privacy.noise_multiplier * privacy.sensitivity / s_t
-    return float(
-        _account(
-            config,
-            block,
-            dataset_size,
-            steps,
-            progress=False,
-            noise_multiplier=sigma,
-            accountant=privacy.accountant,
-            min_sep=min_sep,
-        ).epsilon
+    n = config.epochs * steps_per_epoch(dataset_size, config.batch_size)
+    if config.factorization == "auto":
+        config = choose_strategy(config, dataset_size, n, progress=progress, log=log)
+    plan = PrivatePlan(
+        dataset_size,
+        config.batch_size,
+        steps=n,
+        scheme=config.scheme,
+        strategy=config.factorization,
+        schedule=Schedule(config.schedule, config.beta, config.gamma),
     )
+    mc = dict(accountant=config.accountant, samples=config.samples, seed=config.seed, progress=progress)
+    if config.noise_multiplier is not None:
+        privacy = plan.account(config.noise_multiplier, delta=config.delta, **mc)
+        return config, plan.with_noise(config.noise_multiplier, privacy=privacy)
+    return config, plan.calibrate(config.epsilon, config.delta, **mc)
 
 
 def choose_strategy(config: TrainConfig, dataset_size: int, steps: int, *, progress=True, log=print):
@@ -270,7 +213,7 @@ def choose_strategy(config: TrainConfig, dataset_size: int, steps: int, *, progr
     Raises:
         ValueError: no candidate can be accounted under the requested scheme.
     """
-    from dpmf.pick import pick
+    from dpmf.plan.pick import pick
 
     res = pick(
         dataset_size=dataset_size,
@@ -338,19 +281,14 @@ def train(
     for w in caught:
         log(f"notice: {w.message}")
     N = len(data)
-    spe = steps_per_epoch(N, config.batch_size)
-    n = config.epochs * spe
-    chi_schedule = LearningRateSchedule(Schedule(config.schedule, config.beta, config.gamma), n)
-    if config.factorization == "auto":
-        config = choose_strategy(config, N, n, progress=progress, log=log)
-    factorization = build_strategy(chi_schedule.workload(), config.factorization, config.scheme, spe)
-    groups = strategy_bandwidth(factorization.C) if config.scheme == "cyclic_poisson" else None
-    privacy = _account(config, factorization, N, n, progress=progress, min_sep=groups)
-    sigma, sens = privacy.noise_multiplier, privacy.sensitivity
+    config, plan = plan_for(config, N, progress=progress, log=log)
+    privacy, n, spe = plan.privacy, plan.steps, plan.steps_per_epoch
+    chi_schedule = LearningRateSchedule(plan.schedule, n)
+    sigma, sens = plan.noise_multiplier, plan.sensitivity
     log(
         f"privacy: ε = {privacy.epsilon:.4g} at δ = {privacy.delta:g} ({privacy.guarantee}, "
         f"{privacy.accountant}), σ = {sigma:.4g}, sens = {sens:.4g}, scheme {privacy.scheme}, "
-        f"strategy {factorization.label}, {n} steps ({config.epochs} epochs × {spe}), "
+        f"strategy {plan.label}, {n} steps ({config.epochs} epochs × {spe}), "
         f"N = {N} ({data.name}), B = {config.batch_size}"
     )
 
@@ -358,30 +296,25 @@ def train(
     model = model.to(device)
     dtype = next(model.parameters()).dtype
     dim = sum(p.numel() for _, p in trainable_parameters(model))
-    noise = noise_for_factorization(
-        factorization, dim, seed=sub_seed(config.seed, 2), device=device, dtype=dtype
-    )
-    sampler = make_sampler(
-        config.scheme, N, config.batch_size, n, seed=sub_seed(config.seed, 1), groups=groups
-    )
+    noise = plan.noise(dim, sub_seed(config.seed, 2), device=device, dtype=dtype)
+    sampler = plan.sampler(sub_seed(config.seed, 1))
     privatizer = Privatizer(
         model,
         F.cross_entropy,
+        plan=plan,
         clip_norm=config.clip_norm,
-        noise_multiplier=sigma,
-        sensitivity=sens,
-        expected_batch_size=sampler.expected_batch_size,
         noise=noise,
         micro_batch_size=config.micro_batch_size,
     )
     optimizer = build_optimizer(config, model, log=log)
+    privatizer.bind(optimizer)
     # DiSK's prediction: per-example gradients at θ_t and θ_t + γ(θ_t − θ_{t−1}), combined
     # before clipping (one release per step at the same sensitivity: ε is unchanged).
     filt = build_filter(config)
     lookahead = filt.lookahead() if isinstance(filt, Disk) else None
 
     def epsilon_at(t: int) -> float:
-        return epsilon_after(config, factorization, privacy, N, t, min_sep=groups)
+        return float(plan.epsilon_after(t, samples=config.samples, seed=config.seed, progress=False).epsilon)
 
     os.makedirs(out_dir, exist_ok=True)
     header = {
@@ -415,7 +348,7 @@ def train(
         delta=config.delta,
         eval_batch_size=config.eval_batch_size,
         progress=progress,
-        title=f"{config.optimizer}, {factorization.label}, {data.name}",
+        title=f"{config.optimizer}, {plan.label}, {data.name}",
         lookahead=lookahead,
     )
     if not os.path.exists(checkpoint):

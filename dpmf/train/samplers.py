@@ -1,39 +1,21 @@
-"""Batch samplers: which examples each step uses, one per accounting scheme.
+"""Batch samplers for training: the samplers of ``dpmf.plan.samplers`` and ``make_sampler``.
 
-========================  ======================================================  =================
-sampler                   rule                                                    accounting scheme
-========================  ======================================================  =================
-``PoissonSampler``        every example joins each step independently with        ``poisson``
-                          probability q = B/N (variable, possibly empty batches)
-``CyclicPoissonSampler``  examples split once into b groups; step t samples      ``cyclic_poisson``
-                          group t mod b with probability q = B·b/N
-``BallsInBinsSampler``    every example thrown once into one of b = ⌈N/B⌉ bins;   ``balls_in_bins``
-                          step t uses bin t mod b (fixed bins for the whole run)
-``EpochBallsInBinsSampler``  as above, bins redrawn at the start of every epoch   ``epoch_balls_in_bins``
-``ShuffledFixedSampler``  one shuffle, then b = ⌈N/B⌉ fixed batches (near-equal   ``fixed_order``,
-                          sizes ⌊N/b⌋ or ⌈N/b⌉, at most B) in the same cyclic     ``single_release``
-                          order every epoch
-========================  ======================================================  =================
-
-An epoch is b = ⌈N/B⌉ steps for every scheme (the accountants' convention). The expected batch
-size B̄ (``expected_batch_size``: B for the Poisson schemes, N/b for bins and fixed batches), a
-public number, is what the private gradient is divided by. Every sampler returns index arrays
-(int64, sorted), one per step, for exactly ``steps`` steps; an empty array is a step too (a
-noise-only update, counted by the accountant). Randomness comes from one
-``numpy.random.Generator`` per sampler whose state is checkpointed with ``state_dict()``.
-
-Sources: Poisson subsampling — Abadi et al., CCS 2016; cyclic Poisson for banded strategies —
-Choquette-Choo et al., "Amplified Banded Matrix Factorization: A unified approach to private
-training" (NeurIPS 2023); balls-in-bins batching — Chua et al., "Balls-and-Bins Sampling for
-DP-SGD" (AISTATS 2025), and for matrix mechanisms Choquette-Choo et al., "Near Exact Privacy
-Amplification for Matrix Mechanisms" (ICLR 2025).
+A run's sampler comes from its plan (``PrivatePlan.sampler(seed)``), so that the sampler and the
+accounting cannot disagree; ``make_sampler`` builds one by scheme name for code that has no plan.
 """
 
 from __future__ import annotations
 
-import numpy as np
-
-from dpmf._validation import check_choice, check_int
+from dpmf.plan.samplers import (
+    BallsInBinsSampler,
+    BatchSampler,
+    CyclicPoissonSampler,
+    EpochBallsInBinsSampler,
+    PoissonSampler,
+    ShuffledFixedSampler,
+    steps_per_epoch,
+)
+from dpmf.plan.schemes import SCHEMES, CyclicPoisson, get_scheme
 
 __all__ = [
     "SCHEMES",
@@ -47,231 +29,14 @@ __all__ = [
     "steps_per_epoch",
 ]
 
-SCHEMES = (
-    "poisson",
-    "cyclic_poisson",
-    "balls_in_bins",
-    "epoch_balls_in_bins",
-    "fixed_order",
-    "single_release",
-)
 
+class _Run:
+    """The few facts of a run a scheme's sampler needs."""
 
-def steps_per_epoch(dataset_size: int, batch_size: int) -> int:
-    """b = ⌈N/B⌉, the number of steps of one epoch (one pass over the data on average).
-
-    Raises:
-        ValueError: N < 1, B < 1, or B > N (a batch larger than the data set).
-    """
-    n = check_int("dataset_size", dataset_size, minimum=1)
-    b = check_int("batch_size", batch_size, minimum=1)
-    if b > n:
-        raise ValueError(
-            f"batch_size={b} is invalid: larger than the data set (dataset_size={n}); must be in [1, {n}]"
-        )
-    return -(-n // b)
-
-
-class BatchSampler:
-    """Common part: N examples, T steps, a seeded generator, a step counter.
-
-    Args:
-        dataset_size: N ≥ 1.
-        batch_size: B in [1, N], the (expected) batch size.
-        steps: T ≥ 1, the number of steps of the run.
-        seed: integer ≥ 0.
-    """
-
-    scheme = ""
-
-    def __init__(self, dataset_size: int, batch_size: int, steps: int, *, seed: int = 0):
+    def __init__(self, dataset_size: int, batch_size: int, steps: int):
+        self.dataset_size, self.batch_size, self.steps = dataset_size, batch_size, steps
         self.steps_per_epoch = steps_per_epoch(dataset_size, batch_size)
-        self.dataset_size = int(dataset_size)
-        self.batch_size = int(batch_size)
-        self.steps = check_int("steps", steps, minimum=1)
-        self.seed = check_int("seed", seed, minimum=0)
-        self.rng = np.random.default_rng(self.seed)
-        self.step = 0
-        self._setup()
-
-    def _setup(self) -> None:
-        """Draw what stays fixed for the run (groups, bins, order) from ``self.rng``."""
-
-    @property
-    def expected_batch_size(self) -> float:
-        """B̄: the expected number of examples per step (public)."""
-        return float(self.batch_size)
-
-    def next(self) -> np.ndarray:
-        """The indices of the examples of the current step (sorted int64, maybe empty).
-
-        Raises:
-            RuntimeError: all ``steps`` steps were already drawn.
-        """
-        if self.step >= self.steps:
-            raise RuntimeError(f"sampler exhausted: the run has {self.steps} steps and all were drawn")
-        idx = np.sort(self._draw(self.step)).astype(np.int64)
-        self.step += 1
-        return idx
-
-    def _draw(self, t: int) -> np.ndarray:
-        raise NotImplementedError
-
-    def __iter__(self):
-        while self.step < self.steps:
-            yield self.next()
-
-    def state_dict(self) -> dict:
-        """Step counter, generator state and the fixed structures of the run."""
-        return {
-            "scheme": self.scheme,
-            "dataset_size": self.dataset_size,
-            "batch_size": self.batch_size,
-            "steps": self.steps,
-            "seed": self.seed,
-            "step": self.step,
-            "rng": self.rng.bit_generator.state,
-            "fixed": {k: np.array(v) for k, v in self._fixed().items()},
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore ``state_dict()``.
-
-        Raises:
-            ValueError: the state belongs to a sampler with other settings.
-        """
-        for key in ("scheme", "dataset_size", "batch_size", "steps", "seed"):
-            if state.get(key) != getattr(self, key):
-                raise ValueError(
-                    f"sampler state is invalid: {key}={state.get(key)!r} in the checkpoint, "
-                    f"{getattr(self, key)!r} here"
-                )
-        self.step = check_int("step", state["step"], minimum=0, maximum=self.steps)
-        self.rng.bit_generator.state = state["rng"]
-        for k, v in state["fixed"].items():
-            setattr(self, k, np.array(v))
-
-    def _fixed(self) -> dict:
-        return {}
-
-
-class PoissonSampler(BatchSampler):
-    """Each example joins each step independently with probability q = B/N."""
-
-    scheme = "poisson"
-
-    @property
-    def sampling_rate(self) -> float:
-        return self.batch_size / self.dataset_size
-
-    def _draw(self, t):
-        return np.flatnonzero(self.rng.random(self.dataset_size) < self.sampling_rate)
-
-
-class CyclicPoissonSampler(BatchSampler):
-    """b groups fixed once (a random partition into near-equal parts); step t Poisson-samples
-    group t mod b with rate q = B·b/N, so an example can only appear in steps b apart.
-
-    Args:
-        groups: b ≥ 1 with B·b ≤ N (q ≤ 1); for a banded strategy, its number of bands.
-    """
-
-    scheme = "cyclic_poisson"
-
-    def __init__(self, dataset_size, batch_size, steps, *, groups: int, seed: int = 0):
-        self.groups = check_int("groups", groups, minimum=1)
-        if batch_size * self.groups > dataset_size:
-            raise ValueError(
-                f"groups={groups} is invalid for batch_size={batch_size} and dataset_size="
-                f"{dataset_size}: the sampling rate B·b/N must be ≤ 1, so b ≤ {dataset_size // batch_size}"
-            )
-        super().__init__(dataset_size, batch_size, steps, seed=seed)
-
-    def _setup(self):
-        self.assignment = self.rng.permutation(self.dataset_size) % self.groups
-
-    def _fixed(self):
-        return {"assignment": self.assignment}
-
-    @property
-    def sampling_rate(self) -> float:
-        return self.batch_size * self.groups / self.dataset_size
-
-    def _draw(self, t):
-        members = np.flatnonzero(self.assignment == t % self.groups)
-        return members[self.rng.random(members.shape[0]) < self.sampling_rate]
-
-
-class BallsInBinsSampler(BatchSampler):
-    """Each example thrown once, uniformly, into one of b = ⌈N/B⌉ bins; step t uses bin t mod b.
-
-    Batches have random sizes (Binomial(N, 1/b)) with mean B̄ = N/b.
-    """
-
-    scheme = "balls_in_bins"
-
-    @property
-    def bins(self) -> int:
-        return self.steps_per_epoch
-
-    @property
-    def expected_batch_size(self) -> float:
-        return self.dataset_size / self.bins
-
-    def _setup(self):
-        self.assignment = self._throw()
-
-    def _throw(self):
-        return self.rng.integers(0, self.bins, size=self.dataset_size)
-
-    def _fixed(self):
-        return {"assignment": self.assignment}
-
-    def _draw(self, t):
-        return np.flatnonzero(self.assignment == t % self.bins)
-
-
-class EpochBallsInBinsSampler(BallsInBinsSampler):
-    """Balls-in-bins redrawn at the start of each epoch (a DP-SGD scheme; epoch = b steps)."""
-
-    scheme = "epoch_balls_in_bins"
-
-    def _setup(self):
-        self.assignment = np.zeros(self.dataset_size, dtype=np.int64)
-
-    def _draw(self, t):
-        if t % self.bins == 0:
-            self.assignment = self._throw()
-        return super()._draw(t)
-
-
-class ShuffledFixedSampler(BatchSampler):
-    """One shuffle, then b = ⌈N/B⌉ fixed batches of near-equal size (⌊N/b⌋ or ⌈N/b⌉ ≤ B),
-    cycled every epoch; B̄ = N/b.
-
-    Each example is in exactly one batch, so it participates at steps s, s + b, s + 2b, … — the
-    ``fixed_epochs(b, k)`` participation of the accountant.
-    """
-
-    scheme = "fixed_order"
-
-    def _setup(self):
-        self.order = self.rng.permutation(self.dataset_size)
-
-    def _fixed(self):
-        return {"order": self.order}
-
-    @property
-    def expected_batch_size(self) -> float:
-        return self.dataset_size / self.steps_per_epoch
-
-    def _draw(self, t):
-        b = self.steps_per_epoch
-        s = t % b
-        # np.array_split's boundaries: the first N mod b batches hold one more example
-        size, extra = divmod(self.dataset_size, b)
-        start = s * size + min(s, extra)
-        return self.order[start : start + size + (1 if s < extra else 0)]
+        self.factorization = None
 
 
 def make_sampler(
@@ -283,27 +48,20 @@ def make_sampler(
     seed: int = 0,
     groups: int | None = None,
 ) -> BatchSampler:
-    """The sampler of an accounting ``scheme`` (see the module table).
+    """The sampler of a batch-sampling ``scheme`` (its ``Scheme.sampler``).
 
     Args:
-        scheme: one of ``SCHEMES``.
+        scheme: a registered scheme name.
         dataset_size, batch_size, steps, seed: as ``BatchSampler``.
         groups: b' for ``cyclic_poisson``: the strategy's bands p (or a min_sep ≥ p);
-            default 1 (plain Poisson sampling).
+            default 1 (plain Poisson sampling). Prefer ``PrivatePlan.sampler``, which takes the
+            groups from the plan's strategy.
 
     Raises:
-        ValueError: unknown scheme, a batch larger than the data set, bad groups.
+        ValueError: unknown scheme, a batch larger than the data set, bad groups, or groups for
+            a scheme that has none.
     """
-    check_choice("scheme", scheme, SCHEMES)
-    if scheme == "poisson":
-        return PoissonSampler(dataset_size, batch_size, steps, seed=seed)
-    if scheme == "cyclic_poisson":
-        b = 1 if groups is None else groups
-        return CyclicPoissonSampler(dataset_size, batch_size, steps, groups=b, seed=seed)
-    if scheme == "balls_in_bins":
-        return BallsInBinsSampler(dataset_size, batch_size, steps, seed=seed)
-    if scheme == "epoch_balls_in_bins":
-        return EpochBallsInBinsSampler(dataset_size, batch_size, steps, seed=seed)
-    sampler = ShuffledFixedSampler(dataset_size, batch_size, steps, seed=seed)
-    sampler.scheme = scheme
-    return sampler
+    sch = get_scheme(scheme)
+    if groups is not None or isinstance(sch, CyclicPoisson):
+        sch = get_scheme(scheme, min_sep=1 if groups is None else groups)
+    return sch.sampler(_Run(dataset_size, batch_size, steps), seed)

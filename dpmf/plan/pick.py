@@ -1,0 +1,346 @@
+"""Choosing a factorization for a privacy budget: the numbers behind ``dpmf pick``.
+
+For a training run (N examples, batch size B, n steps, target (ε, δ), learning-rate schedule χ)
+every candidate strategy C is accounted under a batch-sampling scheme, its noise multiplier σ is
+calibrated to the target, and the candidates are ranked by the noise they put on the trained
+model: σ·MaxSE and σ·MeanSE, with MaxSE = s·max_i ‖B_i‖₂ and MeanSE = s·‖B‖_F/√n for the
+workload A_χ = B·C, where s is the sensitivity the scheme's accountant normalizes by (the noise
+on C·G has std σ·ζ·s). In units of the clip norm ζ per expected batch: dividing the noisy sum of
+clipped gradients by the expected batch size B (a public constant) divides every entry by B.
+
+Candidates: DP-SGD (identity), sqrt_prefix, lr_aware, bsr/bisr/lr_bsr/lr_bisr with p ∈ {2, 4,
+8, …} up to ``max_bands``, and (``optimized``) bisr_opt and bsr_opt with p = ``max_bands``,
+BLT with 2 and 4 buffers (at most ``max_bands``), λCGD with λ optimized (``lcgd_opt``) and the
+dense strategy when n ≤ ``dense_max_steps`` — each registered strategy's own ``candidates``
+(``dpmf.mechanisms.registry``), each optimized for the participation notion of the scheme it is accounted
+under (single participation for the amplified schemes, whose accountants normalize by the
+largest column norm; fixed_epochs(b, ⌈n/b⌉) for ``fixed_order``).
+
+Schemes (``dpmf.plan.schemes``; each scheme's ``refuse_candidate``, ``dpsgd_counterpart`` and
+``auto_scheme``; b = ⌈N/B⌉ steps per epoch):
+
+=================  =====================================================================
+scheme             matrix mechanisms                          DP-SGD (identity)
+=================  =====================================================================
+auto (default)     cyclic_poisson when C is banded with p ≤ b  poisson
+                   (min_sep = p), else fixed_order
+cyclic_poisson     banded C only (others are skipped)          poisson
+fixed_order        every strategy (no amplification)           fixed_order
+balls_in_bins      every strategy with CᵀC ≥ 0 (Monte Carlo,   poisson
+                   minutes per candidate)
+single_release     every strategy (n ≤ b)                      single_release
+=================  =====================================================================
+
+Every candidate is one ``PrivatePlan``. The events of the Poisson and Gaussian schemes depend on
+C only through its bands (cyclic Poisson) or not at all (fixed order, single release): plans
+with equal ``Scheme.event_key`` share one calibrated σ; the sensitivity s is each plan's own.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from dpmf._validation import check_choice, check_int, check_real
+from dpmf.accountants.calibration import check_monte_carlo
+from dpmf.mechanisms.dense import DENSE_MAX_STEPS
+from dpmf.mechanisms.errors import b_row_norms
+from dpmf.mechanisms.participation import Participation
+from dpmf.mechanisms.registry import STRATEGIES, PickContext, factorize, parse_factorization
+from dpmf.plan.accounting import calibrate
+from dpmf.plan.plan import PrivatePlan, build_strategy
+from dpmf.plan.schemes import SCHEMES, auto_scheme, get_scheme
+from dpmf.workloads.schedules import Schedule
+from dpmf.workloads.workload import from_schedule
+
+__all__ = [
+    "PICK_SCHEMES",
+    "PickEntry",
+    "PickResult",
+    "candidate_specs",
+    "participation_for_scheme",
+    "pick",
+]
+
+#: ``auto`` and every scheme that accounts matrix mechanisms
+PICK_SCHEMES = ("auto",) + tuple(name for name, cls in SCHEMES.items() if cls.matrix_mechanism)
+
+
+@dataclass(frozen=True)
+class PickEntry:
+    """One candidate, calibrated and evaluated.
+
+    Attributes:
+        factorization: the label (``bisr:16``, ``blt:4``, ``identity`` …).
+        scheme: the scheme it was accounted under.
+        noise_multiplier: the calibrated σ.
+        sensitivity: s, the accountant's normalization of the noise on C·G.
+        max_se, mean_se: s·max_i ‖B_i‖ and s·‖B‖_F/√n (clip norm 1, σ = 1).
+        noise_max_se, noise_mean_se: σ·max_se and σ·mean_se — the noise on the trained model in
+            units of the clip norm per expected batch.
+        epsilon: the ε the accountant certifies at σ (≤ the target).
+        delta: δ.
+        accountant: the accountant used.
+        guarantee: ``upper_bound``, ``certified`` or ``estimate``.
+        bands: number of non-zero diagonals of C.
+        seconds: time spent on this candidate (building, optimizing, evaluating, accounting).
+    """
+
+    factorization: str
+    scheme: str
+    noise_multiplier: float
+    sensitivity: float
+    max_se: float
+    mean_se: float
+    noise_max_se: float
+    noise_mean_se: float
+    epsilon: float
+    delta: float
+    accountant: str
+    guarantee: str
+    bands: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class PickResult:
+    """The ranking of ``pick``.
+
+    Attributes:
+        ranking: the candidates, best (smallest σ × ``metric``) first.
+        recommendation: ``ranking[0]``.
+        skipped: (factorization, reason) for candidates the scheme cannot account.
+        metric: ``mean_se`` or ``max_se``, what the ranking compares (σ × metric).
+        dataset_size, batch_size, steps: the run.
+        target_epsilon, delta: the privacy target.
+        schedule: the learning-rate schedule's name; beta its final multiplier.
+        scheme: the scheme option.
+        seconds: total time.
+    """
+
+    ranking: tuple[PickEntry, ...]
+    recommendation: PickEntry
+    skipped: tuple[tuple[str, str], ...]
+    metric: str
+    dataset_size: int
+    batch_size: int
+    steps: int
+    target_epsilon: float
+    delta: float
+    schedule: str
+    beta: float
+    scheme: str
+    seconds: float
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict: the recommendation's ``epsilon``, ``delta``, ``noise_multiplier``,
+        ``scheme``, ``accountant``, ``guarantee`` and ``steps`` at the top level, then
+        ``ranking``, ``recommendation``, ``skipped`` and the run."""
+        rec = self.recommendation
+        return {
+            "epsilon": rec.epsilon,
+            "delta": rec.delta,
+            "noise_multiplier": rec.noise_multiplier,
+            "scheme": rec.scheme,
+            "accountant": rec.accountant,
+            "guarantee": rec.guarantee,
+            "steps": self.steps,
+            "factorization": rec.factorization,
+            "metric": self.metric,
+            "target_epsilon": self.target_epsilon,
+            "dataset_size": self.dataset_size,
+            "batch_size": self.batch_size,
+            "schedule": self.schedule,
+            "beta": self.beta,
+            "scheme_option": self.scheme,
+            "recommendation": asdict(rec),
+            "ranking": [asdict(e) for e in self.ranking],
+            "skipped": [{"factorization": f, "reason": r} for f, r in self.skipped],
+            "seconds": self.seconds,
+        }
+
+
+def candidate_specs(schedule: Schedule, n: int, max_bands: int, *, optimized: bool, dense_max_steps: int):
+    """The candidate factorization specs (each registered strategy's ``candidates``), without
+    duplicates, in registry order."""
+    has_decay = schedule.name != "constant" and schedule.beta != 1.0
+    grid = sorted({p for p in (2**i for i in range(1, 31)) if p <= max_bands} | {max_bands})
+    grid = tuple(p for p in grid if 2 <= p <= n)
+    ctx = PickContext(n, has_decay, grid, max_bands, optimized, dense_max_steps)
+    specs: list[str] = []
+    for entry in STRATEGIES.values():
+        specs += [s for s in entry.candidates(ctx) if s not in specs]
+    return specs
+
+
+def pick(
+    *,
+    dataset_size: int,
+    batch_size: int,
+    steps: int,
+    epsilon: float,
+    delta: float,
+    schedule: Schedule,
+    max_bands: int = 64,
+    scheme: str = "auto",
+    metric: str = "mean_se",
+    optimized: bool = True,
+    dense_max_steps: int = 1024,
+    accountant: str | None = None,
+    samples: int | None = None,
+    seed: int = 0,
+    confidence: float | None = 0.99,
+    progress: bool | None = None,
+) -> PickResult:
+    """Rank the candidate strategies of a training run by σ × error at a privacy target.
+
+    Args:
+        dataset_size: N ≥ 1.
+        batch_size: B in [1, N].
+        steps: n ≥ 1.
+        epsilon: target ε > 0.
+        delta: δ in (0, 1).
+        schedule: the learning-rate schedule (workload A_χ; constant: the prefix sum).
+        max_bands: the memory budget: at most this many bands (or BLT buffers), ≥ 1.
+        scheme: one of ``PICK_SCHEMES`` (module docstring).
+        metric: ``mean_se`` or ``max_se``: rank by σ·MeanSE or σ·MaxSE.
+        optimized: include the optimized strategies (bisr_opt, bsr_opt, blt, dense).
+        dense_max_steps: include ``dense`` when n ≤ this (O(n³) work), ≤ 8192.
+        accountant: for the Poisson schemes ``pld`` (default), ``rdp`` or ``prv``.
+        samples, seed, confidence: Monte Carlo settings for ``balls_in_bins``.
+        progress: progress bar over the candidates (None: only on a terminal).
+
+    Returns:
+        ``PickResult``.
+
+    Raises:
+        ValueError/TypeError: any invalid argument, named, before any work (also a run that no
+            candidate can be accounted for).
+    """
+    t0 = time.perf_counter()
+    run0 = PrivatePlan(dataset_size, batch_size, steps=steps)
+    N, B, n = run0.dataset_size, run0.batch_size, run0.steps
+    b = run0.steps_per_epoch
+    epsilon = check_real("epsilon", epsilon, low=0.0, low_inclusive=False)
+    delta = check_real("delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule={schedule!r} is invalid: must be a dpmf.workloads.Schedule")
+    max_bands = check_int("max_bands", max_bands, minimum=1)
+    scheme = check_choice("scheme", scheme, PICK_SCHEMES)
+    metric = check_choice("metric", metric, ("mean_se", "max_se"))
+    dense_max_steps = check_int("dense_max_steps", dense_max_steps, minimum=1, maximum=DENSE_MAX_STEPS)
+    if accountant is not None and accountant not in ("pld", "rdp", "prv"):
+        raise ValueError(f"accountant={accountant!r} is invalid: must be one of pld, rdp, prv")
+    samples, seed, confidence = check_monte_carlo(samples, seed, confidence)
+    chosen = None if scheme == "auto" else get_scheme(scheme)
+    if chosen is not None:
+        chosen.check_strategy(run0)  # the scheme's own preconditions on N, B, n (one epoch, bins)
+
+    workload = from_schedule(schedule, n)
+    specs = candidate_specs(schedule, n, max_bands, optimized=optimized, dense_max_steps=dense_max_steps)
+    cache: dict = {}
+    entries, skipped = [], []
+    bar = tqdm(specs, desc="pick", unit="strategy", disable=None if progress is None else not progress)
+    for spec in bar:
+        bar.set_postfix_str(spec)
+        t1 = time.perf_counter()
+        try:
+            plan = _plan(workload, spec, chosen, run0)
+        except (_Skip, ValueError) as exc:  # infeasible/unsolved, or a scheme precondition
+            skipped.append((spec, str(exc)))
+            continue
+        entries.append(_account(plan, epsilon, delta, accountant, samples, seed, confidence, cache, t1))
+    bar.close()
+    if not entries:
+        raise ValueError(f"scheme={scheme!r} is invalid for this run: no candidate could be accounted")
+    key = "noise_mean_se" if metric == "mean_se" else "noise_max_se"
+    entries.sort(key=lambda e: (getattr(e, key), e.factorization))
+    return PickResult(
+        ranking=tuple(entries),
+        recommendation=entries[0],
+        skipped=tuple(skipped),
+        metric=metric,
+        dataset_size=N,
+        batch_size=B,
+        steps=n,
+        target_epsilon=epsilon,
+        delta=delta,
+        schedule=schedule.name,
+        beta=schedule.beta if schedule.name != "constant" else 1.0,
+        scheme=scheme,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+class _Skip(Exception):
+    pass
+
+
+def participation_for_scheme(scheme: str, steps_per_epoch: int, steps: int) -> Participation:
+    """The participation an optimized strategy is optimized for under ``scheme``
+    (``Scheme.participation``: fixed_epochs(b, ⌈n/b⌉) for ``fixed_order`` with more than one
+    epoch, single participation otherwise).
+
+    Raises:
+        ValueError: an unknown scheme, b or n < 1.
+    """
+    b = check_int("steps_per_epoch", steps_per_epoch, minimum=1)
+    n = check_int("steps", steps, minimum=1)
+    return get_scheme(scheme).participation(n, b)
+
+
+def _plan(workload, spec: str, chosen, run0: PrivatePlan) -> PrivatePlan:
+    """The candidate's plan: its scheme (``auto_scheme`` or the chosen one, DP-SGD under the
+    chosen scheme's counterpart), its strategy built for that scheme's participation."""
+    name, param = parse_factorization(spec)
+    entry = STRATEGIES[name]
+    bands = entry.bands_of(param)
+    if name == "identity":
+        sch = auto_scheme(None, None, run0) if chosen is None else chosen.dpsgd_counterpart()
+        f = factorize(workload, "identity")
+    else:
+        sch = auto_scheme(entry, bands, run0) if chosen is None else chosen
+        reason = sch.refuse_candidate(entry, bands, run0)
+        if reason is not None:
+            raise _Skip(reason)
+        f = build_strategy(workload, spec, sch, run0.steps_per_epoch)
+    return PrivatePlan(run0.dataset_size, run0.batch_size, steps=run0.steps, scheme=sch, strategy=f)
+
+
+def _account(plan: PrivatePlan, epsilon, delta, accountant, samples, seed, confidence, cache, t1):
+    """Calibrate the candidate (σ shared between plans with one event key) and evaluate it."""
+    s = plan.sensitivity
+    key = plan.scheme.event_key(plan)
+    res = cache.get(key) if key is not None else None
+    if res is None:
+        if plan.scheme.default_accountant == "monte_carlo":
+            kw = dict(samples=samples, seed=seed, confidence=confidence, progress=False)
+        else:
+            kw = dict(accountant=accountant)
+        res = calibrate(plan, epsilon=epsilon, delta=delta, **kw)
+        if key is not None:
+            cache[key] = res
+    rows = b_row_norms(plan.strategy)
+    max_se = s * float(np.max(rows))
+    mean_se = s * float(np.sqrt(np.mean(rows**2)))
+    sigma = res.noise_multiplier
+    return PickEntry(
+        factorization=plan.label,
+        scheme=plan.scheme.name,
+        noise_multiplier=sigma,
+        sensitivity=s,
+        max_se=max_se,
+        mean_se=mean_se,
+        noise_max_se=sigma * max_se,
+        noise_mean_se=sigma * mean_se,
+        epsilon=res.epsilon,
+        delta=res.delta,
+        accountant=res.accountant,
+        guarantee=res.guarantee,
+        bands=plan.bands,
+        seconds=time.perf_counter() - t1,
+    )

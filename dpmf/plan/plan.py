@@ -1,0 +1,390 @@
+"""``PrivatePlan``: one object that binds what must agree for a privacy guarantee to hold.
+
+A plan holds the dataset size N, the expected batch size B, the number of steps n, the
+batch-sampling scheme (a ``dpmf.plan.schemes.Scheme``), the strategy C (a
+``dpmf.mechanisms.Factorization`` of the learning-rate workload A_χ) and the schedule χ, and,
+once calibrated, the noise multiplier σ. It is validated once, when built. From it, and only
+from it, come the sampler, the noise stream, the sensitivity, the privacy event, the accounting
+and the calibration, so that these cannot disagree:
+
+    plan = PrivatePlan(dataset_size=60000, batch_size=256, epochs=10,
+                       scheme="cyclic_poisson", strategy="bsr:16")
+    plan = plan.calibrate(epsilon=3.0, delta=1e-5)         # a plan with its σ
+    sampler = plan.sampler(seed)                             # batches of the accounted scheme
+    noise = plan.noise(dim, seed)                            # (C⁻¹Z)_t of the strategy
+    std = plan.noise_std(clip_norm)                          # σ·ζ·s on the sum of clipped grads
+
+One private step is then: batch from the sampler → per-example gradients → clip to ζ → sum →
++ σ·ζ·s·(C⁻¹Z)_t → ÷ B̄ (the public expected batch size ``plan.expected_batch_size``) →
+optimizer (post-processing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from dpmf._validation import check_int
+from dpmf.accountants.library import to_dp_event
+from dpmf.mechanisms.factorizations import Factorization
+from dpmf.mechanisms.participation import Participation
+from dpmf.mechanisms.registry import STRATEGIES, factorize, parse_factorization
+from dpmf.mechanisms.structured import DenseLowerTriangular, ScaledToeplitz
+from dpmf.plan.schemes import Poisson, Scheme, check_sigma, get_scheme, strategy_bandwidth
+from dpmf.workloads.schedules import Schedule
+from dpmf.workloads.workload import Workload, from_schedule
+
+__all__ = ["PrivatePlan", "build_strategy", "leading_block", "steps_per_epoch"]
+
+
+def steps_per_epoch(dataset_size: int, batch_size: int) -> int:
+    """b = ⌈N/B⌉, the number of steps of one epoch.
+
+    Raises:
+        ValueError: N < 1, B < 1, or B > N.
+    """
+    N = check_int("dataset_size", dataset_size, minimum=1)
+    B = check_int("batch_size", batch_size, minimum=1)
+    if B > N:
+        raise ValueError(
+            f"batch_size={B} is invalid: larger than the data set (dataset_size={N}); must be in [1, {N}]"
+        )
+    return -(-N // B)
+
+
+def build_strategy(workload: Workload, spec: str, scheme: Scheme, steps_per_epoch: int) -> Factorization:
+    """The factorization ``spec`` of ``workload`` for a run accounted under ``scheme``.
+
+    The optimized strategies are optimized for ``scheme.participation(n, b)`` with the bounded
+    effort of their registry entry (``pick_options``), so ``pick``, ``train`` and the accounting
+    build the same strategy; the others are ``factorize``'s.
+
+    Raises:
+        ValueError: an invalid spec, or an optimized strategy infeasible for the participation.
+    """
+    name, _ = parse_factorization(spec)
+    entry = STRATEGIES[name]
+    if entry.optimized:
+        participation = scheme.participation(workload.n, steps_per_epoch)
+        return factorize(workload, spec, participation=participation, **entry.pick_options)
+    return factorize(workload, spec)
+
+
+def leading_block(factorization: Factorization, steps: int) -> Factorization:
+    """The factorization of the first ``steps`` steps: the leading t×t blocks of A and C.
+
+    The first t rows of C·G + Z depend only on the first t gradients through C's leading block
+    (C is lower-triangular), so the privacy spent after t steps is that of this factorization.
+
+    Raises:
+        ValueError: steps outside [1, n].
+    """
+    n = factorization.n
+    if not 1 <= steps <= n:
+        raise ValueError(f"steps={steps} is invalid: must be in [1, {n}]")
+    if steps == n:
+        return factorization
+    w = factorization.workload
+    scale = None if w.column_scale is None else np.asarray(w.column_scale)[:steps]
+    workload = Workload(np.asarray(w.coeffs)[:steps], scale, name=w.name)
+    C = factorization.C
+    if isinstance(C, ScaledToeplitz):
+        cut = lambda v: None if v is None else v[:steps]  # noqa: E731
+        C_t = ScaledToeplitz(C.coeffs[:steps], cut(C.row_scale), cut(C.col_scale))
+    else:
+        C_t = DenseLowerTriangular(C.dense()[:steps, :steps])
+    return Factorization(factorization.name, factorization.bands, workload, C_t)
+
+
+@dataclass(frozen=True, eq=False)
+class PrivatePlan:
+    """One private training run's mechanism: data size, batches, steps, scheme, strategy, σ.
+
+    Args (the fields as given; normalized at construction):
+        dataset_size: N ≥ 1.
+        batch_size: B in [1, N], the expected (logical) batch size.
+        steps: n ≥ 1; or give ``epochs`` instead (n = epochs·⌈N/B⌉).
+        epochs: E ≥ 1, when ``steps`` is not given.
+        scheme: a scheme name (``dpmf.plan.schemes.SCHEMES``) or a ``Scheme`` object; None:
+            Poisson sampling.
+        strategy: a spec (``"identity"``, ``"bsr:16"``, ``"lcgd:0.5"``, ``"dense"``, …) or a
+            ``Factorization`` with n = steps. A spec is built on the workload of ``schedule``;
+            optimized strategies are optimized for the scheme's participation.
+        schedule: the learning-rate schedule χ (``dpmf.workloads.Schedule``); None: constant
+            (the prefix-sum workload).
+        min_sep: b' of ``cyclic_poisson`` (default: the bands of C); refused by other schemes.
+        noise_multiplier: σ > 0 once known (``calibrate`` returns a plan with it), else None.
+        privacy: the ``PrivacyResult`` that produced σ (set by ``calibrate``/``with_noise``).
+
+    After construction ``scheme`` is a ``Scheme``, ``strategy`` a ``Factorization``, ``steps``
+    an int and ``schedule`` a ``Schedule``.
+
+    Raises:
+        ValueError: N, B, n or epochs out of range; both or neither of steps/epochs; an unknown
+            scheme or strategy; a strategy the scheme cannot account (with the reason); a
+            factorization of another size; a non-finite sensitivity.
+        TypeError: arguments of the wrong type.
+    """
+
+    dataset_size: int
+    batch_size: int
+    steps: int | None = None
+    epochs: int | None = None
+    scheme: Scheme | str | None = None
+    strategy: Factorization | str = "identity"
+    schedule: Schedule | None = None
+    min_sep: int | None = None
+    noise_multiplier: float | None = None
+    privacy: object = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self):
+        b = steps_per_epoch(self.dataset_size, self.batch_size)
+        setf = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        setf("dataset_size", int(self.dataset_size))
+        setf("batch_size", int(self.batch_size))
+        if (self.steps is None) == (self.epochs is None):
+            raise ValueError("steps/epochs is invalid: give exactly one of steps or epochs")
+        if self.steps is None:
+            setf("epochs", check_int("epochs", self.epochs, minimum=1))
+            setf("steps", self.epochs * b)
+        else:
+            setf("steps", check_int("steps", self.steps, minimum=1))
+        schedule = self.schedule if self.schedule is not None else Schedule("constant")
+        if not isinstance(schedule, Schedule):
+            raise TypeError(f"schedule={schedule!r} is invalid: must be a dpmf.workloads.Schedule or None")
+        setf("schedule", schedule)
+        scheme = get_scheme(self.scheme if self.scheme is not None else Poisson(), min_sep=self.min_sep)
+        strategy = self.strategy
+        if isinstance(strategy, Factorization):
+            if strategy.n != self.steps:
+                raise ValueError(
+                    f"strategy is invalid: its strategy is {strategy.n}×{strategy.n} but steps={self.steps}"
+                )
+        elif isinstance(strategy, str):
+            strategy = build_strategy(from_schedule(schedule, self.steps), strategy, scheme, b)
+        else:
+            raise TypeError(
+                f"strategy={strategy!r} is invalid: must be a spec such as 'bsr:16' or a "
+                "dpmf.mechanisms.Factorization"
+            )
+        setf("strategy", strategy)
+        setf("scheme", scheme)
+        scheme.check_strategy(self)
+        if self.noise_multiplier is not None:
+            setf("noise_multiplier", check_sigma(self.noise_multiplier))
+        s = self.sensitivity
+        if not (math.isfinite(s) and s > 0):
+            raise ValueError(
+                f"strategy={self.label!r} is invalid: its sensitivity under {self.scheme.name} is {s!r}; "
+                "it must be finite and > 0"
+            )
+
+    # -- the run's numbers ----------------------------------------------------------------
+
+    @property
+    def factorization(self) -> Factorization | None:
+        """The strategy, or None for the identity (C = I, DP-SGD)."""
+        return None if self.strategy.name == "identity" else self.strategy
+
+    @property
+    def label(self) -> str:
+        """The strategy's label (``identity`` for DP-SGD)."""
+        return self.strategy.label
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """b = ⌈N/B⌉."""
+        return -(-self.dataset_size // self.batch_size)
+
+    @property
+    def workload(self) -> Workload:
+        """The workload A the strategy factorizes."""
+        return self.strategy.workload
+
+    @property
+    def participation(self) -> Participation:
+        """The participation pattern of the scheme's sensitivity (and of the optimized
+        strategies built for it)."""
+        return self.scheme.participation(self.steps, self.steps_per_epoch)
+
+    @cached_property
+    def _info(self):
+        return self.scheme.event(self, 1.0)[1]
+
+    @property
+    def sensitivity(self) -> float:
+        """s: the noise on C·G has std σ·ζ·s (1 for DP-SGD under Poisson sampling)."""
+        return float(self._info.sensitivity)
+
+    @property
+    def sampling_rate(self) -> float | None:
+        """The Poisson rate the accountant uses (B/N, or B·b'/N for cyclic Poisson), else None."""
+        return self._info.sampling_rate
+
+    @property
+    def bands(self) -> int:
+        """The number of non-zero diagonals of C (1 for DP-SGD)."""
+        return strategy_bandwidth(self.strategy.C)
+
+    @property
+    def expected_batch_size(self) -> float:
+        """B̄: the public expected number of examples per step, the private gradient's divisor."""
+        return self.scheme.expected_batch_size(self)
+
+    def noise_std(self, clip_norm: float) -> float:
+        """σ·ζ·s, the noise standard deviation on the sum of clipped gradients.
+
+        Raises:
+            ValueError: the plan has no noise multiplier yet (calibrate it or give one).
+        """
+        return self.require_noise_multiplier() * float(clip_norm) * self.sensitivity
+
+    def require_noise_multiplier(self) -> float:
+        """σ, or a ValueError saying how to get one."""
+        if self.noise_multiplier is None:
+            raise ValueError(
+                "noise_multiplier is unknown for this plan: use plan.calibrate(epsilon, delta) or "
+                "plan.with_noise(noise_multiplier)"
+            )
+        return self.noise_multiplier
+
+    # -- events and accounting --------------------------------------------------------------
+
+    def event(self, noise_multiplier: float | None = None):
+        """The privacy event at σ (default the plan's), a ``dpmf.accountants.events`` event."""
+        sigma = check_sigma(self.require_noise_multiplier() if noise_multiplier is None else noise_multiplier)
+        return self.scheme.event(self, sigma)[0]
+
+    def to_dp_event(self, noise_multiplier: float | None = None):
+        """The ``dp_accounting.DpEvent`` that describes the run exactly, to compose with others.
+
+        Raises:
+            ValueError: the scheme has no such event (balls-in-bins: a mixture of Gaussians).
+        """
+        try:
+            return to_dp_event(self.event(noise_multiplier))
+        except ValueError as exc:
+            raise ValueError(f"scheme={self.scheme.name!r}: {exc}") from None
+
+    def account(self, noise_multiplier: float | None = None, *, delta: float, accountant=None, **options):
+        """ε at ``delta`` of this run (``dpmf.plan.accounting.account``)."""
+        from dpmf.plan.accounting import account
+
+        return account(self, noise_multiplier, delta=delta, accountant=accountant, **options)
+
+    def calibrate(self, epsilon: float, delta: float, accountant=None, **options) -> PrivatePlan:
+        """This plan with the smallest σ that meets (ε, δ); its ``privacy`` holds the result
+        (``dpmf.plan.accounting.calibrate``)."""
+        from dpmf.plan.accounting import calibrate
+
+        res = calibrate(self, epsilon=epsilon, delta=delta, accountant=accountant, **options)
+        return self.with_noise(res.noise_multiplier, privacy=res)
+
+    def epsilon_after(self, steps: int, *, delta: float | None = None, accountant=None, **options):
+        """The ``PrivacyResult`` of the first ``steps`` steps, for a run stopped early.
+
+        The first t rows of C·G + Z are the release of the leading block C_t with the noise the
+        run adds, std σ·ζ·s_n. The accountant measures a run whose noise is σ'·ζ·s_t with s_t
+        its own normalization for C_t (s_t ≤ s_n), so it is called with σ' = σ·s_n/s_t.
+        ``delta`` and ``accountant`` default to those of ``privacy``.
+
+        Raises:
+            ValueError: steps outside [1, n], no σ, or no δ.
+        """
+        from dpmf.plan.accounting import account
+
+        steps = check_int("steps", steps, minimum=1, maximum=self.steps)
+        sigma = self.require_noise_multiplier()
+        if delta is None:
+            if self.privacy is None:
+                raise ValueError("delta is required: this plan has no privacy result to take it from")
+            delta = self.privacy.delta
+        if accountant is None and self.privacy is not None:
+            accountant = self.privacy.accountant
+        if steps == self.steps:
+            known = self.privacy
+            if known is not None and known.delta == delta and known.accountant == self.scheme.check_accountant(accountant):
+                return known
+            return account(self, sigma, delta=delta, accountant=accountant, **options)
+        part = self.truncated(steps)
+        return account(part, sigma * self.sensitivity / part.sensitivity, delta=delta, accountant=accountant, **options)
+
+    # -- derived plans ----------------------------------------------------------------------
+
+    def with_noise(self, noise_multiplier: float, *, privacy=None) -> PrivatePlan:
+        """This plan with σ = ``noise_multiplier`` (and its accounting ``privacy``, if known)."""
+        return dataclasses.replace(self, noise_multiplier=check_sigma(noise_multiplier), privacy=privacy)
+
+    def truncated(self, steps: int) -> PrivatePlan:
+        """The plan of the first ``steps`` steps: the leading block of the strategy, the same
+        scheme (its groups unchanged), no σ."""
+        block = leading_block(self.strategy, steps)
+        return PrivatePlan(
+            self.dataset_size,
+            self.batch_size,
+            steps=steps,
+            scheme=self.scheme.frozen_for(self),
+            strategy=block,
+            schedule=self.schedule,
+        )
+
+    def replace(self, **changes) -> PrivatePlan:
+        """A new plan with some arguments changed (validated again); the strategy is rebuilt from
+        its label unless given, and σ and ``privacy`` are dropped unless given."""
+        args = {
+            "dataset_size": self.dataset_size,
+            "batch_size": self.batch_size,
+            "scheme": self.scheme.name if "min_sep" in changes else self.scheme,
+            "strategy": self.label,
+            "schedule": self.schedule,
+            "noise_multiplier": None,
+            "privacy": None,
+        }
+        if "epochs" in changes or "steps" in changes:
+            args.update({k: changes.pop(k, None) for k in ("steps", "epochs")})
+        else:
+            args["steps"] = self.steps
+        args.update(changes)
+        return PrivatePlan(**args)
+
+    # -- what the training loop needs -------------------------------------------------------
+
+    def sampler(self, seed: int):
+        """The batch sampler of the plan's scheme (``dpmf.plan.samplers``), seeded by ``seed``."""
+        return self.scheme.sampler(self, check_int("seed", seed, minimum=0))
+
+    def noise(self, dim: int, seed: int, *, device=None, dtype=None, mode: str | None = None):
+        """The unit-scale correlated-noise stream (C⁻¹Z)_t for ``dim`` coordinates
+        (``dpmf.optim.noise.noise_stream`` on the strategy's ``noise_layout``; needs torch).
+
+        Args:
+            dim: d ≥ 1 noised coordinates.
+            seed: the raw noise's seed (secret).
+            device, dtype: of the produced noise (default CPU, float32).
+            mode: ``buffer``/``regenerate`` to force a Toeplitz-inverse generator's mode.
+        """
+        from dpmf.optim.noise import noise_for_factorization
+
+        kwargs = {} if dtype is None else {"dtype": dtype}
+        return noise_for_factorization(self.strategy, dim, seed=seed, device=device, mode=mode, **kwargs)
+
+    def to_dict(self) -> dict:
+        """Plain data describing the plan (no seeds, nothing secret)."""
+        return {
+            "dataset_size": self.dataset_size,
+            "batch_size": self.batch_size,
+            "steps": self.steps,
+            "steps_per_epoch": self.steps_per_epoch,
+            "scheme": self.scheme.label,
+            "strategy": self.label,
+            "schedule": self.schedule.name,
+            "beta": self.schedule.beta,
+            "sensitivity": self.sensitivity,
+            "sampling_rate": self.sampling_rate,
+            "expected_batch_size": self.expected_batch_size,
+            "noise_multiplier": self.noise_multiplier,
+        }
