@@ -2,7 +2,7 @@
 
 Each sub-command is a pair ``_add_<name>(subparsers)`` / ``_run_<name>(args)``. Flags are
 validated first; bad input exits with status 2 and a one-line reason on stderr
-(the command-line contract of DESIGN.md).
+(the project's command-line contract, ``docs/architecture.md``).
 """
 
 from __future__ import annotations
@@ -318,10 +318,11 @@ _COMMANDS.append((_add_train, _run_train))
 
 
 def _add_accounting_flags(p: argparse.ArgumentParser, target: str) -> None:
-    from dpmf.accountants import ACCOUNTANTS, SCHEMES
+    from dpmf.accountants import ACCOUNTANTS
+    from dpmf.plan import scheme_names
     from dpmf.workloads import SCHEDULES
 
-    p.add_argument("--scheme", required=True, choices=SCHEMES, help="batch-sampling scheme")
+    p.add_argument("--scheme", required=True, choices=scheme_names(), help="batch-sampling scheme")
     if target == "noise":
         p.add_argument("--noise-multiplier", type=float, required=True, help="noise multiplier σ > 0")
     else:
@@ -359,51 +360,35 @@ def _add_accounting_flags(p: argparse.ArgumentParser, target: str) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def _accounting_run(args) -> dict:
-    """Validate every flag (no work), then build the strategy; the keyword arguments of
-    ``account``/``calibrate``."""
-    from dpmf._validation import check_int, check_real
-    from dpmf.accountants.api import _check_accountant, _check_mc
-    from dpmf.accountants.schemes import check_run
+def _accounting_plan(args):
+    """Validate every flag, then build the run's ``PrivatePlan`` (the strategy is built for the
+    scheme's participation, as in pick and train); returns (plan, the accountant's keywords)."""
+    from dpmf._validation import check_int
+    from dpmf.accountants.calibration import check_delta, check_monte_carlo
     from dpmf.mechanisms import parse_factorization
+    from dpmf.plan import PrivatePlan, get_scheme
 
     N = check_int("dataset_size", args.dataset_size, minimum=1)
     B = check_int("batch_size", args.batch_size, minimum=1)
-    if args.steps is not None:
-        steps = check_int("steps", args.steps, minimum=1)
-    else:
-        steps = check_int("epochs", args.epochs, minimum=1) * (-(-N // B)) if B <= N else 1
-    check_run(args.scheme, N, B, steps, None, args.min_sep)
-    check_real("delta", args.delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
-    _check_accountant(args.accountant, args.scheme)
-    _check_mc(args.samples, args.seed, args.confidence)
-    spec = None
-    if args.factorization is not None:
-        name, _ = parse_factorization(args.factorization)
-        spec = None if name == "identity" else args.factorization
-    if spec is not None and args.scheme in ("poisson", "epoch_balls_in_bins"):
-        raise UsageError(f"--factorization {spec} is invalid with --scheme {args.scheme} (DP-SGD only)")
+    length = {"steps": args.steps} if args.steps is not None else {"epochs": args.epochs}
+    check_delta(args.delta)
+    scheme = get_scheme(args.scheme, min_sep=args.min_sep)
+    accountant = scheme.check_accountant(args.accountant)
+    check_monte_carlo(args.samples, args.seed, args.confidence)
+    if accountant != "monte_carlo" and args.samples is not None:
+        raise UsageError(f"--samples is invalid with the {accountant} accountant (Monte Carlo only)")
+    spec = "identity" if args.factorization is None else args.factorization
+    parse_factorization(spec)
     schedule = _schedule_from_args(args)
-    factorization = None
-    if spec is not None:
-        from dpmf.pick import build_strategy
-        from dpmf.workloads import from_schedule, prefix_sum
-
-        workload = prefix_sum(steps) if schedule is None else from_schedule(schedule, steps)
-        # optimized strategies are optimized for the participation of the scheme, as in pick/train
-        factorization = build_strategy(workload, spec, args.scheme, -(-N // B))
-    return dict(
-        dataset_size=N,
-        batch_size=B,
-        steps=steps,
-        factorization=factorization,
+    plan = PrivatePlan(N, B, **length, scheme=scheme, strategy=spec, schedule=schedule)
+    mc = dict(
         accountant=args.accountant,
         samples=args.samples,
         seed=args.seed,
         confidence=args.confidence,
-        min_sep=args.min_sep,
         progress=False if args.no_progress else None,
     )
+    return plan, mc
 
 
 def _schedule_from_args(args):
@@ -470,11 +455,11 @@ def _add_epsilon(sub):
 
 def _run_epsilon(args) -> int:
     from dpmf._validation import check_real
-    from dpmf.accountants import account
+    from dpmf.plan import account
 
     sigma = check_real("noise_multiplier", args.noise_multiplier, low=0.0, low_inclusive=False)
-    kwargs = _accounting_run(args)
-    result = account(args.scheme, noise_multiplier=sigma, delta=args.delta, **kwargs)
+    plan, mc = _accounting_plan(args)
+    result = account(plan, sigma, delta=args.delta, **mc)
     _print_result(result, args.json)
     return 0
 
@@ -494,13 +479,11 @@ def _add_calibrate(sub):
 
 def _run_calibrate(args) -> int:
     from dpmf._validation import check_real
-    from dpmf.accountants import calibrate
+    from dpmf.plan import calibrate
 
     epsilon = check_real("epsilon", args.epsilon, low=0.0, low_inclusive=False)
-    kwargs = _accounting_run(args)
-    if kwargs["confidence"] is None:
-        kwargs["confidence"] = 0.99
-    result = calibrate(args.scheme, epsilon=epsilon, delta=args.delta, **kwargs)
+    plan, mc = _accounting_plan(args)
+    result = calibrate(plan, epsilon=epsilon, delta=args.delta, **mc)
     _print_result(result, args.json)
     return 0
 

@@ -14,14 +14,13 @@ from dpmf import cli
 from dpmf.accountants import (
     account,
     account_segments,
-    api,
     calibrate,
     gaussian_epsilon,
     max_batch_size,
     max_steps,
-    schemes,
 )
-from dpmf.mechanisms import factorize, sensitivity
+from dpmf.mechanisms import Participation, factorize, sensitivity
+from dpmf.plan import accounting as plan_accounting
 from dpmf.workloads import prefix_sum
 
 
@@ -220,7 +219,7 @@ def test_fixed_order_brute_force_sensitivity():
         factorization=f,
     )
     assert r.sensitivity == pytest.approx(brute, rel=1e-12)
-    assert r.sensitivity == pytest.approx(sensitivity(f.C, schemes.Participation.fixed_epochs(8, 3)).value)
+    assert r.sensitivity == pytest.approx(sensitivity(f.C, Participation.fixed_epochs(8, 3)).value)
     assert r.epsilon == pytest.approx(_gaussian_eps(1 / 1.5, 1e-5), abs=1e-9)
     ident = account("fixed_order", noise_multiplier=1.5, dataset_size=N, batch_size=B, steps=n, delta=1e-5)
     assert ident.sensitivity == pytest.approx(math.sqrt(3))
@@ -368,7 +367,7 @@ def test_invalid_input_raises_before_work(monkeypatch, change, name):
     def boom(*a, **k):
         raise AssertionError("work started before validation")
 
-    monkeypatch.setattr(api, "build_event", boom)
+    monkeypatch.setattr(plan_accounting, "make_accountant", boom)
     with pytest.raises(ValueError, match=name):
         account("poisson", **{**BASE, **change})
 
@@ -385,7 +384,9 @@ def test_invalid_input_raises_before_work(monkeypatch, change, name):
     ],
 )
 def test_calibrate_invalid_input(monkeypatch, change, name):
-    monkeypatch.setattr(api, "build_event", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    monkeypatch.setattr(
+        plan_accounting, "calibrate_event", lambda *a, **k: (_ for _ in ()).throw(AssertionError)
+    )
     kw = dict(epsilon=1.0, delta=1e-5, dataset_size=1000, batch_size=10, steps=100)
     with pytest.raises(ValueError, match=name):
         calibrate("poisson", **{**kw, **change})

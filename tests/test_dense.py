@@ -76,7 +76,7 @@ def test_exponential_decay_n64_mean_se_reference():
     res = optimize_dense(_exp(64))
     assert res.converged
     assert res.value == pytest.approx(1.3146, abs=1e-3)
-    # below every closed-form strategy of the DESIGN reference table (sqrt_prefix 1.3888)
+    # below every closed-form strategy of the reference table (test_factorizations) (sqrt_prefix 1.3888)
     assert res.value < evaluate(factorize(_exp(64), "sqrt_prefix")).mean_se
 
 

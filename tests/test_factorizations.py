@@ -31,7 +31,7 @@ def all_specs(n):
     return out
 
 
-# DESIGN.md reference table: exponential decay, n = 64, β = 0.1, single participation.
+# Reference table of the conventions: exponential decay, n = 64, β = 0.1, single participation.
 REFERENCE = {
     "identity": (1.0000, 3.7489, 3.3602),
     "sqrt_prefix": (1.5456, 1.7689, 1.3888),

@@ -350,8 +350,7 @@ def test_muon_bc_after_a_filter_gets_the_filtered_fresh_noise_std(name, monkeypa
     monkeypatch.setattr(transforms_module, "newton_schulz_bc", spy)
     beta, std = 0.9, 0.4
     p = torch.nn.Parameter(torch.zeros(4, 6))
-    opt = DPMuonBC([p], lr=0.01, beta=beta, filter=make_filter(name))
-    opt.set_noise_std(std)
+    opt = DPMuonBC([p], lr=0.01, beta=beta, filter=make_filter(name), noise_std=std)
     for _ in range(3):
         p.grad = torch.randn(4, 6)
         opt.step()

@@ -1,4 +1,4 @@
-"""DP optimizers against references: DP-Muon re-derived inline from DESIGN.md's formulas,
+"""DP optimizers against references: DP-Muon re-derived inline from the DP-Muon paper's formulas,
 DP-SGD/DP-Adam against torch.optim.SGD/Adam/AdamW, DP-Muon-S against numpy's SVD; and the
 invariants (zero gradient, scale invariance, conv reshaping, finiteness, checkpoints)."""
 
@@ -24,7 +24,7 @@ A, B, C = 3.4445, -4.7750, 2.0315
 
 
 def ns_reference(G):
-    """DESIGN.md, written out: X₀ = G/‖G‖_F, X ← aX + b(XXᵀ)X + c(XXᵀ)²X five times."""
+    """The DP-Muon paper (Sec. Method), written out: X₀ = G/‖G‖_F, X ← aX + b(XXᵀ)X + c(XXᵀ)²X five times."""
     X = G / np.linalg.norm(G)
     for _ in range(5):
         XXt = X @ X.T
@@ -42,7 +42,7 @@ def make_params(shapes, seed=0, dtype=torch.float64):
     return [torch.nn.Parameter(torch.randn(s, generator=g, dtype=dtype)) for s in shapes]
 
 
-# --- DP-Muon as DESIGN.md ---------------------------------------------------------------------
+# --- DP-Muon as the paper ----------------------------------------------------------------------
 
 
 def test_dp_muon_matches_design_formulas_step_by_step():
@@ -193,8 +193,7 @@ def test_dp_muon_s_is_homogeneous_of_degree_one():
 
 
 def _all_optimizers(params):
-    bc = DPMuonBC(params, lr=0.1)
-    bc.set_noise_std(0.7)
+    bc = DPMuonBC(params, lr=0.1, noise_std=0.7)
     return [
         DPSGD(params, lr=0.1, momentum=0.9),
         DPAdam(params, lr=0.1),
@@ -272,8 +271,7 @@ def test_non_matrices_never_reach_newton_schulz(monkeypatch):
     x = torch.randn(3, 2, 6, 6)
     for cls in [DPMuon, DPMuonS, DPMuonBC]:
         seen.clear()
-        opt = cls(model.parameters(), lr=0.01)
-        opt.set_noise_std(0.1)
+        opt = cls(model.parameters(), lr=0.01, noise_std=0.1)
         model.zero_grad()
         model(x).square().sum().backward()
         opt.step()
@@ -350,8 +348,7 @@ def test_filter_stage_runs_first_and_enters_the_noise_std(monkeypatch):
 
     monkeypatch.setattr(transforms_module, "newton_schulz_bc", spy)
     beta, std = 0.9, 0.4
-    opt = DPMuonBC(params, lr=0.1, beta=beta, filter=Scale(0.5))
-    opt.set_noise_std(std)
+    opt = DPMuonBC(params, lr=0.1, beta=beta, filter=Scale(0.5), noise_std=std)
     params[0].grad = torch.ones(4, 6)
     opt.step()
     assert seen == [pytest.approx(0.5 * (1 - beta) * (1 + beta) * std)]
@@ -360,8 +357,7 @@ def test_filter_stage_runs_first_and_enters_the_noise_std(monkeypatch):
         def update(self, update, state, param, ctx):
             return update.tanh(), state
 
-    opt = DPMuonBC(params, lr=0.1, filter=Opaque())
-    opt.set_noise_std(std)
+    opt = DPMuonBC(params, lr=0.1, filter=Opaque(), noise_std=std)
     with pytest.raises(ValueError, match="fresh_gain"):
         opt.step()
 
@@ -383,8 +379,7 @@ def test_resume_from_state_dict_is_exact(cls, tmp_path):
 
     def run(split):
         params = make_params(shapes, seed=17, dtype=torch.float32)
-        opt = cls(params, lr=0.05)
-        opt.set_noise_std(0.2)
+        opt = cls(params, lr=0.05, noise_std=0.2)
         for t, gs in enumerate(grads):
             if t == split:
                 path = tmp_path / f"{cls.__name__}.pt"
@@ -411,8 +406,7 @@ def test_cuda_matches_cpu():
         gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
         outs = []
         for params in (cpu, gpu):
-            opt = cls(params, lr=0.05)
-            opt.set_noise_std(0.0)
+            opt = cls(params, lr=0.05, noise_std=0.0)
             for t in range(3):
                 for p, g in zip(params, grads_for(cpu, seed=80 + t), strict=True):
                     p.grad = g.to(p.device)

@@ -42,14 +42,24 @@ def _plan(scheme, dataset_size, batch_size, steps, factorization, min_sep, epoch
     from dpmf.plan.plan import PrivatePlan
 
     if isinstance(scheme, PrivatePlan):
-        given = [k for k, v in dict(dataset_size=dataset_size, batch_size=batch_size, steps=steps,
-                                    factorization=factorization, min_sep=min_sep).items() if v is not None]
+        given = [
+            k
+            for k, v in dict(
+                dataset_size=dataset_size,
+                batch_size=batch_size,
+                steps=steps,
+                factorization=factorization,
+                min_sep=min_sep,
+            ).items()
+            if v is not None
+        ]
         if given:
             raise ValueError(f"{given[0]} is invalid with a plan: the plan fixes it (use plan.replace(...))")
         return scheme
     if factorization is not None and not isinstance(factorization, Factorization | str):
         raise TypeError(
-            f"factorization={factorization!r} is invalid: must be a dpmf.mechanisms.Factorization, a spec, or None"
+            f"factorization={factorization!r} is invalid: must be a dpmf.mechanisms.Factorization, "
+            "a spec, or None"
         )
     return PrivatePlan(
         dataset_size,
@@ -100,8 +110,14 @@ def account(
 
     p = _plan(plan, dataset_size, batch_size, steps, factorization, min_sep)
     return _account(
-        p, noise_multiplier, delta=delta, accountant=accountant, samples=samples, seed=seed,
-        confidence=confidence, progress=progress,
+        p,
+        noise_multiplier,
+        delta=delta,
+        accountant=accountant,
+        samples=samples,
+        seed=seed,
+        confidence=confidence,
+        progress=progress,
     )
 
 
@@ -140,8 +156,15 @@ def calibrate(
 
     p = _plan(plan, dataset_size, batch_size, steps, factorization, min_sep)
     return _calibrate(
-        p, epsilon=epsilon, delta=delta, accountant=accountant, samples=samples, seed=seed,
-        confidence=confidence, rtol=rtol, progress=progress,
+        p,
+        epsilon=epsilon,
+        delta=delta,
+        accountant=accountant,
+        samples=samples,
+        seed=seed,
+        confidence=confidence,
+        rtol=rtol,
+        progress=progress,
     )
 
 
@@ -180,11 +203,23 @@ def max_steps(
     """
     from dpmf.plan.accounting import max_steps as _max_steps
 
-    base = _plan(scheme, dataset_size, batch_size, None if _is_plan(scheme) else 1, None, min_sep, schedule=schedule)
+    base = _plan(
+        scheme, dataset_size, batch_size, None if _is_plan(scheme) else 1, None, min_sep, schedule=schedule
+    )
     return _max_steps(
-        base, noise_multiplier=noise_multiplier, epsilon=epsilon, delta=delta,
-        strategy=factorization if factorization is not None else ("identity" if not _is_plan(scheme) else None),
-        accountant=accountant, samples=samples, seed=seed, confidence=confidence, limit=limit, progress=progress,
+        base,
+        noise_multiplier=noise_multiplier,
+        epsilon=epsilon,
+        delta=delta,
+        strategy=factorization
+        if factorization is not None
+        else ("identity" if not _is_plan(scheme) else None),
+        accountant=accountant,
+        samples=samples,
+        seed=seed,
+        confidence=confidence,
+        limit=limit,
+        progress=progress,
     )
 
 
@@ -221,12 +256,30 @@ def max_batch_size(
 
     if (steps is None) == (epochs is None):
         raise ValueError("steps/epochs is invalid: give exactly one of steps or epochs")
-    base = _plan(scheme, dataset_size, None if _is_plan(scheme) else 1, None if _is_plan(scheme) else 1,
-                 None, min_sep, schedule=schedule)
+    base = _plan(
+        scheme,
+        dataset_size,
+        None if _is_plan(scheme) else 1,
+        None if _is_plan(scheme) else 1,
+        None,
+        min_sep,
+        schedule=schedule,
+    )
     return _max_batch_size(
-        base, noise_multiplier=noise_multiplier, epsilon=epsilon, delta=delta, steps=steps, epochs=epochs,
-        strategy=factorization if factorization is not None else ("identity" if not _is_plan(scheme) else None),
-        accountant=accountant, samples=samples, seed=seed, confidence=confidence, progress=progress,
+        base,
+        noise_multiplier=noise_multiplier,
+        epsilon=epsilon,
+        delta=delta,
+        steps=steps,
+        epochs=epochs,
+        strategy=factorization
+        if factorization is not None
+        else ("identity" if not _is_plan(scheme) else None),
+        accountant=accountant,
+        samples=samples,
+        seed=seed,
+        confidence=confidence,
+        progress=progress,
     )
 
 
@@ -273,12 +326,14 @@ def account_segments(
             events.append(PoissonGaussianEvent(*seg))
         except (ValueError, TypeError) as exc:
             raise type(exc)(f"segments[{i}]: {exc}") from None
+    from dpmf.plan.schemes import Poisson
+
     meas = make_accountant(accountant).epsilon(ComposedEvent(tuple(events)), delta)
     return PrivacyResult(
         epsilon=meas.epsilon,
         delta=delta,
         noise_multiplier=min(e.noise_multiplier for e in events),
-        scheme="poisson",
+        scheme=Poisson.name,
         accountant=meas.accountant,
         guarantee=meas.guarantee,
         steps=sum(e.steps for e in events),

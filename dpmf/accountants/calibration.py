@@ -39,7 +39,14 @@ from dpmf.accountants.montecarlo import (
 )
 from dpmf.accountants.result import Measurement
 
-__all__ = ["ACCOUNTANTS", "make_accountant", "calibrate_event", "rescaled", "check_delta", "check_monte_carlo"]
+__all__ = [
+    "ACCOUNTANTS",
+    "make_accountant",
+    "calibrate_event",
+    "rescaled",
+    "check_delta",
+    "check_monte_carlo",
+]
 
 ACCOUNTANTS = ("pld", "rdp", "prv", "monte_carlo")
 
@@ -110,7 +117,11 @@ def calibrate_event(
         ValueError: the target cannot be met in σ ∈ [1e-6, 1e6], or too few Monte Carlo samples.
     """
     if accountant == "monte_carlo":
-        m = samples if samples is not None else samples_needed(delta, confidence=1.0 - (1.0 - confidence) / 16.0)
+        m = (
+            samples
+            if samples is not None
+            else samples_needed(delta, confidence=1.0 - (1.0 - confidence) / 16.0)
+        )
         return _calibrate_monte_carlo(event1, epsilon, delta, m, seed, confidence, progress)
     return _calibrate_library(accountant, event1, epsilon, delta, rtol)
 
@@ -363,5 +374,3 @@ def _crossing(sigmas: np.ndarray, deltas: np.ndarray, target: float) -> float:
         return float(sigmas[j])
     x = x0 + (math.log(target) - y0) * (x1 - x0) / (y1 - y0)
     return float(min(math.exp(x), sigmas[-1]))
-
-

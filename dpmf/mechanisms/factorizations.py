@@ -45,6 +45,12 @@ from functools import cached_property
 
 import numpy as np
 
+from dpmf.mechanisms.streaming import (
+    BandedSqrtLayout,
+    DenseInverseLayout,
+    NoiseLayout,
+    ToeplitzInverseLayout,
+)
 from dpmf.mechanisms.structured import DenseLowerTriangular, LowerTriangular, ScaledToeplitz
 from dpmf.mechanisms.toeplitz import (
     band,
@@ -53,12 +59,6 @@ from dpmf.mechanisms.toeplitz import (
     sqrt_coefficients,
 )
 from dpmf.mechanisms.triangular import sqrtm_lower_triangular
-from dpmf.mechanisms.streaming import (
-    BandedSqrtLayout,
-    DenseInverseLayout,
-    NoiseLayout,
-    ToeplitzInverseLayout,
-)
 from dpmf.workloads.workload import Workload
 
 __all__ = [
@@ -66,6 +66,7 @@ __all__ = [
     "closed_form",
     "CLOSED_FORMS",
 ]
+
 
 @dataclass(frozen=True, eq=False)
 class Factorization:
@@ -188,13 +189,17 @@ def _sqrt_prefix_scaled(workload: Workload, p) -> Factorization:
 
 def _sqrt(workload: Workload, p) -> Factorization:
     if workload.is_toeplitz:
-        return Factorization("sqrt", None, workload, ScaledToeplitz(sqrt_coefficients(workload.toeplitz_coeffs)))
+        return Factorization(
+            "sqrt", None, workload, ScaledToeplitz(sqrt_coefficients(workload.toeplitz_coeffs))
+        )
     X = sqrtm_lower_triangular(workload.dense())
     return Factorization("sqrt", None, workload, DenseLowerTriangular(X), None, X)
 
 
 def _lr_aware(workload: Workload, p) -> Factorization:
-    return Factorization("lr_aware", None, workload, ScaledToeplitz(sqrt_coefficients(workload.schedule_values)))
+    return Factorization(
+        "lr_aware", None, workload, ScaledToeplitz(sqrt_coefficients(workload.schedule_values))
+    )
 
 
 def _banded_base(workload: Workload, lr: bool) -> np.ndarray:

@@ -149,4 +149,6 @@ def optimize_lcgd(
     res = minimize_scalar(value, bounds=(lo, hi), method="bounded", options={"xatol": 1e-6})
     if res.fun < best:
         best_lam, best = float(res.x), float(res.fun)
-    return LCGDResult(lcgd(workload, best_lam, name="lcgd_opt"), best_lam, objective, best, float(vals[i]), count)
+    return LCGDResult(
+        lcgd(workload, best_lam, name="lcgd_opt"), best_lam, objective, best, float(vals[i]), count
+    )

@@ -80,13 +80,16 @@ class Parameter:
             try:
                 value = int(text)
             except ValueError:
-                raise ValueError(f"{self.name}={text!r} is invalid in {spec!r}: must be an integer >= 1") from None
+                raise ValueError(
+                    f"{self.name}={text!r} is invalid in {spec!r}: must be an integer >= 1"
+                ) from None
             return self.check(value)
         try:
             value = float(text)
         except ValueError:
             raise ValueError(
-                f"{self.name}={text!r} is invalid in {spec!r}: must be a number in [{self.low:g}, {self.high:g})"
+                f"{self.name}={text!r} is invalid in {spec!r}: must be a number in "
+                f"[{self.low:g}, {self.high:g})"
             ) from None
         return self.check(value)
 

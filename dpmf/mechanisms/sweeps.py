@@ -13,8 +13,8 @@ from tqdm.auto import tqdm
 from dpmf._validation import check_choice, check_int
 from dpmf.mechanisms.bounds import lower_bound
 from dpmf.mechanisms.errors import evaluate
-from dpmf.mechanisms.registry import factorize, parse_factorization
 from dpmf.mechanisms.participation import Participation
+from dpmf.mechanisms.registry import factorize, parse_factorization
 from dpmf.workloads.schedules import Schedule
 from dpmf.workloads.workload import from_schedule
 
@@ -100,8 +100,8 @@ def error_curves(
                     participation=participation.kind,
                     min_sep=participation.min_sep,
                     max_participations=participation.max_participations,
-                    factorization=name,
-                    bands=p,
+                    factorization=name if isinstance(p, int | None) else f.label,
+                    bands=p if isinstance(p, int | None) else None,
                     sensitivity=e.sensitivity,
                     sensitivity_exact=e.sensitivity_exact,
                     max_se=e.max_se,

@@ -22,6 +22,7 @@ from dpmf.optim.clipping import (
     clipped_sum,
     per_example_gradients,
 )
+from dpmf.optim.disk import DiskLookahead
 from dpmf.optim.filters import (
     FILTERS,
     Disk,
@@ -30,7 +31,7 @@ from dpmf.optim.filters import (
     make_filter,
     single_pass_gamma,
 )
-from dpmf.optim.lookahead import DiskLookahead, EvaluationPoint
+from dpmf.optim.lookahead import EvaluationPoint
 from dpmf.optim.matrix import aspect_factor, check_matrix_parameter, matrix_shape, matrix_view
 from dpmf.optim.newton_schulz import QUINTIC_COEFFICIENTS, newton_schulz
 from dpmf.optim.noise import (

@@ -1,4 +1,4 @@
-"""Temporal noise filters on the privatized gradient sequence: DOPPLER and DiSK.
+"""Temporal noise filters on the privatized gradient sequence: DOPPLER here, DiSK in ``disk``.
 
 Both are update stages (``dpmf.optim.transforms``) meant for the ``filter`` hook of the DP
 optimizers: they run first on the privatized gradient g̃_t, so any optimizer can follow
@@ -19,36 +19,9 @@ input the output equals the input at every step (DC gain 1 from the first step, 
 the limit). Default: first order, a = (1, −0.9), b = (0.1,), i.e. m̂_t is the bias-corrected
 EMA of the gradients with weight 0.1 (c_t = 1 − 0.9ᵗ).
 
-DiSK (Zhang, Bu, Balle, Hong, Razaviyayn, Mirrokni, "DiSK: Differentially Private Optimizer
-with Simplified Kalman Filter for Noise Reduction", arXiv:2410.03883): a Kalman filter whose
-state is the gradient, simplified to a scalar gain κ. Prediction: the gradient moves with
-the parameters, ∇f(x_t) ≈ ∇f(x_{t−1}) + H_t d_t with d_t = x_t − x_{t−1}, and the
-Hessian-vector product is the finite difference H_t d_t ≈ (∇f(x_t + γd_t) − ∇f(x_t))/γ.
-Correction: m_t = (1−κ)·(m_{t−1} + H_t d_t) + κ·(observed gradient at x_t). Collecting the
-terms that need data,
-
-    m_t = (1−κ)·m_{t−1} + κ·g̃_{t+½},
-    g̃_{t+½} = privatize( per example: (1−c)·∇ℓ(x_t; ξ) + c·∇ℓ(x_t + γd_t; ξ) ),
-    c = (1−κ)/(κγ).
-
-Privacy of the extra pass (the choice made here). The two gradients of an example are
-combined **before** clipping, and the combination is clipped to ζ and noised once: each step
-is still one Gaussian release of a sum of per-example vectors of norm ≤ ζ, at the same noise
-multiplier and sampling as DP-SGD (or as the matrix mechanism's step). The evaluation points
-x_t and x_t + γd_t are functions of earlier releases, which adaptive composition allows.
-Hence the accountant sees exactly the steps of the unfiltered run and ε does not change;
-the extra forward/backward pass costs compute, not privacy. (Clipping the two gradients
-separately and adding them would give sensitivity (|1−c| + |c|)·ζ, and releasing them as two
-noisy gradients would be two Gaussian releases per step for the accountant.) With
-γ = (1−κ)/κ the weight of x_t vanishes
-(c = 1) and one pass at the extrapolated point suffices. The loop's side — the evaluation
-points and weights — is ``dpmf.optim.lookahead.DiskLookahead``; ``Disk`` below is the
-optimizer's side (the correction), which sees only g̃_{t+½} in ``p.grad``. Without the
-loop's cooperation (gradient at x_t only) the stage is an EMA with gain κ, i.e. DiSK with
-the prediction's Hessian term dropped.
-
-On the first step there is no prediction: m_1 = g̃_{1+½} (which is the gradient at x_1, as
-d_1 = 0), so the first output is unbiased and its fresh gain is 1.
+DiSK, the other temporal filter, lives in ``dpmf.optim.disk`` (its two halves: the correction
+stage ``Disk`` and the loop's evaluation plan ``DiskLookahead``); ``make_filter`` builds both
+families.
 """
 
 from __future__ import annotations
@@ -59,7 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.signal import lfilter
 
-from dpmf._validation import check_choice, check_real, check_vector
+from dpmf._validation import check_choice, check_vector
+from dpmf.optim.disk import Disk, disk_extrapolation_weight, single_pass_gamma
 from dpmf.optim.transforms import Transform
 
 __all__ = [
@@ -180,92 +154,6 @@ class Doppler(Transform):
     def fresh_gain(self, state):
         c = state.get("normalizer")
         return None if c is None else self.b[0] / c
-
-
-def single_pass_gamma(kappa: float) -> float:
-    """γ = (1−κ)/κ: DiSK's extrapolation length for which the gradient at x_t drops out and
-    one forward/backward pass per step suffices (module docstring).
-
-    Raises:
-        ValueError: kappa outside (0, 1).
-    """
-    kappa = check_real("kappa", kappa, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
-    return (1.0 - kappa) / kappa
-
-
-def disk_extrapolation_weight(kappa: float, gamma: float) -> float:
-    """c = (1−κ)/(κγ), the weight of the gradient at the extrapolated point x_t + γd_t
-    (1 − c is that of the gradient at x_t). Values within 1e-12 of 1 are returned as 1.
-
-    Source: DiSK (module docstring), the combination of prediction and correction.
-
-    Raises:
-        ValueError: kappa outside (0, 1], gamma <= 0.
-    """
-    kappa = check_real("kappa", kappa, low=0.0, high=1.0, low_inclusive=False)
-    gamma = check_real("gamma", gamma, low=0.0, low_inclusive=False)
-    c = (1.0 - kappa) / (kappa * gamma)
-    return 1.0 if abs(c - 1.0) <= 1e-12 else c
-
-
-@dataclass(frozen=True)
-class Disk(Transform):
-    """DiSK's correction m_t = (1−κ)·m_{t−1} + κ·g̃_{t+½}, m_1 = g̃_{1+½} (module docstring).
-
-    ``p.grad`` must hold g̃_{t+½}, the privatized combination of the gradients at x_t and
-    x_t + γ(x_t − x_{t−1}) that ``dpmf.optim.lookahead.DiskLookahead(kappa, gamma)`` asks the
-    training loop for; ``lookahead()`` builds it with this stage's κ and γ.
-
-    Args:
-        kappa: Kalman gain κ in (0, 1] (1: no filtering).
-        gamma: extrapolation length γ > 0 of the finite-difference Hessian-vector product.
-
-    State (per parameter): ``estimate`` m_t (a tensor of the update's device and dtype,
-    returned as the output: later stages must not modify it in place, as for every stage),
-    ``step``. Fresh gain: 1 at the first step, κ afterwards.
-
-    Raises:
-        ValueError: kappa outside (0, 1], gamma <= 0.
-    """
-
-    kappa: float = 0.7
-    gamma: float = 0.5
-
-    def __post_init__(self):
-        object.__setattr__(
-            self, "kappa", check_real("kappa", self.kappa, low=0.0, high=1.0, low_inclusive=False)
-        )
-        object.__setattr__(self, "gamma", check_real("gamma", self.gamma, low=0.0, low_inclusive=False))
-
-    @property
-    def extrapolation_weight(self) -> float:
-        """c = (1−κ)/(κγ) (``disk_extrapolation_weight``)."""
-        return disk_extrapolation_weight(self.kappa, self.gamma)
-
-    def lookahead(self):
-        """The training loop's side of this filter: ``DiskLookahead(kappa, gamma)``."""
-        from dpmf.optim.lookahead import DiskLookahead
-
-        return DiskLookahead(self.kappa, self.gamma)
-
-    def init(self, param):
-        return {"estimate": None, "step": 0}
-
-    def update(self, update, state, param, ctx):
-        m = state["estimate"]
-        if m is None or state["step"] == 0:
-            m = update.detach().clone()
-        else:
-            m.mul_(1.0 - self.kappa).add_(update, alpha=self.kappa)
-        state["estimate"] = m
-        state["step"] += 1
-        return m, state
-
-    def fresh_gain(self, state):
-        step = state.get("step", 0)
-        if step == 0:
-            return None
-        return 1.0 if step == 1 else self.kappa
 
 
 def make_filter(

@@ -4,7 +4,7 @@ A linear weight of shape (out, in) is its own matrix; a convolution kernel of sh
 (out, in, kh, kw) (or any tensor with two or more dimensions) is read as the matrix
 out × (in·kh·kw), rows indexed by the output channel. This is the convention of DP-Muon
 ("Spectral Gradient Orthogonalization Improves Differentially Private Training at Scale",
-Sec. Method, item 3) and of DESIGN.md (Training).
+Sec. Method, item 3).
 
 Tensors with fewer than two dimensions have no matrix view. A tensor whose view has a single
 row or a single column (a bias stored as (C, 1, 1), a (1, d) token) is a vector in disguise:
@@ -80,7 +80,7 @@ def aspect_factor(rows: int, cols: int, cap: float | None = 4.0) -> float:
     """Return the aspect-ratio factor √min(cap, max(1, rows/cols)) (no cap when ``cap`` is None).
 
     DP-Muon uses cap = 4 (factor at most 2); DP-Muon-S uses no cap, √max(1, m/n)
-    (DESIGN.md, Training; the DP-Muon paper, Sec. Method, items 3 and 4).
+    (the DP-Muon paper, Sec. Method, items 3 and 4).
 
     Raises:
         ValueError: rows or cols < 1, or cap < 1.

@@ -10,8 +10,8 @@ coefficients (a, b, c) = (3.4445, −4.7750, 2.0315) and five steps, every x = �
 are kept and the singular values pushed towards 1.
 
 Source: DP-Muon ("Spectral Gradient Orthogonalization Improves Differentially Private Training
-at Scale", Sec. Method, item 2) and DESIGN.md (Training), which fix the normalization, the
-coefficients and the five steps.
+at Scale", Sec. Method, item 2), which fixes the normalization, the coefficients and the five
+steps.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dpmf._validation import check_int, check_real
 
 __all__ = ["QUINTIC_COEFFICIENTS", "newton_schulz", "check_coefficients"]
 
-#: (a, b, c) of the quintic Newton–Schulz step of DP-Muon (DESIGN.md, Training).
+#: (a, b, c) of the quintic Newton–Schulz step of DP-Muon (the DP-Muon paper, Sec. Method, item 2).
 QUINTIC_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
 
 

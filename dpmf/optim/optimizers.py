@@ -2,8 +2,8 @@
 
 The training loop leaves in ``p.grad`` the privatized gradient G̃_t: per-example gradients
 clipped to ζ, summed, plus this step's (correlated) Gaussian noise, divided by the expected
-batch size. Everything here is post-processing of G̃_t and costs no privacy (DESIGN.md,
-Training). Each parameter group has an update **rule**, a short chain of stages from
+batch size. Everything here is post-processing of G̃_t and costs no privacy (the post-processing
+theorem of differential privacy). Each parameter group has an update **rule**, a short chain of stages from
 ``dpmf.optim.transforms``:
 
 =========  ======================================================================  ============
@@ -139,7 +139,7 @@ def dp_muon(
     weight_decay=0.0,
     filter=None,
 ) -> Transform:
-    """DP-Muon (DESIGN.md, Training): M_t = βM_{t−1} + (1−β)G̃_t; M̂_t = (1−β)G̃_t + βM_t;
+    """DP-Muon (the DP-Muon paper, Sec. Method): M_t = βM_{t−1} + (1−β)G̃_t; M̂_t = (1−β)G̃_t + βM_t;
     X₅ = five quintic Newton–Schulz steps from M̂_t/‖M̂_t‖_F; u = √min(4, max(1, m/n))·X₅
     (+ λ·p, decoupled weight decay)."""
     return chain(
@@ -160,7 +160,7 @@ def dp_muon_s(
     weight_decay=0.0,
     filter=None,
 ) -> Transform:
-    """DP-Muon-S (DESIGN.md, Training): u = σ₁(M_t)·√max(1, m/n)·X₅, σ₁ of the heavy-ball
+    """DP-Muon-S (the DP-Muon paper, Sec. Method): u = σ₁(M_t)·√max(1, m/n)·X₅, σ₁ of the heavy-ball
     (EMA) momentum M_t by warm-started power iteration."""
     return chain(
         filter,
@@ -299,7 +299,9 @@ class DPOptimizer(torch.optim.Optimizer):
         if not isinstance(check_finite, bool):
             raise TypeError(f"check_finite={check_finite!r} is invalid: must be a bool")
         self.check_finite = check_finite
-        self._noise_std: float | None = None if noise_std is None else check_real("noise_std", noise_std, low=0.0)
+        self._noise_std: float | None = (
+            None if noise_std is None else check_real("noise_std", noise_std, low=0.0)
+        )
         self._source = None
         self._chains: dict[int, tuple] = {}
         self._generators: dict[str, torch.Generator] = {}
@@ -512,7 +514,9 @@ class DPOptimizer(torch.optim.Optimizer):
     def _chain(self, index: int, group: dict) -> Transform:
         """The group's stage chain, built once and rebuilt only when a hyperparameter other
         than ``lr`` changes (the learning-rate schedule changes ``lr`` every step)."""
-        key = tuple((k, repr(v)) for k, v in sorted(group.items()) if k not in ("params", "param_names", "lr"))
+        key = tuple(
+            (k, repr(v)) for k, v in sorted(group.items()) if k not in ("params", "param_names", "lr")
+        )
         cached = self._chains.get(index)
         if cached is None or cached[0] != key:
             cached = (key, build_transform(group))
@@ -617,7 +621,7 @@ class DPAdam(DPOptimizer):
 
 
 class DPMuon(DPOptimizer):
-    """DP-Muon exactly as DESIGN.md (Training), for every parameter with a matrix view
+    """DP-Muon exactly as the DP-Muon paper (Sec. Method), for every parameter with a matrix view
     (conv kernels as out × in·kh·kw):
 
         M_t = β·M_{t−1} + (1−β)·G̃_t,   M̂_t = (1−β)·G̃_t + β·M_t,   X₀ = M̂_t/‖M̂_t‖_F,
@@ -684,6 +688,7 @@ class DPMuon(DPOptimizer):
             filter=filter,
         )
         probe_seed = extra.pop("probe_seed", 0)
+        noise_std = extra.pop("noise_std", None)
         unknown = sorted(set(extra) - set(_BASE_DEFAULTS))
         if unknown:
             raise TypeError(f"{type(self).__name__} got unexpected keyword arguments {unknown}")
@@ -695,11 +700,12 @@ class DPMuon(DPOptimizer):
             vector_lr=vector_lr,
             probe_seed=probe_seed,
             check_finite=check_finite,
+            noise_std=noise_std,
         )
 
 
 class DPMuonS(DPMuon):
-    """DP-Muon-S (DESIGN.md, Training): the matrix update is σ₁(M_t)·√max(1, m/n)·X₅, with
+    """DP-Muon-S (the DP-Muon paper, Sec. Method): the matrix update is σ₁(M_t)·√max(1, m/n)·X₅, with
     σ₁ of the heavy-ball (EMA) momentum M_t by ``power_iterations`` warm-started power
     iterations per step (the vector is kept in the state). Otherwise as ``DPMuon``.
     """

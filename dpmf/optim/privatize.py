@@ -104,8 +104,15 @@ class Privatizer:
     ):
         check_per_example_safe(model)
         if plan is not None:
-            given = [k for k, v in (("noise_multiplier", noise_multiplier), ("sensitivity", sensitivity),
-                                    ("expected_batch_size", expected_batch_size)) if v is not None]
+            given = [
+                k
+                for k, v in (
+                    ("noise_multiplier", noise_multiplier),
+                    ("sensitivity", sensitivity),
+                    ("expected_batch_size", expected_batch_size),
+                )
+                if v is not None
+            ]
             if given:
                 raise ValueError(f"{given[0]} is invalid together with plan: the plan fixes it")
             noise_multiplier = plan.require_noise_multiplier()
@@ -113,8 +120,15 @@ class Privatizer:
             expected_batch_size = plan.expected_batch_size
             _check_noise_matches_plan(noise, plan)
         else:
-            missing = [k for k, v in (("noise_multiplier", noise_multiplier), ("sensitivity", sensitivity),
-                                      ("expected_batch_size", expected_batch_size)) if v is None]
+            missing = [
+                k
+                for k, v in (
+                    ("noise_multiplier", noise_multiplier),
+                    ("sensitivity", sensitivity),
+                    ("expected_batch_size", expected_batch_size),
+                )
+                if v is None
+            ]
             if missing:
                 raise ValueError(f"{missing[0]} is required without a plan (or pass plan=)")
         self.plan = plan

@@ -1,6 +1,6 @@
 """Explicit routing of a model's parameters to the update rules of the DP optimizers.
 
-Routing (DESIGN.md, Training; the DP-Muon paper, Sec. Method, item 3):
+Routing (the DP-Muon paper, Sec. Method, item 3):
 
 ==========================================  =================================================
 parameter                                   rule

@@ -1,7 +1,7 @@
 """Learning-rate schedules for training, step by step, from the schedules of ``dpmf.workloads``.
 
 The same χ = ``Schedule.values(steps)`` drives the optimizer (step t uses lr·χ_t) and builds
-the workload A_χ = A₁·diag(χ) the factorization is optimized for (DESIGN.md, Workloads:
+the workload A_χ = A₁·diag(χ) the factorization is optimized for (``docs/architecture.md``, workloads:
 θ_t = θ₀ − η·Σ_{s≤t} χ_s·g_s), so the noise is correlated for the schedule actually used.
 ``LearningRateSchedule`` is a callable for ``torch.optim.lr_scheduler.LambdaLR``.
 """

@@ -245,7 +245,7 @@ class EmaMomentum(Transform):
     M̂_t = (1−β)·G_t + β·M_t, or M_t without ``nesterov``. Publishes M_t as
     ``ctx.aux["momentum"]``.
 
-    Source: DP-Muon (DESIGN.md, Training; paper Sec. Method, item 1).
+    Source: DP-Muon (the DP-Muon paper, Sec. Method, item 1).
 
     Fresh gain: M̂_t = (1−β)·G_t + β·(β·M_{t−1} + (1−β)·G_t) = (1−β)(1+β)·G_t + β²·M_{t−1},
     so (1−β)(1+β) = 1 − β² with Nesterov, and 1 − β without.
@@ -415,7 +415,7 @@ class ScaleBySpectralNorm(Transform):
     heavy-ball momentum M_t of DP-Muon-S), estimated by warm-started power iteration on its
     matrix view; the right singular vector is kept in the state (``"vector"``).
 
-    Source: DP-Muon-S, σ₁(M_t)·√max(1, m/n)·X₅ (DESIGN.md, Training; paper Sec. Method, 4).
+    Source: DP-Muon-S, σ₁(M_t)·√max(1, m/n)·X₅ (the DP-Muon paper, Sec. Method, item 4).
 
     Raises:
         ValueError: power_iterations < 1; at update time a missing source tensor or a

@@ -21,19 +21,22 @@ from dpmf.accountants.calibration import (
 )
 from dpmf.accountants.montecarlo import MonteCarloAccountant
 from dpmf.accountants.result import Measurement, PrivacyResult
-from dpmf.plan.plan import PrivatePlan
 from dpmf.plan.schemes import check_sigma
 
 __all__ = ["account", "calibrate", "max_steps", "max_batch_size", "privacy_result"]
 
 
-def _check_plan(plan) -> PrivatePlan:
-    if not isinstance(plan, PrivatePlan):
+def _check_plan(plan):
+    """``plan`` if it is a ``dpmf.PrivatePlan`` (checked by its interface: this module is below
+    ``dpmf.plan.plan``, which calls it)."""
+    if not (callable(getattr(plan, "event", None)) and hasattr(plan, "scheme") and hasattr(plan, "strategy")):
         raise TypeError(f"plan={plan!r} is invalid: must be a dpmf.PrivatePlan")
     return plan
 
 
-def privacy_result(plan: PrivatePlan, sigma: float, meas: Measurement, details: dict | None = None) -> PrivacyResult:
+def privacy_result(
+    plan, sigma: float, meas: Measurement, details: dict | None = None
+) -> PrivacyResult:
     """The ``PrivacyResult`` of ``plan`` at σ from an accountant's ``Measurement``."""
     info = plan.scheme.event(plan, sigma)[1]
     merged = dict(info.details)
@@ -62,7 +65,7 @@ def privacy_result(plan: PrivatePlan, sigma: float, meas: Measurement, details: 
 
 
 def account(
-    plan: PrivatePlan,
+    plan,
     noise_multiplier: float | None = None,
     *,
     delta: float,
@@ -104,7 +107,7 @@ def account(
 
 
 def calibrate(
-    plan: PrivatePlan,
+    plan,
     *,
     epsilon: float,
     delta: float,
@@ -146,7 +149,15 @@ def calibrate(
         raise ValueError("confidence=None is invalid for calibrate: must be in (0, 1)")
     rtol = check_real("rtol", rtol, low=0.0, high=0.1, low_inclusive=False)
     sigma, meas, extra = calibrate_event(
-        plan.event(1.0), epsilon, delta, name, samples=samples, seed=seed, confidence=conf, rtol=rtol, progress=progress
+        plan.event(1.0),
+        epsilon,
+        delta,
+        name,
+        samples=samples,
+        seed=seed,
+        confidence=conf,
+        rtol=rtol,
+        progress=progress,
     )
     return privacy_result(plan, sigma, meas, extra)
 
@@ -218,7 +229,7 @@ def _strategy_for(strategy, n: int):
 
 
 def max_steps(
-    plan: PrivatePlan,
+    plan,
     *,
     noise_multiplier: float,
     epsilon: float,
@@ -261,11 +272,13 @@ def max_steps(
     def make_plan(n):
         return plan.replace(steps=n, strategy=_strategy_for(spec, n))
 
-    return _search_int(name, make_plan, sigma, epsilon, delta, 1, limit, samples, seed, conf or 0.99, progress)
+    return _search_int(
+        name, make_plan, sigma, epsilon, delta, 1, limit, samples, seed, conf or 0.99, progress
+    )
 
 
 def max_batch_size(
-    plan: PrivatePlan,
+    plan,
     *,
     noise_multiplier: float,
     epsilon: float,

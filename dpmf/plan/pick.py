@@ -38,7 +38,6 @@ with equal ``Scheme.event_key`` share one calibrated σ; the sensitivity s is ea
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass
 
@@ -224,7 +223,6 @@ def pick(
     t0 = time.perf_counter()
     run0 = PrivatePlan(dataset_size, batch_size, steps=steps)
     N, B, n = run0.dataset_size, run0.batch_size, run0.steps
-    b = run0.steps_per_epoch
     epsilon = check_real("epsilon", epsilon, low=0.0, low_inclusive=False)
     delta = check_real("delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
     if not isinstance(schedule, Schedule):

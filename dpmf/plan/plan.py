@@ -307,11 +307,17 @@ class PrivatePlan:
             accountant = self.privacy.accountant
         if steps == self.steps:
             known = self.privacy
-            if known is not None and known.delta == delta and known.accountant == self.scheme.check_accountant(accountant):
+            if (
+                known is not None
+                and known.delta == delta
+                and known.accountant == self.scheme.check_accountant(accountant)
+            ):
                 return known
             return account(self, sigma, delta=delta, accountant=accountant, **options)
         part = self.truncated(steps)
-        return account(part, sigma * self.sensitivity / part.sensitivity, delta=delta, accountant=accountant, **options)
+        return account(
+            part, sigma * self.sensitivity / part.sensitivity, delta=delta, accountant=accountant, **options
+        )
 
     # -- derived plans ----------------------------------------------------------------------
 

@@ -310,7 +310,9 @@ def get_scheme(scheme, **options) -> Scheme:
     fields = set(cls.__dataclass_fields__)
     extra = sorted(set(given) - fields)
     if extra:
-        raise ValueError(f"{extra[0]}={given[extra[0]]!r} is invalid for scheme={scheme!r}: it takes no {extra[0]}")
+        raise ValueError(
+            f"{extra[0]}={given[extra[0]]!r} is invalid for scheme={scheme!r}: it takes no {extra[0]}"
+        )
     return cls(**given)
 
 
@@ -464,7 +466,9 @@ class BallsInBins(_Bins):
         return MixtureGaussianEvent(sigma, G, 1), EventInfo(s, None, details)
 
     def sampler(self, run, seed):
-        return self._named(_samplers.BallsInBinsSampler(run.dataset_size, run.batch_size, run.steps, seed=seed))
+        return self._named(
+            _samplers.BallsInBinsSampler(run.dataset_size, run.batch_size, run.steps, seed=seed)
+        )
 
     def dpsgd_counterpart(self):
         return Poisson()
@@ -535,7 +539,9 @@ class FixedOrder(Scheme):
         return (self.name,)
 
     def sampler(self, run, seed):
-        return self._named(_samplers.ShuffledFixedSampler(run.dataset_size, run.batch_size, run.steps, seed=seed))
+        return self._named(
+            _samplers.ShuffledFixedSampler(run.dataset_size, run.batch_size, run.steps, seed=seed)
+        )
 
 
 @register_scheme
@@ -561,13 +567,17 @@ class SingleRelease(Scheme):
         return run.dataset_size / run.steps_per_epoch
 
     def event(self, run, sigma):
-        return GaussianEvent(sigma), EventInfo(_max_column_norm(run.factorization), None, {"participations": 1})
+        return GaussianEvent(sigma), EventInfo(
+            _max_column_norm(run.factorization), None, {"participations": 1}
+        )
 
     def event_key(self, run):
         return (self.name,)
 
     def sampler(self, run, seed):
-        return self._named(_samplers.ShuffledFixedSampler(run.dataset_size, run.batch_size, run.steps, seed=seed))
+        return self._named(
+            _samplers.ShuffledFixedSampler(run.dataset_size, run.batch_size, run.steps, seed=seed)
+        )
 
 
 def auto_scheme(entry, bands: int | None, run) -> Scheme:

@@ -34,6 +34,7 @@ import statistics
 import time
 
 from dpmf._io import atomic_savefig, atomic_write_csv, atomic_write_text
+from dpmf.plan.schemes import Poisson
 
 #: The methods: optimizer and filter of each (other settings shared).
 METHODS = {
@@ -51,7 +52,7 @@ COMPOSITIONS = ("replace", "stack")
 BASE = {
     "dataset": "fashion-mnist",
     "model": "cnn",
-    "scheme": "poisson",
+    "scheme": Poisson.name,
     "factorization": "identity",
     "delta": 1e-5,
     "clip_norm": 1.0,

@@ -14,9 +14,9 @@ from dataclasses import dataclass, fields
 
 from dpmf._validation import check_choice, check_int, check_real
 from dpmf.mechanisms.registry import parse_factorization
+from dpmf.plan.schemes import SCHEMES, Poisson, scheme_names
 from dpmf.train.data import DATASETS
 from dpmf.train.models import MODELS
-from dpmf.plan.schemes import SCHEMES, Poisson, scheme_names
 from dpmf.workloads.schedules import SCHEDULES
 
 __all__ = ["OPTIMIZERS", "ACCOUNTANTS", "DEFAULT_LR", "TrainConfig"]

@@ -113,7 +113,7 @@ class Trainer:
         eval_batch_size: test batch size.
         progress: show a tqdm bar on stderr.
         lookahead: an object whose ``points(model)`` gives each step's evaluation plan
-            (``dpmf.optim.lookahead.DiskLookahead`` for the DiSK filter), called once per step
+            (``dpmf.optim.disk.DiskLookahead`` for the DiSK filter), called once per step
             before the gradients; its ``state_dict`` is checkpointed. None: gradients at θ_t.
 
     Raises:

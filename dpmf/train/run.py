@@ -47,6 +47,7 @@ from dpmf.optim import (
 from dpmf.optim.clipping import trainable_parameters
 from dpmf.optim.privatize import Privatizer
 from dpmf.plan.plan import PrivatePlan, leading_block
+from dpmf.plan.schemes import Poisson
 from dpmf.train.config import TrainConfig
 from dpmf.train.data import load_dataset
 from dpmf.train.loop import CHECKPOINT, Trainer, TrainOutcome
@@ -223,7 +224,7 @@ def choose_strategy(config: TrainConfig, dataset_size: int, steps: int, *, progr
         delta=config.delta,
         schedule=Schedule(config.schedule, config.beta, config.gamma),
         max_bands=config.max_bands,
-        scheme="auto" if config.scheme == "poisson" else config.scheme,
+        scheme="auto" if config.scheme == Poisson.name else config.scheme,
         accountant=config.accountant if config.accountant in ("pld", "rdp", "prv") else None,
         samples=config.samples,
         seed=config.seed,
