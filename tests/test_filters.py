@@ -184,7 +184,7 @@ def run_disk(kappa, gamma, steps, noise_std, d=6, seed=3, lr=0.5, lookahead=True
     filtered gradient m_t, the true gradient ∇f(x_t) and the noisy observation."""
     h, r, x0 = quadratic(d, seed)
     x = torch.nn.Parameter(x0.clone())
-    opt = DPSGD([("x", x)], lr=lr, filter=Disk(kappa, gamma))
+    opt = DPSGD([("x", x)], lr=lr, filter=Disk(kappa, gamma), allow_unprivatized=True)
     look = DiskLookahead(kappa, gamma)
     gen = torch.Generator().manual_seed(seed + 100)
     filtered, true, observed = [], [], []
@@ -309,8 +309,8 @@ def test_doppler_muon_equals_muon_on_prefiltered_gradients():
     pre = ss.lfilter(b, a, G, axis=0) / ss.lfilter(b, a, np.ones(6))[:, None, None]
     x0 = torch.from_numpy(rng.standard_normal((5, 3)))
     p1, p2 = torch.nn.Parameter(x0.clone()), torch.nn.Parameter(x0.clone())
-    o1 = DPMuon([p1], lr=0.1, beta=0.9, filter=Doppler(a, b))
-    o2 = DPMuon([p2], lr=0.1, beta=0.9)
+    o1 = DPMuon([p1], lr=0.1, beta=0.9, filter=Doppler(a, b), allow_unprivatized=True)
+    o2 = DPMuon([p2], lr=0.1, beta=0.9, allow_unprivatized=True)
     for t in range(6):
         p1.grad, p2.grad = torch.from_numpy(G[t]), torch.from_numpy(pre[t])
         o1.step()
@@ -329,8 +329,8 @@ def test_disk_sgd_with_momentum_equals_sgd_on_prefiltered_gradients():
         torch.nn.Parameter(torch.zeros(4, dtype=torch.float64)),
         torch.nn.Parameter(torch.zeros(4, dtype=torch.float64)),
     )
-    o1 = DPSGD([p1], lr=0.1, momentum=0.9, filter=Disk(0.7, 0.5))
-    o2 = DPSGD([p2], lr=0.1, momentum=0.9)
+    o1 = DPSGD([p1], lr=0.1, momentum=0.9, filter=Disk(0.7, 0.5), allow_unprivatized=True)
+    o2 = DPSGD([p2], lr=0.1, momentum=0.9, allow_unprivatized=True)
     for t in range(5):
         p1.grad, p2.grad = torch.from_numpy(G[t]), torch.from_numpy(pre[t])
         o1.step()
@@ -350,7 +350,7 @@ def test_muon_bc_after_a_filter_gets_the_filtered_fresh_noise_std(name, monkeypa
     monkeypatch.setattr(transforms_module, "newton_schulz_bc", spy)
     beta, std = 0.9, 0.4
     p = torch.nn.Parameter(torch.zeros(4, 6))
-    opt = DPMuonBC([p], lr=0.01, beta=beta, filter=make_filter(name), noise_std=std)
+    opt = DPMuonBC([p], lr=0.01, beta=beta, filter=make_filter(name), noise_std=std, allow_unprivatized=True)
     for _ in range(3):
         p.grad = torch.randn(4, 6)
         opt.step()
@@ -367,14 +367,14 @@ def test_filtered_optimizer_resumes_exactly(stage, tmp_path):
 
     def run(split):
         p = torch.nn.Parameter(torch.ones(6, 4))
-        opt = DPMuon([p], lr=0.05, filter=stage)
+        opt = DPMuon([p], lr=0.05, filter=stage, allow_unprivatized=True)
         for t, g in enumerate(grads):
             if t == split:
                 path = tmp_path / "ckpt.pt"
                 torch.save({"p": p.detach(), "opt": opt.state_dict()}, path)
                 saved = torch.load(path, weights_only=True)
                 p = torch.nn.Parameter(saved["p"].clone())
-                opt = DPMuon([p], lr=0.05, filter=stage)
+                opt = DPMuon([p], lr=0.05, filter=stage, allow_unprivatized=True)
                 opt.load_state_dict(saved["opt"])
             p.grad = g.clone()
             opt.step()
@@ -393,15 +393,15 @@ def test_make_filter():
 
 def test_state_dict_is_plain_data_and_refuses_another_filter():
     p = torch.nn.Parameter(torch.ones(3, 2))
-    opt = DPSGD([p], lr=0.1, filter=Doppler())
+    opt = DPSGD([p], lr=0.1, filter=Doppler(), allow_unprivatized=True)
     p.grad = torch.ones(3, 2)
     opt.step()
     sd = opt.state_dict()
     assert sd["param_groups"][0]["filter"] == {"dpmf_stage": repr(Doppler())}
-    other = DPSGD([p], lr=0.1, filter=Doppler((1.0, -0.5), (0.5,)))
+    other = DPSGD([p], lr=0.1, filter=Doppler((1.0, -0.5), (0.5,)), allow_unprivatized=True)
     with pytest.raises(ValueError, match="filter"):
         other.load_state_dict(sd)
-    same = DPSGD([p], lr=0.1, filter=Doppler())
+    same = DPSGD([p], lr=0.1, filter=Doppler(), allow_unprivatized=True)
     same.load_state_dict(sd)
     assert same.param_groups[0]["filter"] == Doppler()
 
@@ -412,7 +412,7 @@ def test_filters_on_cuda_match_cpu():
         outs = []
         for device in ("cpu", "cuda"):
             p = torch.nn.Parameter(torch.ones(8, 6, device=device))
-            opt = DPMuon([p], lr=0.05, filter=stage)
+            opt = DPMuon([p], lr=0.05, filter=stage, allow_unprivatized=True)
             for t in range(4):
                 g = torch.randn(8, 6, generator=torch.Generator().manual_seed(t))
                 p.grad = g.to(device)
@@ -426,6 +426,6 @@ def test_filters_on_cuda_match_cpu():
 
 def test_state_dict_without_filter_refused_by_a_filtered_optimizer():
     p = torch.nn.Parameter(torch.ones(3, 2))
-    plain = DPSGD([p], lr=0.1)
+    plain = DPSGD([p], lr=0.1, allow_unprivatized=True)
     with pytest.raises(ValueError, match="filter=None"):
-        DPSGD([p], lr=0.1, filter=Disk()).load_state_dict(plain.state_dict())
+        DPSGD([p], lr=0.1, filter=Disk(), allow_unprivatized=True).load_state_dict(plain.state_dict())

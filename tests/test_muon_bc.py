@@ -198,7 +198,7 @@ def test_optimizer_update_equals_manual_composition():
     beta, lr, std, seed = 0.9, 0.1, 0.2, 5
     w = _tiny_weight()
     w0 = w.detach().clone()
-    opt = DPMuonBC([w], lr=lr, beta=beta, probe_seed=seed, noise_std=std)
+    opt = DPMuonBC([w], lr=lr, beta=beta, probe_seed=seed, noise_std=std, allow_unprivatized=True)
     g = torch.Generator().manual_seed(seed)
     M = torch.zeros_like(w0)
     grads = [torch.randn(6, 10, generator=torch.Generator().manual_seed(80 + t)) for t in range(3)]
@@ -218,12 +218,12 @@ def test_optimizer_update_equals_manual_composition():
 def test_optimizer_zero_gradient_zero_update_and_zero_noise_equals_dp_muon():
     w = _tiny_weight()
     before = w.detach().clone()
-    opt = DPMuonBC([w], lr=0.1, noise_std=0.5)
+    opt = DPMuonBC([w], lr=0.1, noise_std=0.5, allow_unprivatized=True)
     w.grad = torch.zeros_like(w)
     opt.step()
     assert torch.equal(w.detach(), before)
     a, b = _tiny_weight(71), _tiny_weight(71)
-    oa, ob = DPMuonBC([a], lr=0.1, noise_std=0.0), DPMuon([b], lr=0.1)
+    oa, ob = DPMuonBC([a], lr=0.1, noise_std=0.0, allow_unprivatized=True), DPMuon([b], lr=0.1, allow_unprivatized=True)
     for t in range(3):
         G = torch.randn(6, 10, generator=torch.Generator().manual_seed(90 + t))
         a.grad, b.grad = G.clone(), G.clone()
@@ -238,7 +238,7 @@ def test_optimizer_scale_invariance_with_scaled_noise_std():
     steps = {}
     for c in [1e-10, 1.0, 1e10]:
         w = torch.nn.Parameter(base.clone())
-        opt = DPMuonBC([w], lr=1.0, probe_seed=3, noise_std=0.3 * c)
+        opt = DPMuonBC([w], lr=1.0, probe_seed=3, noise_std=0.3 * c, allow_unprivatized=True)
         w.grad = G * c
         opt.step()
         steps[c] = base - w.detach()
@@ -249,15 +249,15 @@ def test_optimizer_scale_invariance_with_scaled_noise_std():
 def test_optimizer_refuses_missing_noise_std_before_touching_weights():
     w = _tiny_weight()
     before = w.detach().clone()
-    opt = DPMuonBC([w], lr=0.1)
+    opt = DPMuonBC([w], lr=0.1, allow_unprivatized=True)
     w.grad = torch.ones_like(w)
     with pytest.raises(ValueError, match="noise_std"):
         opt.step()
     assert torch.equal(w.detach(), before)
     with pytest.raises(ValueError, match="std"):
-        DPMuonBC([w], lr=0.1, noise_std=-1.0)
+        DPMuonBC([w], lr=0.1, noise_std=-1.0, allow_unprivatized=True)
     with pytest.raises(ValueError, match="std"):
-        DPMuonBC([w], lr=0.1, noise_std=float("nan"))
+        DPMuonBC([w], lr=0.1, noise_std=float("nan"), allow_unprivatized=True)
 
 
 def test_optimizer_resume_from_state_dict_reproduces_probes():
@@ -265,12 +265,12 @@ def test_optimizer_resume_from_state_dict_reproduces_probes():
 
     def run(split):
         w = _tiny_weight()
-        opt = DPMuonBC([w], lr=0.1, probe_seed=9, noise_std=0.3)
+        opt = DPMuonBC([w], lr=0.1, probe_seed=9, noise_std=0.3, allow_unprivatized=True)
         for t, G in enumerate(grads):
             if t == split:
                 saved = {"w": w.detach().clone(), "opt": opt.state_dict()}
                 w = torch.nn.Parameter(saved["w"])
-                opt = DPMuonBC([w], lr=0.1, probe_seed=0)  # seed comes from the state dict
+                opt = DPMuonBC([w], lr=0.1, probe_seed=0, noise_std=0.3, allow_unprivatized=True)  # seed: state dict
                 opt.load_state_dict(saved["opt"])
             w.grad = G.clone()
             opt.step()
@@ -279,7 +279,7 @@ def test_optimizer_resume_from_state_dict_reproduces_probes():
     uninterrupted = run(split=None)
     assert torch.equal(run(split=2), uninterrupted)
     other = _tiny_weight()
-    o = DPMuonBC([other], lr=0.1, probe_seed=10, noise_std=0.3)
+    o = DPMuonBC([other], lr=0.1, probe_seed=10, noise_std=0.3, allow_unprivatized=True)
     for G in grads:
         other.grad = G.clone()
         o.step()

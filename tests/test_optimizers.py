@@ -50,7 +50,7 @@ def test_dp_muon_matches_design_formulas_step_by_step():
     # wide linear, tall linear, very tall (aspect capped), conv kernel, bias
     shapes = [(3, 5), (7, 3), (20, 2), (4, 2, 2, 2), (6,)]
     params = make_params(shapes, seed=1)
-    opt = DPMuon(params, lr=lr, beta=beta, vector_momentum=mu, vector_lr=vlr)
+    opt = DPMuon(params, lr=lr, beta=beta, vector_momentum=mu, vector_lr=vlr, allow_unprivatized=True)
     theta = [p.detach().numpy().copy() for p in params]
     M = [np.zeros(s) for s in shapes]
     buf = np.zeros(6)
@@ -79,7 +79,7 @@ def test_dp_muon_matches_design_formulas_step_by_step():
 
 def test_dp_muon_float32_close_to_float64_reference():
     p = make_params([(16, 24)], seed=2, dtype=torch.float32)[0]
-    opt = DPMuon([p], lr=1.0, beta=0.0)  # one step: update = NS(G)
+    opt = DPMuon([p], lr=1.0, beta=0.0, allow_unprivatized=True)  # one step: update = NS(G)
     theta0 = p.detach().double().numpy().copy()
     G = grads_for([p], seed=3)[0]
     p.grad = G
@@ -92,7 +92,7 @@ def test_conv_kernel_reshaped_out_by_in_kh_kw():
     for shape, factor in [((4, 3, 3, 3), 1.0), ((64, 1, 2, 2), 2.0)]:
         p = make_params([shape], seed=4)[0]
         theta0 = p.detach().numpy().copy()
-        opt = DPMuon([p], lr=1.0, beta=0.0)
+        opt = DPMuon([p], lr=1.0, beta=0.0, allow_unprivatized=True)
         G = grads_for([p], seed=5)[0]
         p.grad = G
         opt.step()
@@ -118,7 +118,7 @@ def test_conv_kernel_reshaped_out_by_in_kh_kw():
 def test_dp_sgd_matches_torch_sgd(kwargs):
     shapes = [(5, 4), (4,), (2, 3, 2, 2)]
     ours, ref = make_params(shapes, seed=6), make_params(shapes, seed=6)
-    o1, o2 = DPSGD(ours, lr=0.1, **kwargs), torch.optim.SGD(ref, lr=0.1, **kwargs)
+    o1, o2 = DPSGD(ours, lr=0.1, **kwargs, allow_unprivatized=True), torch.optim.SGD(ref, lr=0.1, **kwargs)
     for t in range(6):
         for a, b, g in zip(ours, ref, grads_for(ours, seed=20 + t), strict=True):
             a.grad, b.grad = g.clone(), g.clone()
@@ -141,7 +141,7 @@ def test_dp_adam_matches_torch_adam(kwargs, torch_cls):
     shapes = [(5, 4), (4,)]
     ours, ref = make_params(shapes, seed=7), make_params(shapes, seed=7)
     torch_kwargs = {k: v for k, v in kwargs.items() if k != "decoupled_weight_decay"}
-    o1, o2 = DPAdam(ours, lr=0.01, **kwargs), torch_cls(ref, lr=0.01, **torch_kwargs)
+    o1, o2 = DPAdam(ours, lr=0.01, **kwargs, allow_unprivatized=True), torch_cls(ref, lr=0.01, **torch_kwargs)
     for t in range(6):
         for a, b, g in zip(ours, ref, grads_for(ours, seed=30 + t), strict=True):
             a.grad, b.grad = g.clone(), g.clone()
@@ -158,7 +158,7 @@ def test_dp_adam_matches_torch_adam(kwargs, torch_cls):
 def test_dp_muon_s_matches_sigma1_times_uncapped_aspect(shape):
     beta, lr = 0.8, 0.1
     p = make_params([shape], seed=8)[0]
-    opt = DPMuonS([p], lr=lr, beta=beta, power_iterations=60)
+    opt = DPMuonS([p], lr=lr, beta=beta, power_iterations=60, allow_unprivatized=True)
     theta = p.detach().numpy().copy()
     M = np.zeros(shape)
     m, n = shape
@@ -180,7 +180,7 @@ def test_dp_muon_s_is_homogeneous_of_degree_one():
     steps = {}
     for c in [1e-10, 1.0, 1e10]:
         w = torch.nn.Parameter(base.clone())
-        opt = DPMuonS([w], lr=1.0 / c)  # moves of order 1 whatever c
+        opt = DPMuonS([w], lr=1.0 / c, allow_unprivatized=True)  # moves of order 1 whatever c
         for _ in range(3):
             w.grad = G * c
             opt.step()
@@ -193,12 +193,12 @@ def test_dp_muon_s_is_homogeneous_of_degree_one():
 
 
 def _all_optimizers(params):
-    bc = DPMuonBC(params, lr=0.1, noise_std=0.7)
+    bc = DPMuonBC(params, lr=0.1, noise_std=0.7, allow_unprivatized=True)
     return [
-        DPSGD(params, lr=0.1, momentum=0.9),
-        DPAdam(params, lr=0.1),
-        DPMuon(params, lr=0.1),
-        DPMuonS(params, lr=0.1),
+        DPSGD(params, lr=0.1, momentum=0.9, allow_unprivatized=True),
+        DPAdam(params, lr=0.1, allow_unprivatized=True),
+        DPMuon(params, lr=0.1, allow_unprivatized=True),
+        DPMuonS(params, lr=0.1, allow_unprivatized=True),
         bc,
     ]
 
@@ -222,7 +222,7 @@ def test_matrix_update_invariant_to_gradient_scale(base):
     moves = {}
     for c in [1e-10, 1e-5, 1.0, 1e5, 1e10]:
         params = [torch.nn.Parameter(p.detach().clone()) for p in w0]
-        opt = DPMuon(params, lr=1.0)
+        opt = DPMuon(params, lr=1.0, allow_unprivatized=True)
         for gs in grads:
             for p, g in zip(params, gs, strict=True):
                 p.grad = g * c  # float32 entries from 1e-22 to 1e22
@@ -239,7 +239,7 @@ def test_non_finite_gradient_refused_before_any_update():
     named = [("layer.weight", params[0]), ("layer.bias", params[1])]
     before = [p.detach().clone() for p in params]
     for bad in [float("nan"), float("inf")]:
-        opt = DPMuon(named, lr=0.1)
+        opt = DPMuon(named, lr=0.1, allow_unprivatized=True)
         params[0].grad = torch.ones(4, 5)
         params[1].grad = torch.ones(4)
         params[1].grad[2] = bad
@@ -271,7 +271,7 @@ def test_non_matrices_never_reach_newton_schulz(monkeypatch):
     x = torch.randn(3, 2, 6, 6)
     for cls in [DPMuon, DPMuonS, DPMuonBC]:
         seen.clear()
-        opt = cls(model.parameters(), lr=0.01, noise_std=0.1)
+        opt = cls(model.parameters(), lr=0.01, noise_std=0.1, allow_unprivatized=True)
         model.zero_grad()
         model(x).square().sum().backward()
         opt.step()
@@ -284,44 +284,44 @@ def test_non_matrices_never_reach_newton_schulz(monkeypatch):
 def test_degenerate_and_vector_parameters_refused_by_matrix_rules():
     scale = torch.nn.Parameter(torch.ones(8, 1, 1))
     with pytest.raises(ValueError, match=r"'scale'.*\(8, 1, 1\).*rules=\{'scale': 'sgd'\}"):
-        DPMuon([("scale", scale)], lr=0.1)
+        DPMuon([("scale", scale)], lr=0.1, allow_unprivatized=True)
     with pytest.raises(ValueError, match=r"params\[0\].*\(8, 1, 1\)"):
-        DPMuonBC([scale], lr=0.1)
+        DPMuonBC([scale], lr=0.1, allow_unprivatized=True)
     bias = torch.nn.Parameter(torch.ones(8))
     with pytest.raises(ValueError, match=r"'bias'.*\(8,\)"):
-        DPMuon([{"params": [("bias", bias)], "rule": "muon"}], lr=0.1)
+        DPMuon([{"params": [("bias", bias)], "rule": "muon"}], lr=0.1, allow_unprivatized=True)
     # Routed explicitly to a vector rule, both are fine.
-    DPMuon([{"params": [("scale", scale), ("bias", bias)], "rule": "sgd"}], lr=0.1)
+    DPMuon([{"params": [("scale", scale), ("bias", bias)], "rule": "sgd"}], lr=0.1, allow_unprivatized=True)
 
 
 def test_bad_hyperparameters_named():
     p = [torch.nn.Parameter(torch.ones(3, 4))]
     cases = [
-        (lambda: DPSGD(p), "lr is required"),
-        (lambda: DPSGD(p, lr=-1.0), "lr=-1.0"),
-        (lambda: DPSGD(p, lr=0.1, momentum=1.0), "momentum=1.0"),
-        (lambda: DPSGD(p, lr=0.1, nesterov=True), "nesterov"),
-        (lambda: DPSGD(p, lr=0.1, weight_decay=-1e-3), "weight_decay"),
-        (lambda: DPAdam(p, betas=(1.0, 0.9)), "b1=1.0"),
-        (lambda: DPAdam(p, eps=0.0), "eps=0.0"),
-        (lambda: DPMuon(p, beta=1.0), "beta=1.0"),
-        (lambda: DPMuon(p, ns_steps=-1), "steps=-1"),
-        (lambda: DPMuon(p, ns_coefficients=(1.0, 2.0)), "coefficients"),
-        (lambda: DPMuonS(p, power_iterations=0), "power_iterations=0"),
-        (lambda: DPMuonBC(p, order=0), "order=0"),
-        (lambda: DPMuonBC(p, probes=0), "probes=0"),
-        (lambda: DPMuon([{"params": p, "rule": "lion"}]), "rule='lion'"),
-        (lambda: DPMuon(p, vector_lr=-0.1), "vector_lr"),
+        (lambda: DPSGD(p, allow_unprivatized=True), "lr is required"),
+        (lambda: DPSGD(p, lr=-1.0, allow_unprivatized=True), "lr=-1.0"),
+        (lambda: DPSGD(p, lr=0.1, momentum=1.0, allow_unprivatized=True), "momentum=1.0"),
+        (lambda: DPSGD(p, lr=0.1, nesterov=True, allow_unprivatized=True), "nesterov"),
+        (lambda: DPSGD(p, lr=0.1, weight_decay=-1e-3, allow_unprivatized=True), "weight_decay"),
+        (lambda: DPAdam(p, betas=(1.0, 0.9), allow_unprivatized=True), "b1=1.0"),
+        (lambda: DPAdam(p, eps=0.0, allow_unprivatized=True), "eps=0.0"),
+        (lambda: DPMuon(p, beta=1.0, allow_unprivatized=True), "beta=1.0"),
+        (lambda: DPMuon(p, ns_steps=-1, allow_unprivatized=True), "steps=-1"),
+        (lambda: DPMuon(p, ns_coefficients=(1.0, 2.0), allow_unprivatized=True), "coefficients"),
+        (lambda: DPMuonS(p, power_iterations=0, allow_unprivatized=True), "power_iterations=0"),
+        (lambda: DPMuonBC(p, order=0, allow_unprivatized=True), "order=0"),
+        (lambda: DPMuonBC(p, probes=0, allow_unprivatized=True), "probes=0"),
+        (lambda: DPMuon([{"params": p, "rule": "lion"}], allow_unprivatized=True), "rule='lion'"),
+        (lambda: DPMuon(p, vector_lr=-0.1, allow_unprivatized=True), "vector_lr"),
     ]
     for make, message in cases:
         with pytest.raises(ValueError, match=message):
             make()
     with pytest.raises(TypeError, match="unexpected keyword"):
-        DPMuon(p, momentun=0.9)
+        DPMuon(p, momentun=0.9, allow_unprivatized=True)
     with pytest.raises(TypeError, match="vector_momentum"):
-        DPMuon(p, momentum=0.9)
+        DPMuon(p, momentum=0.9, allow_unprivatized=True)
     with pytest.raises(TypeError, match="filter"):
-        DPSGD(p, lr=0.1, filter="lowpass")
+        DPSGD(p, lr=0.1, filter="lowpass", allow_unprivatized=True)
 
 
 # --- extension points -------------------------------------------------------------------------
@@ -330,8 +330,8 @@ def test_bad_hyperparameters_named():
 def test_filter_stage_runs_first_and_enters_the_noise_std(monkeypatch):
     params = make_params([(4, 6)], seed=14, dtype=torch.float32)
     plain = make_params([(4, 6)], seed=14, dtype=torch.float32)
-    o1 = DPSGD(params, lr=0.1, momentum=0.9, filter=Scale(0.5))
-    o2 = DPSGD(plain, lr=0.05, momentum=0.9)
+    o1 = DPSGD(params, lr=0.1, momentum=0.9, filter=Scale(0.5), allow_unprivatized=True)
+    o2 = DPSGD(plain, lr=0.05, momentum=0.9, allow_unprivatized=True)
     for t in range(3):
         for a, b, g in zip(params, plain, grads_for(params, seed=60 + t), strict=True):
             a.grad, b.grad = g.clone(), g.clone()
@@ -348,7 +348,7 @@ def test_filter_stage_runs_first_and_enters_the_noise_std(monkeypatch):
 
     monkeypatch.setattr(transforms_module, "newton_schulz_bc", spy)
     beta, std = 0.9, 0.4
-    opt = DPMuonBC(params, lr=0.1, beta=beta, filter=Scale(0.5), noise_std=std)
+    opt = DPMuonBC(params, lr=0.1, beta=beta, filter=Scale(0.5), noise_std=std, allow_unprivatized=True)
     params[0].grad = torch.ones(4, 6)
     opt.step()
     assert seen == [pytest.approx(0.5 * (1 - beta) * (1 + beta) * std)]
@@ -357,7 +357,7 @@ def test_filter_stage_runs_first_and_enters_the_noise_std(monkeypatch):
         def update(self, update, state, param, ctx):
             return update.tanh(), state
 
-    opt = DPMuonBC(params, lr=0.1, filter=Opaque(), noise_std=std)
+    opt = DPMuonBC(params, lr=0.1, filter=Opaque(), noise_std=std, allow_unprivatized=True)
     with pytest.raises(ValueError, match="fresh_gain"):
         opt.step()
 
@@ -365,7 +365,7 @@ def test_filter_stage_runs_first_and_enters_the_noise_std(monkeypatch):
 def test_custom_transform_group():
     p = make_params([(3, 4)], seed=15)[0]
     theta0 = p.detach().clone()
-    opt = DPSGD([{"params": [p], "transform": Chain((EmaMomentum(0.5, False), Scale(2.0)))}], lr=0.1)
+    opt = DPSGD([{"params": [p], "transform": Chain((EmaMomentum(0.5, False), Scale(2.0)))}], lr=0.1, allow_unprivatized=True)
     G = grads_for([p], seed=16)[0]
     p.grad = G
     opt.step()
@@ -379,16 +379,15 @@ def test_resume_from_state_dict_is_exact(cls, tmp_path):
 
     def run(split):
         params = make_params(shapes, seed=17, dtype=torch.float32)
-        opt = cls(params, lr=0.05, noise_std=0.2)
+        opt = cls(params, lr=0.05, noise_std=0.2, allow_unprivatized=True)
         for t, gs in enumerate(grads):
             if t == split:
                 path = tmp_path / f"{cls.__name__}.pt"
                 torch.save({"p": [p.detach() for p in params], "opt": opt.state_dict()}, path)
                 saved = torch.load(path, weights_only=True)  # plain data and tensors only
                 params = [torch.nn.Parameter(x.clone()) for x in saved["p"]]
-                opt = cls(params, lr=0.05)
-                opt.load_state_dict(saved["opt"])  # restores noise std and probe generator
-                assert opt.noise_std == 0.2
+                opt = cls(params, lr=0.05, noise_std=0.2, allow_unprivatized=True)
+                opt.load_state_dict(saved["opt"])  # restores the probe generator
             for p, g in zip(params, gs, strict=True):
                 p.grad = g.float()
             opt.step()
@@ -406,7 +405,7 @@ def test_cuda_matches_cpu():
         gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
         outs = []
         for params in (cpu, gpu):
-            opt = cls(params, lr=0.05, noise_std=0.0)
+            opt = cls(params, lr=0.05, noise_std=0.0, allow_unprivatized=True)
             for t in range(3):
                 for p, g in zip(params, grads_for(cpu, seed=80 + t), strict=True):
                     p.grad = g.to(p.device)

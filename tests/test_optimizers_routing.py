@@ -85,7 +85,7 @@ def test_optimizers_resolve_the_placeholders():
         DPAdam: ("adam", "adam"),
     }
     for cls, (matrix, vector) in expected.items():
-        opt = cls(route_parameters(net, embeddings="adam"), lr=0.1)
+        opt = cls(route_parameters(net, embeddings="adam"), lr=0.1, allow_unprivatized=True)
         assert rule_of(opt.param_groups, "conv.weight") == matrix
         assert rule_of(opt.param_groups, "head.weight") == matrix
         assert rule_of(opt.param_groups, "norm.weight") == vector
@@ -97,12 +97,12 @@ def test_optimizers_resolve_the_placeholders():
 
 def test_dp_muon_vector_lr_and_auto_split():
     net = Net()
-    opt = DPMuon(net.parameters(), lr=0.02, vector_lr=0.5)  # frozen ones included, as torch
+    opt = DPMuon(net.parameters(), lr=0.02, vector_lr=0.5, allow_unprivatized=True)  # frozen ones included, as torch
     assert [(g["rule"], g["lr"], len(g["params"])) for g in opt.param_groups] == [
         ("muon", 0.02, 5),
         ("sgd", 0.5, 6),
     ]
-    assert len(DPSGD(net.parameters(), lr=0.1).param_groups) == 1
+    assert len(DPSGD(net.parameters(), lr=0.1, allow_unprivatized=True).param_groups) == 1
 
 
 def test_routing_with_named_parameters_and_its_errors():
@@ -142,7 +142,7 @@ def test_routing_refuses_degenerate_matrix_for_explicit_matrix_rule():
     groups = route_parameters(model, matrix_rule="muon", rules={"scale": "sgd"})
     assert _rules(groups) == {"scale": "sgd", "weight": "muon"}
     with pytest.raises(ValueError, match=r"'scale'.*\(6, 1, 1\)"):  # placeholder: the optimizer
-        DPMuon(route_parameters(model), lr=0.1)
+        DPMuon(route_parameters(model), lr=0.1, allow_unprivatized=True)
 
 
 # --- learning-rate schedules ------------------------------------------------------------------
@@ -153,7 +153,7 @@ def test_schedule_drives_steps_as_the_workload_a_chi(name):
     n, eta = 9, 0.3
     schedule = Schedule(name, beta=0.2)
     p = nn.Parameter(torch.zeros(4, dtype=torch.float64))
-    opt = DPSGD([p], lr=eta)
+    opt = DPSGD([p], lr=eta, allow_unprivatized=True)
     sched = lr_scheduler(opt, schedule, n)
     grads = torch.randn(n, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     chi = schedule.values(n)
@@ -179,7 +179,7 @@ def test_learning_rate_schedule_bounds_and_state_dict(tmp_path):
     with pytest.raises(ValueError, match="steps"):
         LearningRateSchedule(Schedule("linear", beta=0.5), 0)
     p = nn.Parameter(torch.zeros(2))
-    opt = DPSGD([p], lr=1.0)
+    opt = DPSGD([p], lr=1.0, allow_unprivatized=True)
     with pytest.raises(ValueError, match="steps is required"):
         lr_scheduler(opt, Schedule("linear", beta=0.5))
     with pytest.raises(ValueError, match="steps=4"):
@@ -191,7 +191,7 @@ def test_learning_rate_schedule_bounds_and_state_dict(tmp_path):
     path = tmp_path / "sched.pt"
     torch.save(sched.state_dict(), path)
     saved = torch.load(path, weights_only=True)  # plain data only
-    opt2 = DPSGD([p], lr=1.0)
+    opt2 = DPSGD([p], lr=1.0, allow_unprivatized=True)
     sched2 = lr_scheduler(opt2, LearningRateSchedule(Schedule("cosine", beta=0.1), 5))
     sched2.load_state_dict(saved)
     sched2.step()

@@ -264,6 +264,12 @@ class DPOptimizer(torch.optim.Optimizer):
         probe_seed: seed of the optimizer's own torch.Generator(s) (one per device) for the
             random probes of DP-MuonBC.
         check_finite: refuse a step whose gradients contain NaN or inf.
+        noise_std: the fresh-noise std per entry of p.grad when no privatizer is bound (only
+            DP-MuonBC needs it).
+        allow_unprivatized: False (default): ``step()`` refuses gradients that did not come from
+            the bound privatizer's private step for this step (``Privatizer.bind``; through
+            ``dpmf.make_private`` or ``dpmf train`` this is automatic). True opts out, for
+            gradients privatized by other means.
 
     Hyperparameters (group keys): lr; rule (one of ``RULES`` or ``PLACEHOLDER_RULES``);
     weight_decay (L2 for sgd/adam, decoupled for the muon rules and for adam with
@@ -289,6 +295,7 @@ class DPOptimizer(torch.optim.Optimizer):
         probe_seed: int = 0,
         check_finite: bool = True,
         noise_std: float | None = None,
+        allow_unprivatized: bool = False,
     ):
         self.matrix_rule = check_choice("matrix_rule", matrix_rule, RULES)
         self.vector_rule = check_choice(
@@ -299,6 +306,9 @@ class DPOptimizer(torch.optim.Optimizer):
         if not isinstance(check_finite, bool):
             raise TypeError(f"check_finite={check_finite!r} is invalid: must be a bool")
         self.check_finite = check_finite
+        if not isinstance(allow_unprivatized, bool):
+            raise TypeError(f"allow_unprivatized={allow_unprivatized!r} is invalid: must be a bool")
+        self.allow_unprivatized = allow_unprivatized
         self._noise_std: float | None = (
             None if noise_std is None else check_real("noise_std", noise_std, low=0.0)
         )
@@ -484,6 +494,16 @@ class DPOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._source is not None:
+            self._source.check_gradients()
+        elif not self.allow_unprivatized:
+            raise RuntimeError(
+                f"{type(self).__name__}.step() refused: no privatizer is bound, so nothing shows that "
+                "p.grad holds privatized gradients (a plain loss.backward() would train without "
+                "clipping or noise). Use dpmf.make_private(...), or privatizer.bind(optimizer) and "
+                "privatizer.privatize(...) each step; pass allow_unprivatized=True only for gradients "
+                "you privatized yourself"
+            )
         work = []
         for gi, group in enumerate(self.param_groups):
             names = group.get("param_names")
@@ -509,6 +529,8 @@ class DPOptimizer(torch.optim.Optimizer):
                 ctx = StepContext(name=name, noise_std=noise_std, generator=self._generator(p.device))
                 update, state["transform"] = transform.update(p.grad, state["transform"], p, ctx)
                 p.add_(update.to(p.dtype), alpha=-lr)
+        if self._source is not None:
+            self._source.consume()
         return loss
 
     def _chain(self, index: int, group: dict) -> Transform:
@@ -565,6 +587,8 @@ class DPSGD(DPOptimizer):
         *,
         filter=None,
         check_finite=True,
+        allow_unprivatized=False,
+        noise_std=None,
     ):
         super().__init__(
             params,
@@ -579,6 +603,8 @@ class DPSGD(DPOptimizer):
             matrix_rule="sgd",
             vector_rule="sgd",
             check_finite=check_finite,
+            allow_unprivatized=allow_unprivatized,
+            noise_std=noise_std,
         )
 
 
@@ -602,6 +628,8 @@ class DPAdam(DPOptimizer):
         *,
         filter=None,
         check_finite=True,
+        allow_unprivatized=False,
+        noise_std=None,
     ):
         super().__init__(
             params,
@@ -617,6 +645,8 @@ class DPAdam(DPOptimizer):
             matrix_rule="adam",
             vector_rule="adam",
             check_finite=check_finite,
+            allow_unprivatized=allow_unprivatized,
+            noise_std=noise_std,
         )
 
 
@@ -668,6 +698,7 @@ class DPMuon(DPOptimizer):
         vector_lr=None,
         filter=None,
         check_finite=True,
+        allow_unprivatized=False,
         **extra,
     ):
         if "momentum" in extra or "nesterov" in extra:
@@ -701,6 +732,7 @@ class DPMuon(DPOptimizer):
             probe_seed=probe_seed,
             check_finite=check_finite,
             noise_std=noise_std,
+            allow_unprivatized=allow_unprivatized,
         )
 
 

@@ -133,6 +133,7 @@ class Privatizer:
                 raise ValueError(f"{missing[0]} is required without a plan (or pass plan=)")
         self.plan = plan
         self.last_step: PrivateStep | None = None
+        self._written: list | None = None  # (param, grad tensor, its version) of the last step
         self.model = model
         self.loss_fn = loss_fn
         self.clip_norm = check_real("clip_norm", clip_norm, low=0.0, low_inclusive=False)
@@ -168,6 +169,31 @@ class Privatizer:
         """The fresh-noise std of the last privatized step (``PrivateStep.fresh_noise_std``), or
         None before the first step."""
         return None if self.last_step is None else self.last_step.fresh_noise_std
+
+    def check_gradients(self) -> None:
+        """Raise unless every trainable parameter's ``p.grad`` is the private gradient this
+        privatizer wrote for the current step, unchanged and not yet used by a step.
+
+        Raises:
+            RuntimeError: no private step yet, its gradients already consumed by a step, or a
+                ``p.grad`` replaced or modified (e.g. by a plain ``loss.backward()``).
+        """
+        fix = (
+            "call the private backward (PrivateTraining.backward or Privatizer.privatize) once "
+            "before each optimizer.step(), and do not call loss.backward() yourself"
+        )
+        if self._written is None:
+            raise RuntimeError(f"optimizer.step() refused: no private gradient for this step; {fix}")
+        for p, g, version in self._written:
+            if p.grad is not g or g._version != version:
+                raise RuntimeError(
+                    "optimizer.step() refused: p.grad was replaced or modified after the private "
+                    f"step wrote it (a parameter of shape {tuple(p.shape)}); {fix}"
+                )
+
+    def consume(self) -> None:
+        """Mark this step's private gradients as used (the next ``step()`` needs a new one)."""
+        self._written = None
 
     def bind(self, optimizer) -> None:
         """Let a dpmf DP optimizer read each step's fresh-noise std from this privatizer
@@ -221,13 +247,16 @@ class Privatizer:
         z = self.noise.next()
         scale = self.noise_std
         offset = 0
+        written = []
         for (_, p), s in zip(trainable_parameters(self.model), summed.grads, strict=True):
             k = p.numel()
             g = s.add(z[offset : offset + k].view_as(p), alpha=scale).div_(self.expected_batch_size)
             offset += k
             p.grad = g
+            written.append((p, g, g._version))
         mean_norm = float(summed.norms.mean()) if summed.batch_size else 0.0
         fresh = scale * abs(self.noise.innovation(t)) / self.expected_batch_size
+        self._written = written
         self.last_step = PrivateStep(
             t,
             summed.batch_size,

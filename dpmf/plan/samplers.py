@@ -110,8 +110,25 @@ class BatchSampler:
     def _draw(self, t: int) -> np.ndarray:
         raise NotImplementedError
 
+    def __len__(self) -> int:
+        """Batches per epoch: b = ⌈N/B⌉ (the ``torch.utils.data.Sampler`` protocol; the last
+        epoch of a run whose steps are not a multiple of b is shorter)."""
+        return self.steps_per_epoch
+
     def __iter__(self):
-        while self.step < self.steps:
+        """The next epoch's batches (index arrays), continuing the run's steps: iterate once per
+        epoch, as a ``torch.utils.data.DataLoader`` ``batch_sampler`` is iterated.
+
+        Raises:
+            RuntimeError: every step of the run was already drawn.
+        """
+        if self.step >= self.steps:
+            raise RuntimeError(
+                f"sampler exhausted: the run has {self.steps} steps and all were drawn (make a new plan "
+                "for more steps: its accounting covers only these)"
+            )
+        end = min(self.steps, (self.step // self.steps_per_epoch + 1) * self.steps_per_epoch)
+        while self.step < end:
             yield self.next()
 
     def state_dict(self) -> dict:
