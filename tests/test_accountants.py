@@ -179,7 +179,7 @@ def test_cyclic_poisson_equals_dpsgd_with_reduced_steps(spec, min_sep):
 
 def test_cyclic_poisson_preconditions():
     f = factorize(prefix_sum(64), "bisr:4")  # C itself is not banded
-    with pytest.raises(ValueError, match="bands"):
+    with pytest.raises(ValueError, match="not banded"):
         account(
             "cyclic_poisson",
             noise_multiplier=1.0,

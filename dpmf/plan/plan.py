@@ -146,11 +146,13 @@ class PrivatePlan:
         setf = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
         setf("dataset_size", int(self.dataset_size))
         setf("batch_size", int(self.batch_size))
-        if (self.steps is None) == (self.epochs is None):
-            raise ValueError("steps/epochs is invalid: give exactly one of steps or epochs")
-        if self.steps is None:
+        if self.epochs is not None:
             setf("epochs", check_int("epochs", self.epochs, minimum=1))
+            if self.steps is not None and self.steps != self.epochs * b:
+                raise ValueError("steps/epochs is invalid: give exactly one of steps or epochs")
             setf("steps", self.epochs * b)
+        elif self.steps is None:
+            raise ValueError("steps/epochs is invalid: give exactly one of steps or epochs")
         else:
             setf("steps", check_int("steps", self.steps, minimum=1))
         schedule = self.schedule if self.schedule is not None else Schedule("constant")
@@ -353,7 +355,7 @@ class PrivatePlan:
         if "epochs" in changes or "steps" in changes:
             args.update({k: changes.pop(k, None) for k in ("steps", "epochs")})
         else:
-            args["steps"] = self.steps
+            args["steps"], args["epochs"] = self.steps, self.epochs
         args.update(changes)
         return PrivatePlan(**args)
 

@@ -71,7 +71,10 @@ class TrainConfig:
         doppler_a, doppler_b: DOPPLER's feedback and feed-forward coefficients.
         disk_kappa, disk_gamma: DiSK's Kalman gain κ in (0, 1] and extrapolation length γ > 0.
         schedule, beta, gamma: the learning-rate schedule χ (also the workload A_χ).
-        seed: seeds the model's initial weights, the sampler and the noise.
+        seed: seeds the model's initial weights, the sampler and the noise; None (the default)
+            draws it from the operating system's entropy (never written to results.json or an
+            export; a checkpoint keeps it, to resume). A given seed makes the noise predictable
+            to whoever knows it: use it for reproducible experiments, not for released models.
         device: ``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``.
         micro_batch_size: per-example gradients held at once (None: the whole batch).
         accountant: ``pld``, ``rdp``, ``prv`` or ``monte_carlo``; None: the scheme's default
@@ -109,7 +112,7 @@ class TrainConfig:
     schedule: str = "constant"
     beta: float = 1.0
     gamma: float | None = None
-    seed: int = 0
+    seed: int | None = None
     device: str = "auto"
     micro_batch_size: int | None = None
     accountant: str | None = None
@@ -190,7 +193,8 @@ class TrainConfig:
             )
         if self.gamma is not None:
             object.__setattr__(self, "gamma", check_real("gamma", self.gamma, low=0.0, low_inclusive=False))
-        object.__setattr__(self, "seed", check_int("seed", self.seed, minimum=0))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", check_int("seed", self.seed, minimum=0))
         check_choice("device", self.device, DEVICES)
         if self.micro_batch_size is not None:
             object.__setattr__(

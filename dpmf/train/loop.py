@@ -32,12 +32,21 @@ from torch import nn
 from dpmf._validation import check_int, check_real, check_vector
 from dpmf.optim.clipping import trainable_parameters
 from dpmf.optim.privatize import Privatizer
-from dpmf.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from dpmf.train.checkpoint import as_numpy, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from dpmf.train.data import Dataset
 from dpmf.train.metrics import plot_training_curves, write_metrics_csv
 from dpmf.train.samplers import BatchSampler
 
-__all__ = ["CHECKPOINT", "METRICS", "CURVES", "Trainer", "TrainOutcome", "evaluate", "NonFiniteWeightsError"]
+__all__ = [
+    "saved_seed",
+    "CHECKPOINT",
+    "METRICS",
+    "CURVES",
+    "Trainer",
+    "TrainOutcome",
+    "evaluate",
+    "NonFiniteWeightsError",
+]
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.csv"
@@ -64,6 +73,20 @@ class TrainOutcome:
     steps: int = 0
     empty_batches: int = 0
     resumed_from_epoch: int = 0
+
+
+def saved_seed(path) -> int:
+    """The run's seed kept in the checkpoint at ``path`` (to resume a run whose seed was drawn).
+
+    Raises:
+        ValueError: the checkpoint is unreadable or holds no seed.
+    """
+    seed = load_checkpoint(path).get("secret", {}).get("seed")
+    if not isinstance(seed, int):
+        raise ValueError(
+            f"checkpoint {path!r} is invalid: it holds no seed to resume with (an older format?)"
+        )
+    return seed
 
 
 @torch.no_grad()
@@ -112,6 +135,8 @@ class Trainer:
         delta: δ.
         eval_batch_size: test batch size.
         progress: show a tqdm bar on stderr.
+        secrets: plain data the checkpoint must keep to resume but no other file may hold
+            (the drawn noise seed), saved under ``"secret"``.
         lookahead: an object whose ``points(model)`` gives each step's evaluation plan
             (``dpmf.optim.disk.DiskLookahead`` for the DiSK filter), called once per step
             before the gradients; its ``state_dict`` is checkpointed. None: gradients at θ_t.
@@ -140,8 +165,10 @@ class Trainer:
         progress: bool = True,
         title: str = "",
         lookahead=None,
+        secrets: dict | None = None,
     ):
         self.model = model
+        self.secrets = dict(secrets or {})
         self.lookahead = lookahead
         self.data = data
         self.sampler = sampler
@@ -184,6 +211,7 @@ class Trainer:
         return {
             "format": _FORMAT,
             "run_identity": self.run_identity,
+            "secret": self.secrets,
             "epoch": epoch,
             "step": self.sampler.step,
             "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
@@ -210,7 +238,7 @@ class Trainer:
             raise ValueError(f"checkpoint {self.checkpoint_path!r} belongs to another run ({detail})")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.sampler.load_state_dict(state["sampler"])
+        self.sampler.load_state_dict(as_numpy(state["sampler"]))
         self.privatizer.noise.load_state_dict(state["noise"])
         if self.lookahead is not None:
             if "lookahead" not in state:

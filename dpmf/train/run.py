@@ -11,16 +11,19 @@ Files in ``out_dir``: ``results.json`` (config, privacy, final metrics; written 
 and at the end), ``metrics.csv``, ``curves.png`` and ``checkpoint.pt`` (every epoch), all
 written atomically.
 
-Privacy note: the noise is a deterministic function of ``seed`` (that is what makes a run
-reproducible and resumable). A published model keeps its guarantee only if the seed stays
-secret: do not publish ``results.json`` or the checkpoint with the model, or train the released
-model with a seed drawn from a secure source.
+Privacy note: the noise is a deterministic function of the seed (that is what makes a run
+resumable). By default (``seed=None``) the seed is drawn from the operating system's entropy
+and written only to the checkpoint (needed to resume), never to ``results.json`` or the export
+(``model.pt`` and ``privacy.json``); the checkpoint holds the run's secrets (seed, noise buffers,
+sampler state) and must not be published. A given seed makes the noise predictable to whoever
+knows it (the run says so).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import secrets
 import time
 import warnings
 from dataclasses import dataclass
@@ -50,7 +53,8 @@ from dpmf.plan.plan import PrivatePlan, leading_block
 from dpmf.plan.schemes import Poisson
 from dpmf.train.config import TrainConfig
 from dpmf.train.data import load_dataset
-from dpmf.train.loop import CHECKPOINT, Trainer, TrainOutcome
+from dpmf.train.ledger import export, privacy_ledger
+from dpmf.train.loop import CHECKPOINT, Trainer, TrainOutcome, saved_seed
 from dpmf.train.models import build_model
 from dpmf.train.samplers import steps_per_epoch
 from dpmf.workloads import Schedule
@@ -126,7 +130,9 @@ def build_filter(config: TrainConfig) -> Transform | None:
     )
 
 
-def build_optimizer(config: TrainConfig, model: nn.Module, *, log=print) -> torch.optim.Optimizer:
+def build_optimizer(
+    config: TrainConfig, model: nn.Module, *, log=print, seed: int | None = None
+) -> torch.optim.Optimizer:
     """The DP optimizer of ``config`` over the model's trainable parameters.
 
     ``dp-sgd``: heavy-ball momentum ``momentum``; ``dp-adam``: Adam; ``dp-muon`` / ``dp-muon-s`` /
@@ -169,7 +175,8 @@ def build_optimizer(config: TrainConfig, model: nn.Module, *, log=print) -> torc
         filter=filt,
     )
     if config.optimizer == "dp-muon-bc":
-        kwargs["probe_seed"] = sub_seed(config.seed, 3)
+        master = seed if seed is not None else config.seed
+        kwargs["probe_seed"] = sub_seed(0 if master is None else master, 3)
     return cls(groups, **kwargs)
 
 
@@ -198,11 +205,22 @@ def plan_for(config: TrainConfig, dataset_size: int, *, progress: bool = False, 
         strategy=config.factorization,
         schedule=Schedule(config.schedule, config.beta, config.gamma),
     )
-    mc = dict(accountant=config.accountant, samples=config.samples, seed=config.seed, progress=progress)
+    mc = dict(accountant=config.accountant, samples=config.samples, seed=_mc_seed(config), progress=progress)
     if config.noise_multiplier is not None:
         privacy = plan.account(config.noise_multiplier, delta=config.delta, **mc)
         return config, plan.with_noise(config.noise_multiplier, privacy=privacy)
     return config, plan.calibrate(config.epsilon, config.delta, **mc)
+
+
+def _mc_seed(config: TrainConfig) -> int:
+    """The Monte Carlo accountant's seed: the run's seed when given (reproducible), else 0 (it is
+    reported with the result, so never the drawn noise seed)."""
+    return 0 if config.seed is None else config.seed
+
+
+def draw_seed() -> int:
+    """A 31-bit seed from the operating system's entropy (``secrets``)."""
+    return secrets.randbits(31)
 
 
 def choose_strategy(config: TrainConfig, dataset_size: int, steps: int, *, progress=True, log=print):
@@ -227,7 +245,7 @@ def choose_strategy(config: TrainConfig, dataset_size: int, steps: int, *, progr
         scheme="auto" if config.scheme == Poisson.name else config.scheme,
         accountant=config.accountant if config.accountant in ("pld", "rdp", "prv") else None,
         samples=config.samples,
-        seed=config.seed,
+        seed=_mc_seed(config),
         progress=progress,
     )
     for i, e in enumerate(res.ranking[:5], 1):
@@ -275,6 +293,14 @@ def train(
             f"out_dir={out_dir!r} is invalid: it holds a checkpoint of an earlier run; pass --resume "
             "to continue it or choose another --out"
         )
+    seed_given = config.seed is not None
+    if seed_given:
+        seed = config.seed
+        log(f"notice: seed {seed} was given: the noise is predictable to whoever knows it")
+    elif resume and os.path.exists(checkpoint):
+        seed = saved_seed(checkpoint)
+    else:
+        seed = draw_seed()
     device = resolve_device(config.device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -293,12 +319,12 @@ def train(
         f"N = {N} ({data.name}), B = {config.batch_size}"
     )
 
-    model = build_model(config.model, data.input_shape, data.num_classes, seed=sub_seed(config.seed, 0))
+    model = build_model(config.model, data.input_shape, data.num_classes, seed=sub_seed(seed, 0))
     model = model.to(device)
     dtype = next(model.parameters()).dtype
     dim = sum(p.numel() for _, p in trainable_parameters(model))
-    noise = plan.noise(dim, sub_seed(config.seed, 2), device=device, dtype=dtype)
-    sampler = plan.sampler(sub_seed(config.seed, 1))
+    noise = plan.noise(dim, sub_seed(seed, 2), device=device, dtype=dtype)
+    sampler = plan.sampler(sub_seed(seed, 1))
     privatizer = Privatizer(
         model,
         F.cross_entropy,
@@ -307,7 +333,7 @@ def train(
         noise=noise,
         micro_batch_size=config.micro_batch_size,
     )
-    optimizer = build_optimizer(config, model, log=log)
+    optimizer = build_optimizer(config, model, log=log, seed=seed)
     privatizer.bind(optimizer)
     # DiSK's prediction: per-example gradients at θ_t and θ_t + γ(θ_t − θ_{t−1}), combined
     # before clipping (one release per step at the same sensitivity: ε is unchanged).
@@ -315,7 +341,9 @@ def train(
     lookahead = filt.lookahead() if isinstance(filt, Disk) else None
 
     def epsilon_at(t: int) -> float:
-        return float(plan.epsilon_after(t, samples=config.samples, seed=config.seed, progress=False).epsilon)
+        return float(
+            plan.epsilon_after(t, samples=config.samples, seed=_mc_seed(config), progress=False).epsilon
+        )
 
     os.makedirs(out_dir, exist_ok=True)
     header = {
@@ -332,6 +360,8 @@ def train(
             "noise_std_on_sum": privatizer.noise_std,
         },
         "privacy": privacy.to_dict(),
+        "seed_given": seed_given,
+        "plan": plan.to_dict(),
     }
     trainer = Trainer(
         model=model,
@@ -344,6 +374,7 @@ def train(
         out_dir=out_dir,
         device=device,
         run_identity=config.run_identity(),
+        secrets={"seed": seed},
         epsilon_at=epsilon_at if config.per_epoch_epsilon else None,
         final_epsilon=privacy.epsilon,
         delta=config.delta,
@@ -364,12 +395,16 @@ def train(
         empty_batches=outcome.empty_batches,
         resumed_from_epoch=outcome.resumed_from_epoch,
     )
+    ledger = privacy_ledger(
+        plan, privacy, steps_taken=outcome.steps, clip_norm=config.clip_norm, seed_given=seed_given
+    )
+    export(out_dir, model, ledger)
     atomic_write_json(os.path.join(out_dir, RESULTS), _jsonable(header))
     log(
         f"test accuracy {100 * float(last['test_accuracy']):.2f} %, "
         f"test loss {float(last['test_loss']):.4f}, "
         f"ε = {privacy.epsilon:.4g} (δ = {privacy.delta:g}); wrote {out_dir}/{{{RESULTS}, metrics.csv, "
-        "curves.png, checkpoint.pt}"
+        "curves.png, checkpoint.pt, model.pt, privacy.json}"
     )
     return TrainResult(config, privacy, outcome.metrics, outcome.steps, outcome.empty_batches, out_dir, model)
 

@@ -1,0 +1,79 @@
+"""What a trained model may be shipped with: its weights and its privacy ledger, no secrets.
+
+``privacy_ledger`` describes the guarantee of the steps actually taken: the scheme, the
+strategy, σ, the clip norm, the steps, (ε, δ) with its accountant and guarantee, and what the
+guarantee protects. It holds no seed, no noise buffers and no sampler state (batch membership is
+secret under amplified sampling). ``export`` writes ``model.pt`` (a plain state dict that loads
+with ``torch.load(weights_only=True)``) and ``privacy.json`` beside it, atomically.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from dpmf._io import atomic_path, atomic_write_json
+
+__all__ = ["MODEL_FILE", "LEDGER_FILE", "PROTECTS", "privacy_ledger", "export"]
+
+MODEL_FILE = "model.pt"
+LEDGER_FILE = "privacy.json"
+#: the privacy unit of single-process training
+PROTECTS = "each record (training example) of the data set: adding or removing one example"
+
+
+def privacy_ledger(plan, result, *, steps_taken: int, clip_norm: float, seed_given: bool) -> dict:
+    """The ledger of a run (plain data; no secrets).
+
+    Args:
+        plan: the run's calibrated ``PrivatePlan``.
+        result: the ``PrivacyResult`` of the steps taken.
+        steps_taken: steps of the mechanism run so far (≤ ``plan.steps``).
+        clip_norm: ζ.
+        seed_given: whether the noise seed was given by the user (its noise is then predictable
+            to whoever knows the seed) or drawn from the operating system's entropy.
+    """
+    eps = result.epsilon
+    return {
+        "protects": PROTECTS,
+        "epsilon": eps if eps != float("inf") else "inf",
+        "delta": result.delta,
+        "accountant": result.accountant,
+        "guarantee": result.guarantee,
+        "confidence": result.confidence,
+        "method": result.method,
+        "scheme": plan.scheme.label,
+        "strategy": plan.label,
+        "noise_multiplier": plan.noise_multiplier,
+        "clip_norm": float(clip_norm),
+        "sensitivity": plan.sensitivity,
+        "noise_std_on_sum": plan.noise_std(clip_norm),
+        "dataset_size": plan.dataset_size,
+        "batch_size": plan.batch_size,
+        "expected_batch_size": plan.expected_batch_size,
+        "sampling_rate": plan.sampling_rate,
+        "steps_taken": int(steps_taken),
+        "steps_planned": plan.steps,
+        "schedule": plan.schedule.name,
+        "beta": plan.schedule.beta,
+        "noise_seed": "given (noise predictable to whoever knows it)"
+        if seed_given
+        else "drawn from OS entropy",
+    }
+
+
+def export(out_dir: str, model: torch.nn.Module, ledger: dict) -> tuple[str, str]:
+    """Write ``out_dir/model.pt`` (the weights, on CPU) and ``out_dir/privacy.json``.
+
+    Returns:
+        the two paths.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    model_path = os.path.join(out_dir, MODEL_FILE)
+    with atomic_path(model_path) as tmp:
+        torch.save(weights, tmp)
+    ledger_path = os.path.join(out_dir, LEDGER_FILE)
+    atomic_write_json(ledger_path, ledger)
+    return model_path, ledger_path

@@ -1,0 +1,522 @@
+"""``dpmf.make_private``: the private step of correlated-noise training in any PyTorch loop.
+
+    private = dpmf.make_private(model, optimizer, dataset, loss_fn=F.cross_entropy,
+                                batch_size=256, epochs=10, target_epsilon=3.0, target_delta=1e-5)
+    for epoch in range(10):
+        for x, y in private.data_loader:
+            private.backward(x, target=y)      # per-example grads → clip → sum → noise → ÷ B̄
+            private.optimizer.step()
+            private.optimizer.zero_grad()
+        print(private.get_epsilon())
+
+One ``PrivatePlan`` (dataset size, batch size, steps, scheme, strategy, schedule, σ) gives the
+sampler behind ``data_loader``, the noise stream and the accounting, so they cannot disagree.
+``factorization="auto"`` runs ``pick`` for the run (and ``scheme="auto"`` takes pick's scheme).
+The returned optimizer wraps the user's (any ``torch.optim.Optimizer``, or a dpmf DP optimizer):
+its ``step()`` refuses gradients that did not come from ``backward`` for this step. Everything
+after the noise is post-processing. ``export`` writes the weights and the privacy ledger, and
+none of the secrets (seed, noise buffers, sampler state); ``state_dict`` (for resuming) holds
+them and must stay private.
+
+Inputs may be tensors, or tuples/dicts of tensors batched along dimension 0 (a dict is passed as
+``model(**batch)``); a Dataset may return tensors, tuples or dicts. An empty Poisson batch comes
+out of the loader as empty tensors, and ``backward`` on it adds the noise only (the step counts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data._utils.collate import default_collate
+
+from dpmf._validation import check_int, check_real
+from dpmf.mechanisms.registry import STRATEGIES, parse_factorization
+from dpmf.optim.clipping import trainable_parameters
+from dpmf.optim.privatize import Privatizer
+from dpmf.plan.plan import PrivatePlan, steps_per_epoch
+from dpmf.plan.schemes import auto_scheme, get_scheme
+from dpmf.train.checkpoint import as_numpy, load_checkpoint, save_checkpoint
+from dpmf.train.ledger import export as export_files
+from dpmf.train.ledger import privacy_ledger
+from dpmf.workloads.schedules import Schedule
+
+__all__ = ["make_private", "PrivateTraining", "PrivateOptimizer", "EmptySafeCollate"]
+
+_FORMAT = "dpmf.make_private/1"
+
+
+class EmptySafeCollate:
+    """``default_collate`` that turns an empty batch into empty tensors of the data set's shapes
+    (from its first example), so an empty Poisson batch is a batch of zero examples.
+
+    Args:
+        dataset: the map-style data set (``dataset[0]`` gives the shapes and dtypes).
+        collate_fn: the collate function for non-empty batches (default ``default_collate``).
+    """
+
+    def __init__(self, dataset, collate_fn=None):
+        self.dataset = dataset
+        self.collate_fn = collate_fn or default_collate
+        self._empty = None
+
+    def __call__(self, batch):
+        if len(batch):
+            return self.collate_fn(batch)
+        if self._empty is None:
+            self._empty = _map(lambda t: t[:0], self.collate_fn([self.dataset[0]]))
+        return self._empty
+
+
+def _map(fn, tree):
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {k: _map(fn, v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_map(fn, v) for v in tree)
+    return tree
+
+
+class PrivateOptimizer(torch.optim.Optimizer):
+    """The user's optimizer behind a guard: ``step()`` runs only on the private gradients of the
+    current step (written by ``PrivateTraining.backward``), once.
+
+    It is a ``torch.optim.Optimizer`` (learning-rate schedulers accept it) whose
+    ``param_groups``, ``state`` and ``defaults`` are those of the wrapped optimizer.
+
+    Raises (from ``step``):
+        RuntimeError: no private gradient for this step, a ``p.grad`` replaced or modified after
+            the private step (for instance by a plain ``loss.backward()``), or a second ``step``
+            on the same private gradient.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, privatizer: Privatizer):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer={optimizer!r} is invalid: must be a torch.optim.Optimizer")
+        self.original = optimizer
+        self.privatizer = privatizer
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+        self._optimizer_state_dict_pre_hooks = {}
+        self._optimizer_state_dict_post_hooks = {}
+        self._optimizer_load_state_dict_pre_hooks = {}
+        self._optimizer_load_state_dict_post_hooks = {}
+        privatizer.bind(optimizer)  # a dpmf DP optimizer reads the fresh-noise std from it
+
+    @property
+    def param_groups(self):
+        return self.original.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.original.param_groups = value
+
+    @property
+    def state(self):
+        return self.original.state
+
+    @state.setter
+    def state(self, value):
+        self.original.state = value
+
+    @property
+    def defaults(self):
+        return self.original.defaults
+
+    @defaults.setter
+    def defaults(self, value):
+        self.original.defaults = value
+
+    def step(self, closure=None):
+        """The wrapped optimizer's step on this step's private gradients (checked first)."""
+        if closure is not None:
+            raise ValueError(
+                "closure is invalid for a private step: compute the loss with PrivateTraining.backward"
+            )
+        self.privatizer.check_gradients()
+        loss = self.original.step()
+        self.privatizer.consume()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.original.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return self.original.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.original.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group) -> None:
+        self.original.add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return f"PrivateOptimizer({self.original!r})"
+
+
+@dataclass(eq=False)
+class PrivateTraining:
+    """A private run in the user's own loop (see ``make_private``).
+
+    Attributes:
+        model: the user's module (trained in place).
+        optimizer: the guarded optimizer (``PrivateOptimizer``).
+        data_loader: a ``torch.utils.data.DataLoader`` driven by the plan's sampler: ``len()`` is
+            the steps per epoch; iterate it once per epoch (the plan's steps continue).
+        plan: the calibrated ``PrivatePlan``.
+        privatizer: the private step (clip → sum → noise → ÷ B̄).
+        clip_norm: ζ.
+        seed_given: whether the noise seed was given (then the noise is predictable to whoever
+            knows it).
+    """
+
+    model: nn.Module
+    optimizer: PrivateOptimizer
+    data_loader: DataLoader
+    plan: PrivatePlan
+    privatizer: Privatizer
+    clip_norm: float
+    seed_given: bool
+    _seed: int
+    _delta: float | None
+    _base_lrs: list
+    _multipliers: object
+
+    @property
+    def noise_multiplier(self) -> float:
+        """σ of the plan."""
+        return self.plan.noise_multiplier
+
+    @property
+    def sampler(self):
+        """The plan's batch sampler behind ``data_loader``."""
+        return self.data_loader.batch_sampler
+
+    @property
+    def steps_taken(self) -> int:
+        """Private steps taken so far (empty batches included)."""
+        return self.privatizer.step
+
+    def backward(self, *inputs, target) -> float:
+        """The private gradient of one batch into ``p.grad``: per-example gradients, clipping to
+        ζ, sum, the step's correlated noise σ·ζ·s·(C⁻¹Z)_t, division by the expected batch size
+        B̄; also sets the learning rate η·χ_t of the plan's schedule.
+
+        Args:
+            inputs: the model's inputs for the batch (one tensor, several tensors, or one dict
+                passed as keyword arguments), batched along dimension 0 (size 0: noise only).
+            target: the targets, batched along dimension 0.
+
+        Returns:
+            The mean loss of the batch (0.0 for an empty batch), for logging.
+
+        Raises:
+            RuntimeError: every step of the plan was taken.
+            NonFiniteGradientError: a per-example gradient is NaN/inf (nothing is written).
+        """
+        t = self.privatizer.step
+        if t >= self.plan.steps:
+            raise RuntimeError(
+                f"the plan's {self.plan.steps} steps were all taken: its accounting covers only those "
+                "(make a new plan for a longer run)"
+            )
+        if len(inputs) != 1:
+            raise ValueError(f"inputs are invalid: give one input tensor or dict, got {len(inputs)}")
+        x = inputs[0]
+        if isinstance(x, dict):
+            raise ValueError(
+                "inputs are invalid: dict inputs need per-example gradients of model(**batch), "
+                "which this version does not compute; pass a tensor"
+            )
+        chi = float(self._multipliers[t])
+        for group, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
+            group["lr"] = base * chi
+        self.privatizer.privatize(x, target)
+        if x.shape[0] == 0:
+            return 0.0
+        with torch.no_grad():
+            return float(self.privatizer.loss_fn(self.model(x), target))
+
+    def privacy(self, delta: float | None = None):
+        """The ``PrivacyResult`` of the steps taken so far (``PrivatePlan.epsilon_after``).
+
+        Raises:
+            ValueError: no δ (give ``delta`` or ``target_delta`` to ``make_private``).
+        """
+        delta = self._delta if delta is None else delta
+        if delta is None:
+            raise ValueError("delta is required: give delta= here or target_delta= to make_private")
+        return self.plan.epsilon_after(max(self.steps_taken, 1), delta=delta)
+
+    def get_epsilon(self, delta: float | None = None) -> float:
+        """ε spent by the steps taken so far, at ``delta`` (default ``target_delta``); 0 before
+        the first step."""
+        if self.steps_taken == 0:
+            return 0.0
+        return float(self.privacy(delta).epsilon)
+
+    def ledger(self, delta: float | None = None) -> dict:
+        """The privacy ledger of the steps taken (``dpmf.train.ledger.privacy_ledger``)."""
+        return privacy_ledger(
+            self.plan,
+            self.privacy(delta),
+            steps_taken=self.steps_taken,
+            clip_norm=self.clip_norm,
+            seed_given=self.seed_given,
+        )
+
+    def export(self, out_dir: str, delta: float | None = None) -> tuple[str, str]:
+        """Write ``out_dir/model.pt`` (weights; ``torch.load(weights_only=True)``) and
+        ``out_dir/privacy.json`` (the ledger); no seed, noise buffers or sampler state."""
+        return export_files(out_dir, self.model, self.ledger(delta))
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume: weights, optimizer, sampler, noise stream and the seed.
+        It holds the run's secrets: keep it private (``export`` is what can be shared)."""
+        return {
+            "format": _FORMAT,
+            "plan": self.plan.to_dict(),
+            "secret": {"seed": self._seed},
+            "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "noise": self.privatizer.noise.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()`` of the same plan.
+
+        Raises:
+            ValueError: another format or plan, or an inconsistent state.
+        """
+        if not isinstance(state, dict) or state.get("format") != _FORMAT:
+            raise ValueError("state is invalid: not a make_private state (format mismatch)")
+        if state.get("plan") != self.plan.to_dict():
+            raise ValueError("state is invalid: it belongs to another plan (data size, batches, scheme or σ)")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.sampler.load_state_dict(as_numpy(state["sampler"]))
+        self.privatizer.noise.load_state_dict(state["noise"])
+        if self.sampler.step != self.privatizer.noise.step:
+            raise ValueError("state is invalid: sampler and noise stream are at different steps")
+
+    def save(self, path: str) -> None:
+        """``state_dict()`` to ``path``, atomically (a private file: it holds the secrets)."""
+        save_checkpoint(path, self.state_dict())
+
+    def resume(self, path: str) -> None:
+        """Load ``save(path)``'s file (``torch.load(weights_only=True)``).
+
+        Raises:
+            ValueError: a corrupted or foreign file, or another run's state.
+        """
+        self.load_state_dict(load_checkpoint(path))
+
+
+def _resolve(
+    dataset_size,
+    batch_size,
+    steps,
+    factorization,
+    scheme,
+    schedule,
+    epsilon,
+    delta,
+    max_bands,
+    seed,
+    progress,
+):
+    """(strategy spec, scheme) for the run: ``pick``'s recommendation for ``auto``, the
+    ``auto_scheme`` rule for ``scheme="auto"`` with a given strategy."""
+    if factorization == "auto":
+        if epsilon is None:
+            raise ValueError(
+                "factorization='auto' is invalid with noise_multiplier: the choice needs target_epsilon "
+                "(or give a strategy such as 'bsr:16' or 'identity')"
+            )
+        from dpmf.plan.pick import PICK_SCHEMES, pick
+
+        if scheme != "auto" and scheme not in PICK_SCHEMES:
+            raise ValueError(
+                f"scheme={scheme!r} is invalid with factorization='auto': use one of {PICK_SCHEMES}"
+            )
+        res = pick(
+            dataset_size=dataset_size,
+            batch_size=batch_size,
+            steps=steps,
+            epsilon=epsilon,
+            delta=delta,
+            schedule=schedule,
+            max_bands=max_bands,
+            scheme=scheme,
+            seed=0,
+            progress=progress,
+        )
+        return res.recommendation.factorization, res.recommendation.scheme
+    if scheme == "auto":
+        name, param = parse_factorization(factorization)
+        entry = STRATEGIES[name]
+        run = PrivatePlan(dataset_size, batch_size, steps=steps)
+        return factorization, auto_scheme(entry, entry.bands_of(param), run).name
+    return factorization, get_scheme(scheme).name
+
+
+def make_private(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    dataset: Dataset,
+    *,
+    loss_fn,
+    batch_size: int,
+    epochs: int | None = None,
+    steps: int | None = None,
+    target_epsilon: float | None = None,
+    target_delta: float | None = None,
+    noise_multiplier: float | None = None,
+    factorization: str = "auto",
+    scheme: str = "auto",
+    schedule: Schedule | None = None,
+    clip_norm: float = 1.0,
+    accountant: str | None = None,
+    seed: int | None = None,
+    max_bands: int = 64,
+    micro_batch_size: int | None = None,
+    num_workers: int = 0,
+    collate_fn=None,
+    progress: bool = False,
+) -> PrivateTraining:
+    """Make ``module``, ``optimizer`` and ``dataset`` a private run with correlated noise.
+
+    Args:
+        module: the model; per-example gradients need layers that do not couple examples (no
+            BatchNorm: use GroupNorm/LayerNorm).
+        optimizer: any ``torch.optim.Optimizer`` over the module's parameters (SGD, Adam, AdamW,
+            ``torch.optim.Muon`` on 2-D weights, …) or a dpmf DP optimizer; its learning rates
+            are the base rates η (the plan's schedule multiplies them by χ_t).
+        dataset: a map-style Dataset of N examples returning tensors, tuples or dicts.
+        loss_fn: ``loss_fn(output, target)`` → mean loss of a batch.
+        batch_size: B, the expected batch size, in [1, N].
+        epochs, steps: the run's length (exactly one): n = epochs·⌈N/B⌉ or n = steps.
+        target_epsilon, target_delta: (ε, δ) to calibrate σ for; or give ``noise_multiplier``
+            (and ``target_delta`` for ``get_epsilon``).
+        noise_multiplier: σ > 0 given directly.
+        factorization: ``"auto"`` (``pick``'s recommendation for the run; needs target_epsilon)
+            or a strategy spec (``identity``, ``bsr:16``, ``bisr:8``, ``blt:4``, ``lcgd:0.5``, …).
+        scheme: ``"auto"`` (pick's scheme; with a given strategy: Poisson for DP-SGD, cyclic
+            Poisson for a banded C that fits, else fixed order) or a scheme name.
+        schedule: the learning-rate schedule χ (``dpmf.workloads.Schedule``); the strategy is
+            built for the workload A_χ and ``backward`` sets each group's lr to η·χ_t.
+        clip_norm: ζ > 0.
+        accountant: None (the scheme's default) or pld/rdp/prv/monte_carlo.
+        seed: None (default): the noise and sampling seed is drawn from the operating system's
+            entropy; a given seed makes the noise predictable to whoever knows it.
+        max_bands: the memory budget of ``factorization="auto"``.
+        micro_batch_size: per-example gradients held at once (None: automatic).
+        num_workers: DataLoader worker processes.
+        collate_fn: collate function for non-empty batches (default ``default_collate``).
+        progress: progress bars of pick and the Monte Carlo accountant.
+
+    Returns:
+        ``PrivateTraining``.
+
+    Raises:
+        ValueError / TypeError: any invalid argument (named, before any work), or a strategy the
+            scheme cannot account.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module={module!r} is invalid: must be a torch.nn.Module")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer={optimizer!r} is invalid: must be a torch.optim.Optimizer")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn={loss_fn!r} is invalid: must be callable(output, target)")
+    try:
+        N = len(dataset)
+    except TypeError:
+        raise TypeError(f"dataset={dataset!r} is invalid: must be a map-style Dataset with len()") from None
+    spe = steps_per_epoch(N, batch_size)
+    if (epochs is None) == (steps is None):
+        raise ValueError("epochs/steps is invalid: give exactly one of epochs or steps")
+    n = (
+        check_int("epochs", epochs, minimum=1) * spe
+        if steps is None
+        else check_int("steps", steps, minimum=1)
+    )
+    if (target_epsilon is None) == (noise_multiplier is None):
+        raise ValueError("target_epsilon/noise_multiplier is invalid: give exactly one")
+    if target_epsilon is not None:
+        target_epsilon = check_real("target_epsilon", target_epsilon, low=0.0, low_inclusive=False)
+        if target_delta is None:
+            raise ValueError("target_delta is required with target_epsilon (e.g. 1e-5, below 1/N)")
+    if target_delta is not None:
+        target_delta = check_real(
+            "target_delta", target_delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False
+        )
+    clip_norm = check_real("clip_norm", clip_norm, low=0.0, low_inclusive=False)
+    if seed is not None:
+        seed = check_int("seed", seed, minimum=0)
+    num_workers = check_int("num_workers", num_workers, minimum=0)
+    schedule = schedule if schedule is not None else Schedule("constant")
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule={schedule!r} is invalid: must be a dpmf.workloads.Schedule or None")
+    params = {id(p) for _, p in trainable_parameters(module)}
+    opt_params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    if not opt_params <= {id(p) for p in module.parameters()}:
+        raise ValueError("optimizer is invalid: it holds parameters that are not the module's")
+    if not params <= opt_params:
+        raise ValueError("optimizer is invalid: some trainable parameters of the module are not in it")
+
+    from dpmf.optim.schedules import LearningRateSchedule
+    from dpmf.train.run import draw_seed, sub_seed
+
+    spec, scheme_name = _resolve(
+        N,
+        batch_size,
+        n,
+        factorization,
+        scheme,
+        schedule,
+        target_epsilon,
+        target_delta,
+        max_bands,
+        seed,
+        progress,
+    )
+    plan = PrivatePlan(N, batch_size, steps=n, scheme=scheme_name, strategy=spec, schedule=schedule)
+    mc = dict(accountant=accountant, seed=0 if seed is None else seed, progress=progress)
+    if noise_multiplier is not None:
+        res = plan.account(noise_multiplier, delta=target_delta, **mc) if target_delta is not None else None
+        plan = plan.with_noise(noise_multiplier, privacy=res)
+    else:
+        plan = plan.calibrate(target_epsilon, target_delta, **mc)
+    seed_given = seed is not None
+    master = seed if seed_given else draw_seed()
+    p0 = next(p for _, p in trainable_parameters(module))
+    dim = sum(p.numel() for _, p in trainable_parameters(module))
+    noise = plan.noise(dim, sub_seed(master, 2), device=p0.device, dtype=p0.dtype)
+    privatizer = Privatizer(
+        module, loss_fn, plan=plan, clip_norm=clip_norm, noise=noise, micro_batch_size=micro_batch_size
+    )
+    sampler = plan.sampler(sub_seed(master, 1))
+    loader = DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=EmptySafeCollate(dataset, collate_fn),
+        num_workers=num_workers,
+    )
+    base_lrs = [check_real("lr", g["lr"], low=0.0) for g in optimizer.param_groups]
+    return PrivateTraining(
+        model=module,
+        optimizer=PrivateOptimizer(optimizer, privatizer),
+        data_loader=loader,
+        plan=plan,
+        privatizer=privatizer,
+        clip_norm=clip_norm,
+        seed_given=seed_given,
+        _seed=master,
+        _delta=target_delta,
+        _base_lrs=base_lrs,
+        _multipliers=LearningRateSchedule(schedule, n).multipliers,
+    )

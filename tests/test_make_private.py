@@ -1,0 +1,301 @@
+"""dpmf.make_private in a user's own loop: the short path, its accounting against `dpmf epsilon`,
+bit-identity with `dpmf train`, the guards against non-private and mismatched use, the real
+DataLoader (len, every epoch, empty batches, workers), secure seeds and the export."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+import dpmf
+from dpmf.cli import main
+from dpmf.optim import DPSGD, Privatizer
+from dpmf.plan import PrivatePlan
+from dpmf.train.config import TrainConfig
+from dpmf.train.data import load_dataset
+from dpmf.train.models import build_model
+from dpmf.train.run import build_optimizer, sub_seed, train
+
+pytestmark = pytest.mark.torch
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits")
+
+
+def _dataset(d):
+    return TensorDataset(d.train_x, d.train_y)
+
+
+def _model(d, seed=3):
+    return build_model("mlp", d.input_shape, d.num_classes, seed=sub_seed(seed, 0))
+
+
+def test_own_loop_in_four_statements_and_epsilon_equals_dpmf_epsilon(digits, capsys):
+    model = _model(digits)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    private = dpmf.make_private(  # statement 1
+        model, opt, _dataset(digits), loss_fn=F.cross_entropy, batch_size=128, epochs=2,
+        target_epsilon=3.0, target_delta=1e-5, factorization="bsr:4", scheme="cyclic_poisson",
+    )
+    for _ in range(2):
+        for x, y in private.data_loader:
+            private.backward(x, target=y)  # statement 2
+            private.optimizer.step()  # statement 3
+            private.optimizer.zero_grad()  # statement 4
+    eps = private.get_epsilon()
+    argv = ["epsilon", "--scheme", "cyclic_poisson", "--factorization", "bsr:4", "--dataset-size"]
+    argv += [str(len(digits)), "--batch-size", "128", "--epochs", "2", "--delta", "1e-5", "--json"]
+    argv += ["--noise-multiplier", repr(private.noise_multiplier)]
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert eps == pytest.approx(json.loads(capsys.readouterr().out)["epsilon"], rel=1e-12)
+    assert 2.99 < eps <= 3.0
+    assert private.steps_taken == private.plan.steps == 2 * len(private.data_loader)
+
+
+def test_make_private_and_dpmf_train_give_bit_identical_parameters(digits, tmp_path):
+    cfg = TrainConfig(
+        dataset="digits", model="mlp", optimizer="dp-sgd", factorization="bisr:4", scheme="fixed_order",
+        epochs=2, batch_size=128, epsilon=3.0, delta=1e-5, seed=11, device="cpu",
+    )
+    ref = train(cfg, str(tmp_path / "run"), progress=False, log=lambda *a: None).model
+    model = _model(digits, seed=11)
+    private = dpmf.make_private(
+        model, build_optimizer(cfg, model), _dataset(digits), loss_fn=F.cross_entropy, batch_size=128,
+        epochs=2, target_epsilon=3.0, target_delta=1e-5, factorization="bisr:4", scheme="fixed_order", seed=11,
+    )
+    for _ in range(2):
+        for x, y in private.data_loader:
+            private.backward(x, target=y)
+            private.optimizer.step()
+            private.optimizer.zero_grad()
+    for (k, a), (_, b) in zip(ref.state_dict().items(), model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), k
+
+
+def test_plain_backward_then_step_is_refused(digits):
+    model = _model(digits)
+    x, y = digits.train_x[:8], digits.train_y[:8]
+    alone = DPSGD(model.parameters(), lr=0.1)  # a DP optimizer without a privatizer
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="make_private"):
+        alone.step()
+    private = dpmf.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), _dataset(digits), loss_fn=F.cross_entropy,
+        batch_size=64, steps=3, noise_multiplier=1.0, target_delta=1e-5, factorization="identity",
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="no private gradient"):
+        private.optimizer.step()
+    private.backward(x, target=y)
+    F.cross_entropy(model(x), y).backward()  # accumulates into the private gradient
+    with pytest.raises(RuntimeError, match="modified"):
+        private.optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    private.backward(x, target=y)
+    private.optimizer.step()
+    with pytest.raises(RuntimeError, match="no private gradient"):
+        private.optimizer.step()  # the same private gradient twice
+
+
+def test_parts_that_disagree_with_the_plan_are_refused(digits):
+    model = _model(digits)
+    plan = PrivatePlan(len(digits), 128, epochs=1, scheme="fixed_order", strategy="bsr:4").with_noise(1.0)
+    dim = sum(p.numel() for p in model.parameters())
+    with pytest.raises(ValueError, match="sensitivity"):
+        Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=plan.noise(dim, 0), sensitivity=1.0)
+    other = PrivatePlan(len(digits), 128, epochs=1, scheme="fixed_order", strategy="bisr:4")
+    with pytest.raises(ValueError, match="noise is invalid"):
+        Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=other.noise(dim, 0))
+    short = PrivatePlan(len(digits), 128, steps=3, scheme="fixed_order", strategy="bsr:4")
+    with pytest.raises(ValueError, match="noise is invalid"):
+        Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=short.noise(dim, 0))
+    # cyclic Poisson: the sampler's groups are the strategy's bands (no example in adjacent steps)
+    cyc = PrivatePlan(len(digits), 100, steps=12, scheme="cyclic_poisson", strategy="bsr:4")
+    s = cyc.sampler(5)
+    last = {}
+    for t in range(12):
+        for i in s.next().tolist():
+            assert t - last.get(i, -99) >= 4
+            last[i] = t
+
+
+def test_data_loader_len_epochs_empty_batches_and_workers(digits):
+    ds = TensorDataset(digits.train_x[:40], digits.train_y[:40])
+    model = _model(digits)
+    private = dpmf.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), ds, loss_fn=F.cross_entropy, batch_size=1,
+        epochs=3, noise_multiplier=1.0, target_delta=1e-5, factorization="identity", scheme="poisson", seed=1,
+    )
+    loader = private.data_loader
+    assert isinstance(loader, torch.utils.data.DataLoader) and len(loader) == 40
+    sizes = []
+    for _ in range(3):
+        epoch = list(loader)
+        assert len(epoch) == 40
+        sizes += [len(y) for _, y in epoch]
+    assert 0 in sizes  # q = 1/40: empty Poisson batches occur and come out as empty tensors
+    with pytest.raises(RuntimeError, match="exhausted"):
+        list(loader)
+    # an empty batch adds noise only, and the step counts
+    model2 = _model(digits)
+    private2 = dpmf.make_private(
+        model2, torch.optim.SGD(model2.parameters(), lr=0.1), ds, loss_fn=F.cross_entropy,
+        batch_size=1, steps=2, noise_multiplier=1.0, target_delta=1e-5, factorization="identity", seed=2,
+    )
+    x0, y0 = ds[:0]
+    assert private2.backward(x0, target=y0) == 0.0
+    assert private2.steps_taken == 1
+    assert all(p.grad is not None and torch.count_nonzero(p.grad) > 0 for p in private2.model.parameters())
+    # worker processes
+    model3 = _model(digits)
+    private3 = dpmf.make_private(
+        model3, torch.optim.SGD(model3.parameters(), lr=0.1), ds, loss_fn=F.cross_entropy,
+        batch_size=10, epochs=1, noise_multiplier=1.0, target_delta=1e-5, factorization="identity",
+        scheme="fixed_order", num_workers=2, seed=4,
+    )
+    got = torch.cat([y for _, y in private3.data_loader])
+    assert sorted(got.tolist()) == sorted(ds.tensors[1].tolist())
+
+
+class _DictData(Dataset):
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {"pixels": self.x[i], "label": self.y[i]}
+
+
+def test_a_dataset_of_dicts_is_collated_by_the_loader(digits):
+    ds = _DictData(digits.train_x[:30], digits.train_y[:30])
+    model = _model(digits)
+    private = dpmf.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), ds, loss_fn=F.cross_entropy, batch_size=10,
+        epochs=1, noise_multiplier=1.0, target_delta=1e-5, factorization="identity", scheme="fixed_order",
+    )
+    for batch in private.data_loader:
+        assert set(batch) == {"pixels", "label"} and batch["pixels"].shape[0] == batch["label"].shape[0]
+        private.backward(batch["pixels"], target=batch["label"])
+        private.optimizer.step()
+
+
+def test_default_seed_is_secret_and_differs_between_runs(digits, tmp_path):
+    seeds = []
+    for i in range(2):
+        model = _model(digits)
+        private = dpmf.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), _dataset(digits), loss_fn=F.cross_entropy,
+            batch_size=128, steps=2, noise_multiplier=1.0, target_delta=1e-5, factorization="identity",
+        )
+        seeds.append(private.state_dict()["secret"]["seed"])
+        x, y = next(iter(private.data_loader))
+        private.backward(x, target=y)
+        private.optimizer.step()
+        paths = private.export(str(tmp_path / f"export{i}"))
+        text = open(paths[1]).read()
+        assert str(seeds[-1]) not in text and not private.seed_given
+        ledger = json.loads(text)
+        assert ledger["steps_taken"] == 1 and ledger["accountant"] == "pld" and "protects" in ledger
+        weights = torch.load(paths[0], weights_only=True)
+        assert set(weights) == set(model.state_dict())
+    assert seeds[0] != seeds[1]
+    cfg = TrainConfig(
+        dataset="digits", model="mlp", epochs=1, batch_size=256, epsilon=None, noise_multiplier=1.0, device="cpu"
+    )
+    res = train(cfg, str(tmp_path / "t"), progress=False, log=lambda *a: None)
+    drawn = torch.load(os.path.join(res.out_dir, "checkpoint.pt"), weights_only=True)["secret"]["seed"]
+    for name in ("results.json", "privacy.json", "metrics.csv"):
+        text = open(os.path.join(res.out_dir, name)).read()
+        assert str(drawn) not in text, name
+    assert json.load(open(os.path.join(res.out_dir, "results.json")))["seed_given"] is False
+    assert set(torch.load(os.path.join(res.out_dir, "model.pt"), weights_only=True)) == set(res.model.state_dict())
+
+
+def test_state_dict_resumes_the_run_exactly(digits, tmp_path):
+    def run(split):
+        model = _model(digits)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        private = dpmf.make_private(
+            model, opt, _dataset(digits), loss_fn=F.cross_entropy, batch_size=128, steps=6,
+            noise_multiplier=1.0, target_delta=1e-5, factorization="bsr:2", scheme="cyclic_poisson", seed=8,
+        )
+        it = iter(private.data_loader)
+        for t in range(6):
+            if t == split:
+                private.save(str(tmp_path / "state.pt"))
+                model = _model(digits)
+                opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+                private = dpmf.make_private(
+                    model, opt, _dataset(digits), loss_fn=F.cross_entropy, batch_size=128, steps=6,
+                    noise_multiplier=1.0, target_delta=1e-5, factorization="bsr:2", scheme="cyclic_poisson",
+                    seed=8,
+                )
+                private.resume(str(tmp_path / "state.pt"))
+                it = iter(private.data_loader)
+            x, y = next(it)
+            private.backward(x, target=y)
+            private.optimizer.step()
+            private.optimizer.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(run(None), run(3), strict=True):
+        assert torch.equal(a, b)
+    (tmp_path / "bad.pt").write_bytes(b"\x80\x02not a checkpoint")
+    model = _model(digits)
+    private = dpmf.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), _dataset(digits), loss_fn=F.cross_entropy,
+        batch_size=128, steps=6, noise_multiplier=1.0, target_delta=1e-5, factorization="identity",
+    )
+    with pytest.raises(ValueError, match="corrupted"):
+        private.resume(str(tmp_path / "bad.pt"))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(epochs=1, steps=2), "epochs/steps"),
+        (dict(epochs=1), "target_epsilon/noise_multiplier"),
+        (dict(epochs=1, target_epsilon=1.0), "target_delta"),
+        (dict(epochs=1, noise_multiplier=1.0), "factorization='auto'"),
+        (dict(epochs=1, noise_multiplier=1.0, factorization="bsr:4", scheme="poisson"), "DP-SGD"),
+        (dict(epochs=1, noise_multiplier=1.0, factorization="identity", clip_norm=0.0), "clip_norm"),
+        (dict(epochs=1, noise_multiplier=1.0, factorization="identity", batch_size=10**6), "batch_size"),
+    ],
+)
+def test_bad_arguments_are_refused_before_work(digits, kwargs, match):
+    model = _model(digits)
+    base = dict(loss_fn=F.cross_entropy, batch_size=128)
+    with pytest.raises((ValueError, TypeError), match=match):
+        dpmf.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), _dataset(digits), **{**base, **kwargs})
+
+
+def test_learning_rate_schedule_multiplies_the_base_rate(digits):
+    from dpmf.workloads import Schedule
+
+    model = _model(digits)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    private = dpmf.make_private(
+        model, opt, _dataset(digits), loss_fn=F.cross_entropy, batch_size=128, steps=5, noise_multiplier=1.0,
+        target_delta=1e-5, factorization="identity", schedule=Schedule("exponential", 0.1), seed=0,
+    )
+    lrs = []
+    it = iter(private.data_loader)
+    for _ in range(5):
+        x, y = next(it)
+        private.backward(x, target=y)
+        lrs.append(opt.param_groups[0]["lr"])
+        private.optimizer.step()
+    assert np.allclose(lrs, 0.2 * 0.1 ** (np.arange(5) / 4))
+    assert isinstance(nn.Module, type)
