@@ -15,6 +15,7 @@ from dpmf.mechanisms import (
     factorize,
     parse_factorization,
 )
+from dpmf.mechanisms.registry import STRATEGIES
 from dpmf.workloads import SCHEDULES, Schedule, from_schedule, momentum, prefix_sum, toeplitz_surrogate
 
 
@@ -26,6 +27,8 @@ def all_specs(n):
             continue
         if name in BANDED:
             out += [f"{name}:{p}" for p in sorted({1, 2, 4, 16, n, n + 5})]
+        elif STRATEGIES[name].parameter is not None:  # λ of lcgd
+            out += [f"{name}:{lam}" for lam in (0.0, 0.5, 0.95)]
         else:
             out.append(name)
     return out

@@ -90,7 +90,7 @@ def test_bad_plans_refused(points, match):
 
 
 def cfg(**kw):
-    args = dict(dataset="digits", epochs=2, batch_size=128, epsilon=3.0, optimizer="dp-muon")
+    args = dict(dataset="digits", epochs=2, batch_size=128, epsilon=3.0, optimizer="dp-muon", seed=0)
     args.update(kw)
     return TrainConfig(**args)
 

@@ -50,9 +50,10 @@ CASES = [(8, 1, 3), (12, 2, 3), (16, 3, 4), (24, 5, 3), (24, 8, 3), (24, 2, 2)]
 def toeplitz_strategies(n):
     # closed-form strategies (the optimized ones have their own sensitivity tests)
     closed = [f for f in FACTORIZATIONS if f not in OPTIMIZED]
-    specs = [f for f in closed if f not in BANDED and f != "sqrt"] + [
+    specs = [f for f in closed if f not in BANDED and f not in ("sqrt", "lcgd")] + [
         f"{f}:{p}" for f in BANDED if f in closed for p in (1, 2, 4)
     ]
+    specs += ["lcgd:0.3", "lcgd:0.9"]
     for sched in SCHEDULES:
         w = from_schedule(Schedule(sched, 0.1), n)
         for spec in specs:

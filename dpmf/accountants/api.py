@@ -56,10 +56,10 @@ def _plan(scheme, dataset_size, batch_size, steps, factorization, min_sep, epoch
         if given:
             raise ValueError(f"{given[0]} is invalid with a plan: the plan fixes it (use plan.replace(...))")
         return scheme
-    if factorization is not None and not isinstance(factorization, Factorization | str):
+    if factorization is not None and not isinstance(factorization, Factorization):
         raise TypeError(
-            f"factorization={factorization!r} is invalid: must be a dpmf.mechanisms.Factorization, "
-            "a spec, or None"
+            f"factorization={factorization!r} is invalid: must be a dpmf.mechanisms.Factorization or None "
+            "(for a spec such as 'bsr:4', build a dpmf.PrivatePlan(..., strategy='bsr:4'))"
         )
     return PrivatePlan(
         dataset_size,
@@ -96,8 +96,8 @@ def account(
             ``steps`` (and optionally ``factorization``, ``min_sep``) to build one.
         noise_multiplier: σ > 0 (default: the plan's); the noise on C·G has std σ·ζ·s.
         delta: δ in (0, 1).
-        factorization: a ``dpmf.mechanisms.Factorization`` with n = steps, a spec, or None
-            (C = I) — keyword form only.
+        factorization: a ``dpmf.mechanisms.Factorization`` with n = steps, or None (C = I) —
+            keyword form only.
         accountant, samples, seed, confidence, progress: as in ``dpmf.plan.accounting.account``.
 
     Returns:

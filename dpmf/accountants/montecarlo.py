@@ -265,7 +265,7 @@ def _iterate(event, scales, samples: int, seed: int, stream: int, progress, desc
     n_chunks = -(-samples // chunk)
     bar = None
     if progress is not False:
-        from tqdm.auto import tqdm
+        from tqdm import tqdm
 
         bar = tqdm(
             total=samples,

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from dpmf._validation import check_choice, check_int
 from dpmf.mechanisms.bounds import lower_bound

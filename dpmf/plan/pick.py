@@ -42,7 +42,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from dpmf._validation import check_choice, check_int, check_real
 from dpmf.accountants.calibration import check_monte_carlo

@@ -298,7 +298,7 @@ class Trainer:
             ValueError: a checkpoint exists and ``resume`` is False, or it belongs to another run.
             NonFiniteGradientError, NonFiniteWeightsError: numerical failure at a named step.
         """
-        from tqdm.auto import tqdm
+        from tqdm import tqdm
 
         os.makedirs(self.out_dir, exist_ok=True)
         start_epoch = 0
