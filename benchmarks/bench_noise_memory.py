@@ -42,6 +42,10 @@ def main() -> int:
             factorize(prefix_sum(n), f"bisr:{p}"), d, seed=0, mode="regenerate"
         ),
         f"bsr:{p}": lambda: noise_for_factorization(factorize(prefix_sum(n), f"bsr:{p}"), d, seed=0),
+        "lcgd:0.5 (buffer)": lambda: noise_for_factorization(factorize(prefix_sum(n), "lcgd:0.5"), d, seed=0),
+        "lcgd:0.5 (regenerate)": lambda: noise_for_factorization(
+            factorize(prefix_sum(n), "lcgd:0.5"), d, seed=0, mode="regenerate"
+        ),
         "blt, 4 buffers": lambda: BLTNoise(
             [0.3, 0.15, 0.08, 0.04], [0.95, 0.8, 0.5, 0.2], d, seed=0, steps=n
         ),

@@ -301,11 +301,13 @@ def _run_train(args) -> int:
         print(f"dpmf train: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(
-            f"dpmf train: interrupted; the last completed epoch is in {args.out}/checkpoint.pt "
-            "(continue with --resume)",
-            file=sys.stderr,
-        )
+        import os
+
+        if os.path.exists(os.path.join(args.out, "checkpoint.pt")):
+            where = f"the last completed epoch is in {args.out}/checkpoint.pt (continue with --resume)"
+        else:
+            where = "no epoch was completed, so there is nothing to resume"
+        print(f"dpmf train: interrupted; {where}", file=sys.stderr)
         return 130
     return 0
 

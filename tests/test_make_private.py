@@ -41,8 +41,16 @@ def test_own_loop_in_four_statements_and_epsilon_equals_dpmf_epsilon(digits, cap
     model = _model(digits)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     private = dpmf.make_private(  # statement 1
-        model, opt, _dataset(digits), loss_fn=F.cross_entropy, batch_size=128, epochs=2,
-        target_epsilon=3.0, target_delta=1e-5, factorization="bsr:4", scheme="cyclic_poisson",
+        model,
+        opt,
+        _dataset(digits),
+        loss_fn=F.cross_entropy,
+        batch_size=128,
+        epochs=2,
+        target_epsilon=3.0,
+        target_delta=1e-5,
+        factorization="bsr:4",
+        scheme="cyclic_poisson",
     )
     for _ in range(2):
         for x, y in private.data_loader:
@@ -62,14 +70,32 @@ def test_own_loop_in_four_statements_and_epsilon_equals_dpmf_epsilon(digits, cap
 
 def test_make_private_and_dpmf_train_give_bit_identical_parameters(digits, tmp_path):
     cfg = TrainConfig(
-        dataset="digits", model="mlp", optimizer="dp-sgd", factorization="bisr:4", scheme="fixed_order",
-        epochs=2, batch_size=128, epsilon=3.0, delta=1e-5, seed=11, device="cpu",
+        dataset="digits",
+        model="mlp",
+        optimizer="dp-sgd",
+        factorization="bisr:4",
+        scheme="fixed_order",
+        epochs=2,
+        batch_size=128,
+        epsilon=3.0,
+        delta=1e-5,
+        seed=11,
+        device="cpu",
     )
     ref = train(cfg, str(tmp_path / "run"), progress=False, log=lambda *a: None).model
     model = _model(digits, seed=11)
     private = dpmf.make_private(
-        model, build_optimizer(cfg, model), _dataset(digits), loss_fn=F.cross_entropy, batch_size=128,
-        epochs=2, target_epsilon=3.0, target_delta=1e-5, factorization="bisr:4", scheme="fixed_order", seed=11,
+        model,
+        build_optimizer(cfg, model),
+        _dataset(digits),
+        loss_fn=F.cross_entropy,
+        batch_size=128,
+        epochs=2,
+        target_epsilon=3.0,
+        target_delta=1e-5,
+        factorization="bisr:4",
+        scheme="fixed_order",
+        seed=11,
     )
     for _ in range(2):
         for x, y in private.data_loader:
@@ -88,8 +114,15 @@ def test_plain_backward_then_step_is_refused(digits):
     with pytest.raises(RuntimeError, match="make_private"):
         alone.step()
     private = dpmf.make_private(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), _dataset(digits), loss_fn=F.cross_entropy,
-        batch_size=64, steps=3, noise_multiplier=1.0, target_delta=1e-5, factorization="identity",
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        _dataset(digits),
+        loss_fn=F.cross_entropy,
+        batch_size=64,
+        steps=3,
+        noise_multiplier=1.0,
+        target_delta=1e-5,
+        factorization="identity",
     )
     before = [p.detach().clone() for p in model.parameters()]
     model.zero_grad()
@@ -112,7 +145,9 @@ def test_parts_that_disagree_with_the_plan_are_refused(digits):
     plan = PrivatePlan(len(digits), 128, epochs=1, scheme="fixed_order", strategy="bsr:4").with_noise(1.0)
     dim = sum(p.numel() for p in model.parameters())
     with pytest.raises(ValueError, match="sensitivity"):
-        Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=plan.noise(dim, 0), sensitivity=1.0)
+        Privatizer(
+            model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=plan.noise(dim, 0), sensitivity=1.0
+        )
     other = PrivatePlan(len(digits), 128, epochs=1, scheme="fixed_order", strategy="bisr:4")
     with pytest.raises(ValueError, match="noise is invalid"):
         Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=other.noise(dim, 0))
@@ -133,8 +168,17 @@ def test_data_loader_len_epochs_empty_batches_and_workers(digits):
     ds = TensorDataset(digits.train_x[:40], digits.train_y[:40])
     model = _model(digits)
     private = dpmf.make_private(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), ds, loss_fn=F.cross_entropy, batch_size=1,
-        epochs=3, noise_multiplier=1.0, target_delta=1e-5, factorization="identity", scheme="poisson", seed=1,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        ds,
+        loss_fn=F.cross_entropy,
+        batch_size=1,
+        epochs=3,
+        noise_multiplier=1.0,
+        target_delta=1e-5,
+        factorization="identity",
+        scheme="poisson",
+        seed=1,
     )
     loader = private.data_loader
     assert isinstance(loader, torch.utils.data.DataLoader) and len(loader) == 40
@@ -149,8 +193,16 @@ def test_data_loader_len_epochs_empty_batches_and_workers(digits):
     # an empty batch adds noise only, and the step counts
     model2 = _model(digits)
     private2 = dpmf.make_private(
-        model2, torch.optim.SGD(model2.parameters(), lr=0.1), ds, loss_fn=F.cross_entropy,
-        batch_size=1, steps=2, noise_multiplier=1.0, target_delta=1e-5, factorization="identity", seed=2,
+        model2,
+        torch.optim.SGD(model2.parameters(), lr=0.1),
+        ds,
+        loss_fn=F.cross_entropy,
+        batch_size=1,
+        steps=2,
+        noise_multiplier=1.0,
+        target_delta=1e-5,
+        factorization="identity",
+        seed=2,
     )
     x0, y0 = ds[:0]
     assert private2.backward(x0, target=y0) == 0.0
@@ -159,9 +211,18 @@ def test_data_loader_len_epochs_empty_batches_and_workers(digits):
     # worker processes
     model3 = _model(digits)
     private3 = dpmf.make_private(
-        model3, torch.optim.SGD(model3.parameters(), lr=0.1), ds, loss_fn=F.cross_entropy,
-        batch_size=10, epochs=1, noise_multiplier=1.0, target_delta=1e-5, factorization="identity",
-        scheme="fixed_order", num_workers=2, seed=4,
+        model3,
+        torch.optim.SGD(model3.parameters(), lr=0.1),
+        ds,
+        loss_fn=F.cross_entropy,
+        batch_size=10,
+        epochs=1,
+        noise_multiplier=1.0,
+        target_delta=1e-5,
+        factorization="identity",
+        scheme="fixed_order",
+        num_workers=2,
+        seed=4,
     )
     got = torch.cat([y for _, y in private3.data_loader])
     assert sorted(got.tolist()) == sorted(ds.tensors[1].tolist())
@@ -182,8 +243,16 @@ def test_a_dataset_of_dicts_is_collated_by_the_loader(digits):
     ds = _DictData(digits.train_x[:30], digits.train_y[:30])
     model = _model(digits)
     private = dpmf.make_private(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), ds, loss_fn=F.cross_entropy, batch_size=10,
-        epochs=1, noise_multiplier=1.0, target_delta=1e-5, factorization="identity", scheme="fixed_order",
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        ds,
+        loss_fn=F.cross_entropy,
+        batch_size=10,
+        epochs=1,
+        noise_multiplier=1.0,
+        target_delta=1e-5,
+        factorization="identity",
+        scheme="fixed_order",
     )
     for batch in private.data_loader:
         assert set(batch) == {"pixels", "label"} and batch["pixels"].shape[0] == batch["label"].shape[0]
@@ -196,8 +265,15 @@ def test_default_seed_is_secret_and_differs_between_runs(digits, tmp_path):
     for i in range(2):
         model = _model(digits)
         private = dpmf.make_private(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), _dataset(digits), loss_fn=F.cross_entropy,
-            batch_size=128, steps=2, noise_multiplier=1.0, target_delta=1e-5, factorization="identity",
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            _dataset(digits),
+            loss_fn=F.cross_entropy,
+            batch_size=128,
+            steps=2,
+            noise_multiplier=1.0,
+            target_delta=1e-5,
+            factorization="identity",
         )
         seeds.append(private.state_dict()["secret"]["seed"])
         x, y = next(iter(private.data_loader))
@@ -212,7 +288,13 @@ def test_default_seed_is_secret_and_differs_between_runs(digits, tmp_path):
         assert set(weights) == set(model.state_dict())
     assert seeds[0] != seeds[1]
     cfg = TrainConfig(
-        dataset="digits", model="mlp", epochs=1, batch_size=256, epsilon=None, noise_multiplier=1.0, device="cpu"
+        dataset="digits",
+        model="mlp",
+        epochs=1,
+        batch_size=256,
+        epsilon=None,
+        noise_multiplier=1.0,
+        device="cpu",
     )
     res = train(cfg, str(tmp_path / "t"), progress=False, log=lambda *a: None)
     drawn = torch.load(os.path.join(res.out_dir, "checkpoint.pt"), weights_only=True)["secret"]["seed"]
@@ -220,7 +302,9 @@ def test_default_seed_is_secret_and_differs_between_runs(digits, tmp_path):
         text = open(os.path.join(res.out_dir, name)).read()
         assert str(drawn) not in text, name
     assert json.load(open(os.path.join(res.out_dir, "results.json")))["seed_given"] is False
-    assert set(torch.load(os.path.join(res.out_dir, "model.pt"), weights_only=True)) == set(res.model.state_dict())
+    assert set(torch.load(os.path.join(res.out_dir, "model.pt"), weights_only=True)) == set(
+        res.model.state_dict()
+    )
 
 
 def test_state_dict_resumes_the_run_exactly(digits, tmp_path):
@@ -228,8 +312,17 @@ def test_state_dict_resumes_the_run_exactly(digits, tmp_path):
         model = _model(digits)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         private = dpmf.make_private(
-            model, opt, _dataset(digits), loss_fn=F.cross_entropy, batch_size=128, steps=6,
-            noise_multiplier=1.0, target_delta=1e-5, factorization="bsr:2", scheme="cyclic_poisson", seed=8,
+            model,
+            opt,
+            _dataset(digits),
+            loss_fn=F.cross_entropy,
+            batch_size=128,
+            steps=6,
+            noise_multiplier=1.0,
+            target_delta=1e-5,
+            factorization="bsr:2",
+            scheme="cyclic_poisson",
+            seed=8,
         )
         it = iter(private.data_loader)
         for t in range(6):
@@ -238,8 +331,16 @@ def test_state_dict_resumes_the_run_exactly(digits, tmp_path):
                 model = _model(digits)
                 opt = torch.optim.Adam(model.parameters(), lr=1e-3)
                 private = dpmf.make_private(
-                    model, opt, _dataset(digits), loss_fn=F.cross_entropy, batch_size=128, steps=6,
-                    noise_multiplier=1.0, target_delta=1e-5, factorization="bsr:2", scheme="cyclic_poisson",
+                    model,
+                    opt,
+                    _dataset(digits),
+                    loss_fn=F.cross_entropy,
+                    batch_size=128,
+                    steps=6,
+                    noise_multiplier=1.0,
+                    target_delta=1e-5,
+                    factorization="bsr:2",
+                    scheme="cyclic_poisson",
                     seed=8,
                 )
                 private.resume(str(tmp_path / "state.pt"))
@@ -255,8 +356,15 @@ def test_state_dict_resumes_the_run_exactly(digits, tmp_path):
     (tmp_path / "bad.pt").write_bytes(b"\x80\x02not a checkpoint")
     model = _model(digits)
     private = dpmf.make_private(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), _dataset(digits), loss_fn=F.cross_entropy,
-        batch_size=128, steps=6, noise_multiplier=1.0, target_delta=1e-5, factorization="identity",
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        _dataset(digits),
+        loss_fn=F.cross_entropy,
+        batch_size=128,
+        steps=6,
+        noise_multiplier=1.0,
+        target_delta=1e-5,
+        factorization="identity",
     )
     with pytest.raises(ValueError, match="corrupted"):
         private.resume(str(tmp_path / "bad.pt"))
@@ -278,7 +386,9 @@ def test_bad_arguments_are_refused_before_work(digits, kwargs, match):
     model = _model(digits)
     base = dict(loss_fn=F.cross_entropy, batch_size=128)
     with pytest.raises((ValueError, TypeError), match=match):
-        dpmf.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), _dataset(digits), **{**base, **kwargs})
+        dpmf.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), _dataset(digits), **{**base, **kwargs}
+        )
 
 
 def test_learning_rate_schedule_multiplies_the_base_rate(digits):
@@ -287,8 +397,17 @@ def test_learning_rate_schedule_multiplies_the_base_rate(digits):
     model = _model(digits)
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     private = dpmf.make_private(
-        model, opt, _dataset(digits), loss_fn=F.cross_entropy, batch_size=128, steps=5, noise_multiplier=1.0,
-        target_delta=1e-5, factorization="identity", schedule=Schedule("exponential", 0.1), seed=0,
+        model,
+        opt,
+        _dataset(digits),
+        loss_fn=F.cross_entropy,
+        batch_size=128,
+        steps=5,
+        noise_multiplier=1.0,
+        target_delta=1e-5,
+        factorization="identity",
+        schedule=Schedule("exponential", 0.1),
+        seed=0,
     )
     lrs = []
     it = iter(private.data_loader)

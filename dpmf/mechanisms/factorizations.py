@@ -211,6 +211,7 @@ def _banded_base(workload: Workload, lr: bool) -> np.ndarray:
 
 def _bsr(name: str, lr: bool):
     def build(workload: Workload, p: int) -> Factorization:
+        p = min(p, workload.n)  # more bands than steps: all of them (the label says how many)
         C = ScaledToeplitz(band(sqrt_coefficients(_banded_base(workload, lr)), p))
         return Factorization(name, p, workload, C)
 
@@ -219,6 +220,7 @@ def _bsr(name: str, lr: bool):
 
 def _bisr(name: str, lr: bool):
     def build(workload: Workload, p: int) -> Factorization:
+        p = min(p, workload.n)
         noise = ScaledToeplitz(band(inverse_sqrt_coefficients(_banded_base(workload, lr)), p))
         return Factorization(name, p, workload, noise.inverse(), noise)
 

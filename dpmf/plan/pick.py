@@ -237,6 +237,8 @@ def pick(
     chosen = None if scheme == "auto" else get_scheme(scheme)
     if chosen is not None:
         chosen.check_strategy(run0)  # the scheme's own preconditions on N, B, n (one epoch, bins)
+        if accountant is not None:
+            chosen.check_accountant(accountant)  # e.g. pld cannot measure balls-in-bins
 
     workload = from_schedule(schedule, n)
     specs = candidate_specs(schedule, n, max_bands, optimized=optimized, dense_max_steps=dense_max_steps)

@@ -19,6 +19,7 @@ uninterrupted run (everything random is either checkpointed or a function of (se
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import time
@@ -38,6 +39,8 @@ from dpmf.train.metrics import plot_training_curves, write_metrics_csv
 from dpmf.train.samplers import BatchSampler
 
 __all__ = [
+    "check_resumable",
+    "data_digest",
     "saved_seed",
     "CHECKPOINT",
     "METRICS",
@@ -75,18 +78,50 @@ class TrainOutcome:
     resumed_from_epoch: int = 0
 
 
-def saved_seed(path) -> int:
+def saved_seed(path, state: dict | None = None) -> int:
     """The run's seed kept in the checkpoint at ``path`` (to resume a run whose seed was drawn).
 
     Raises:
         ValueError: the checkpoint is unreadable or holds no seed.
     """
-    seed = load_checkpoint(path).get("secret", {}).get("seed")
+    state = load_checkpoint(path) if state is None else state
+    seed = state.get("secret", {}).get("seed")
     if not isinstance(seed, int):
         raise ValueError(
             f"checkpoint {path!r} is invalid: it holds no seed to resume with (an older format?)"
         )
     return seed
+
+
+def data_digest(data) -> str:
+    """SHA-256 (first 16 hex digits) of the training tensors' bytes, shapes and dtypes: part of a
+    run's identity, so that a resume on other data is refused."""
+    h = hashlib.sha256()
+    for t in (data.train_x, data.train_y):
+        h.update(f"{tuple(t.shape)}{t.dtype}".encode())
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def check_resumable(state: dict, run_identity: dict, path) -> None:
+    """Raise unless the checkpoint ``state`` belongs to the run ``run_identity`` (keys present in
+    both must agree; this is checked before any work when resuming).
+
+    Raises:
+        ValueError: another format, or the fields that differ (e.g. other data or settings).
+    """
+    if state.get("format") != _FORMAT:
+        raise ValueError(
+            f"checkpoint {str(path)!r} is invalid: format {state.get('format')!r} is not supported "
+            f"(expected {_FORMAT})"
+        )
+    theirs = state.get("run_identity", {})
+    diff = sorted(k for k in set(theirs) & set(run_identity) if theirs.get(k) != run_identity.get(k))
+    if diff:
+        detail = ", ".join(f"{k}: {theirs.get(k)!r} → {run_identity.get(k)!r}" for k in diff)
+        if "data" in diff:
+            detail = "the training data differ (another --data-dir or file?); " + detail
+        raise ValueError(f"checkpoint {str(path)!r} belongs to another run ({detail})")
 
 
 @torch.no_grad()
@@ -309,6 +344,8 @@ class Trainer:
                     "pass --resume to continue it or choose another --out"
                 )
             start_epoch = self._restore(load_checkpoint(self.checkpoint_path))
+            if self.outcome.metrics:  # the files agree with the checkpoint from the start
+                write_metrics_csv(os.path.join(self.out_dir, METRICS), self.outcome.metrics)
             self.outcome.resumed_from_epoch = start_epoch
         self.model.train()
         spe = self.sampler.steps_per_epoch
@@ -363,9 +400,10 @@ class Trainer:
             "seconds": round(seconds, 3),
         }
         self.outcome.metrics.append(row)
+        # the checkpoint first: after a kill between the writes, metrics.csv is never ahead of it
+        save_checkpoint(self.checkpoint_path, self._state(epoch))
         write_metrics_csv(os.path.join(self.out_dir, METRICS), self.outcome.metrics)
         plot_training_curves(os.path.join(self.out_dir, CURVES), self.outcome.metrics, title=self.title)
-        save_checkpoint(self.checkpoint_path, self._state(epoch))
         return row
 
 

@@ -51,10 +51,11 @@ from dpmf.optim.clipping import trainable_parameters
 from dpmf.optim.privatize import Privatizer
 from dpmf.plan.plan import PrivatePlan, leading_block
 from dpmf.plan.schemes import Poisson
+from dpmf.train.checkpoint import load_checkpoint
 from dpmf.train.config import TrainConfig
 from dpmf.train.data import load_dataset
 from dpmf.train.ledger import export, privacy_ledger
-from dpmf.train.loop import CHECKPOINT, Trainer, TrainOutcome, saved_seed
+from dpmf.train.loop import CHECKPOINT, Trainer, TrainOutcome, check_resumable, data_digest, saved_seed
 from dpmf.train.models import build_model
 from dpmf.train.samplers import steps_per_epoch
 from dpmf.workloads import Schedule
@@ -293,12 +294,15 @@ def train(
             f"out_dir={out_dir!r} is invalid: it holds a checkpoint of an earlier run; pass --resume "
             "to continue it or choose another --out"
         )
+    saved = load_checkpoint(checkpoint) if resume and os.path.exists(checkpoint) else None
+    if saved is not None:  # a corrupted or foreign checkpoint fails here, before any work
+        check_resumable(saved, config.run_identity(), checkpoint)
     seed_given = config.seed is not None
     if seed_given:
         seed = config.seed
         log(f"notice: seed {seed} was given: the noise is predictable to whoever knows it")
-    elif resume and os.path.exists(checkpoint):
-        seed = saved_seed(checkpoint)
+    elif saved is not None:
+        seed = saved_seed(checkpoint, saved)
     else:
         seed = draw_seed()
     device = resolve_device(config.device)
@@ -308,6 +312,9 @@ def train(
     for w in caught:
         log(f"notice: {w.message}")
     N = len(data)
+    identity = {**config.run_identity(), "data": data_digest(data)}
+    if saved is not None:  # the same data as the run being resumed
+        check_resumable(saved, identity, checkpoint)
     config, plan = plan_for(config, N, progress=progress, log=log)
     privacy, n, spe = plan.privacy, plan.steps, plan.steps_per_epoch
     chi_schedule = LearningRateSchedule(plan.schedule, n)
@@ -373,7 +380,7 @@ def train(
         epochs=config.epochs,
         out_dir=out_dir,
         device=device,
-        run_identity=config.run_identity(),
+        run_identity=identity,
         secrets={"seed": seed},
         epsilon_at=epsilon_at if config.per_epoch_epsilon else None,
         final_epsilon=privacy.epsilon,
@@ -386,7 +393,19 @@ def train(
     if not os.path.exists(checkpoint):
         atomic_write_json(os.path.join(out_dir, RESULTS), _jsonable(header))
     began = time.perf_counter()
-    outcome: TrainOutcome = trainer.run(resume=resume, on_epoch_end=on_epoch_end)
+    try:
+        outcome: TrainOutcome = trainer.run(resume=resume, on_epoch_end=on_epoch_end)
+    except BaseException as exc:  # every stop leaves results.json saying how the run ended
+        done = trainer.outcome.metrics
+        header.update(
+            status="interrupted" if isinstance(exc, KeyboardInterrupt) else "failed",
+            error=f"{type(exc).__name__}: {exc}" if not isinstance(exc, KeyboardInterrupt) else None,
+            completed_epochs=len(done),
+            checkpoint=CHECKPOINT if os.path.exists(checkpoint) else None,
+            wall_seconds=round(time.perf_counter() - began, 2),
+        )
+        atomic_write_json(os.path.join(out_dir, RESULTS), _jsonable(header))
+        raise
     last = outcome.metrics[-1]
     header.update(
         status="complete",

@@ -32,6 +32,9 @@ SCHEDULES = ("constant", "exponential", "linear", "cosine", "polynomial", "inver
 _DEFAULT_GAMMA = {"polynomial": 2.0, "inverse_power": 1.0}
 
 
+_POWERED = ("polynomial", "inverse_power")
+
+
 @dataclass(frozen=True)
 class Schedule:
     """A named learning-rate schedule with its final value β and power γ.
@@ -40,10 +43,11 @@ class Schedule:
         name: one of ``SCHEDULES``.
         beta: final multiplier χ_n, in (0, 1]. Ignored by ``constant`` (which is β = 1).
         gamma: power of ``polynomial`` (default 2) and ``inverse_power`` (default 1), > 0;
-            ``None`` selects the default; ignored by the other schedules.
+            ``None`` selects the default; refused by the other schedules (they have no power).
 
     Raises:
-        ValueError: unknown name, β outside (0, 1], γ ≤ 0 or not finite.
+        ValueError: unknown name, β outside (0, 1], γ ≤ 0 or not finite, γ for a schedule
+            without a power.
     """
 
     name: str = "constant"
@@ -56,6 +60,11 @@ class Schedule:
             self, "beta", check_real("beta", self.beta, low=0.0, high=1.0, low_inclusive=False)
         )
         if self.gamma is not None:
+            if self.name not in _POWERED:
+                raise ValueError(
+                    f"gamma={self.gamma!r} is invalid for schedule={self.name!r}: only "
+                    f"{' and '.join(_POWERED)} have a power (drop gamma)"
+                )
             g = check_real("gamma", self.gamma, low=0.0, low_inclusive=False)
             object.__setattr__(self, "gamma", g)
 
