@@ -223,7 +223,10 @@ def test_optimizer_zero_gradient_zero_update_and_zero_noise_equals_dp_muon():
     opt.step()
     assert torch.equal(w.detach(), before)
     a, b = _tiny_weight(71), _tiny_weight(71)
-    oa, ob = DPMuonBC([a], lr=0.1, noise_std=0.0, allow_unprivatized=True), DPMuon([b], lr=0.1, allow_unprivatized=True)
+    oa, ob = (
+        DPMuonBC([a], lr=0.1, noise_std=0.0, allow_unprivatized=True),
+        DPMuon([b], lr=0.1, allow_unprivatized=True),
+    )
     for t in range(3):
         G = torch.randn(6, 10, generator=torch.Generator().manual_seed(90 + t))
         a.grad, b.grad = G.clone(), G.clone()
@@ -270,7 +273,9 @@ def test_optimizer_resume_from_state_dict_reproduces_probes():
             if t == split:
                 saved = {"w": w.detach().clone(), "opt": opt.state_dict()}
                 w = torch.nn.Parameter(saved["w"])
-                opt = DPMuonBC([w], lr=0.1, probe_seed=0, noise_std=0.3, allow_unprivatized=True)  # seed: state dict
+                opt = DPMuonBC(
+                    [w], lr=0.1, probe_seed=0, noise_std=0.3, allow_unprivatized=True
+                )  # seed: state dict
                 opt.load_state_dict(saved["opt"])
             w.grad = G.clone()
             opt.step()

@@ -365,7 +365,11 @@ def test_filter_stage_runs_first_and_enters_the_noise_std(monkeypatch):
 def test_custom_transform_group():
     p = make_params([(3, 4)], seed=15)[0]
     theta0 = p.detach().clone()
-    opt = DPSGD([{"params": [p], "transform": Chain((EmaMomentum(0.5, False), Scale(2.0)))}], lr=0.1, allow_unprivatized=True)
+    opt = DPSGD(
+        [{"params": [p], "transform": Chain((EmaMomentum(0.5, False), Scale(2.0)))}],
+        lr=0.1,
+        allow_unprivatized=True,
+    )
     G = grads_for([p], seed=16)[0]
     p.grad = G
     opt.step()

@@ -97,7 +97,9 @@ def test_optimizers_resolve_the_placeholders():
 
 def test_dp_muon_vector_lr_and_auto_split():
     net = Net()
-    opt = DPMuon(net.parameters(), lr=0.02, vector_lr=0.5, allow_unprivatized=True)  # frozen ones included, as torch
+    opt = DPMuon(
+        net.parameters(), lr=0.02, vector_lr=0.5, allow_unprivatized=True
+    )  # frozen ones included, as torch
     assert [(g["rule"], g["lr"], len(g["params"])) for g in opt.param_groups] == [
         ("muon", 0.02, 5),
         ("sgd", 0.5, 6),
