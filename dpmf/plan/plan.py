@@ -34,26 +34,12 @@ from dpmf.mechanisms.factorizations import Factorization
 from dpmf.mechanisms.participation import Participation
 from dpmf.mechanisms.registry import STRATEGIES, factorize, parse_factorization
 from dpmf.mechanisms.structured import DenseLowerTriangular, ScaledToeplitz
+from dpmf.plan.samplers import steps_per_epoch
 from dpmf.plan.schemes import Poisson, Scheme, check_sigma, get_scheme, strategy_bandwidth
 from dpmf.workloads.schedules import Schedule
 from dpmf.workloads.workload import Workload, from_schedule
 
 __all__ = ["PrivatePlan", "build_strategy", "leading_block", "steps_per_epoch"]
-
-
-def steps_per_epoch(dataset_size: int, batch_size: int) -> int:
-    """b = ⌈N/B⌉, the number of steps of one epoch.
-
-    Raises:
-        ValueError: N < 1, B < 1, or B > N.
-    """
-    N = check_int("dataset_size", dataset_size, minimum=1)
-    B = check_int("batch_size", batch_size, minimum=1)
-    if B > N:
-        raise ValueError(
-            f"batch_size={B} is invalid: larger than the data set (dataset_size={N}); must be in [1, {N}]"
-        )
-    return -(-N // B)
 
 
 def build_strategy(workload: Workload, spec: str, scheme: Scheme, steps_per_epoch: int) -> Factorization:
