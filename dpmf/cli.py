@@ -8,6 +8,7 @@ validated first; bad input exits with status 2 and a one-line reason on stderr
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -43,11 +44,49 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _ConsoleHandler(logging.Handler):
+    """The library's log records as the command's own output: INFO on stdout, WARNING and above
+    on stderr, the message alone. The stream is looked up at each record, so redirections made
+    after the handler was installed (tests, notebooks) are honoured."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            stream = sys.stdout if record.levelno < logging.WARNING else sys.stderr
+            stream.write(self.format(record) + "\n")
+            stream.flush()
+        except Exception:  # pragma: no cover - logging must not raise
+            self.handleError(record)
+
+
+def _configure_logging() -> None:
+    """Install the console handler on the ``dpmf`` logger once (the library installs none)."""
+    logger = logging.getLogger("dpmf")
+    if not any(isinstance(h, _ConsoleHandler) for h in logger.handlers):
+        handler = _ConsoleHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _configure_logging()
     try:
-        return int(args._run(args) or 0)
+        out = getattr(args, "out", None)
+        if out is not None:  # every command that writes files: refuse a bad folder before any work
+            from dpmf._io import check_out_dir
+
+            check_out_dir(out, name="--out")
+        limit = getattr(args, "max_samples", None)
+        if limit is None:
+            return int(args._run(args) or 0)
+        from dpmf.accountants.montecarlo import sample_limit
+
+        with sample_limit(limit):
+            return int(args._run(args) or 0)
     except (UsageError, ValueError, TypeError) as exc:
         print(f"dpmf {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -317,6 +356,15 @@ _COMMANDS.append((_add_train, _run_train))
 # dpmf epsilon / dpmf calibrate: privacy accounting of a training run
 
 
+def _add_max_samples_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-samples",
+        type=int,
+        default=None,
+        help="refuse a Monte Carlo query needing more samples per direction (default 1e9)",
+    )
+
+
 def _add_accounting_flags(p: argparse.ArgumentParser, target: str) -> None:
     from dpmf.accountants import ACCOUNTANTS, SCHEMES
     from dpmf.workloads import SCHEDULES
@@ -352,6 +400,7 @@ def _add_accounting_flags(p: argparse.ArgumentParser, target: str) -> None:
         help="default: pld, or monte_carlo for the balls-in-bins schemes",
     )
     p.add_argument("--samples", type=int, default=None, help="Monte Carlo samples per direction")
+    _add_max_samples_flag(p)
     p.add_argument("--seed", type=int, default=0, help="Monte Carlo seed (default 0)")
     p.add_argument("--confidence", type=float, default=0.99, help="Monte Carlo confidence (default 0.99)")
     p.add_argument("--min-sep", type=int, default=None, help="cyclic_poisson groups b' (default: bands of C)")
@@ -542,6 +591,7 @@ def _add_pick(sub):
     p.add_argument("--dense-max-steps", type=int, default=1024, help="dense only when n ≤ this")
     p.add_argument("--accountant", choices=("pld", "rdp", "prv"), default=None)
     p.add_argument("--samples", type=int, default=None, help="Monte Carlo samples (balls_in_bins)")
+    _add_max_samples_flag(p)
     p.add_argument("--seed", type=int, default=0, help="Monte Carlo seed")
     p.add_argument("--confidence", type=float, default=0.99, help="Monte Carlo confidence")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
