@@ -113,6 +113,16 @@ def _participation(args):
     return Participation(args.participation, args.min_sep, args.max_participations)
 
 
+def _add_figure_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", default="png", choices=("png", "pdf", "svg"), help="figure format")
+    p.add_argument("--dpi", type=int, default=150, help="figure resolution of a PNG (default 150)")
+
+
+def _check_figure_flags(args) -> None:
+    if not 10 <= args.dpi <= 2400:
+        raise UsageError(f"--dpi={args.dpi} is invalid: must be an integer in [10, 2400]")
+
+
 def _add_curves(sub):
     p = sub.add_parser(
         "curves",
@@ -130,6 +140,7 @@ def _add_curves(sub):
         "--factorizations", required=True, help="comma-separated, e.g. sqrt_prefix,lr_aware,bisr:16"
     )
     p.add_argument("--out", required=True, help="output folder")
+    _add_figure_flags(p)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
@@ -140,6 +151,7 @@ def _run_curves(args) -> int:
     from dpmf.plots import plot_curves
     from dpmf.workloads import Schedule
 
+    _check_figure_flags(args)
     schedule = Schedule(args.schedule, args.beta, args.gamma)
     ns = _csv_list(args.n, int)
     facts = _csv_list(args.factorizations)
@@ -147,9 +159,9 @@ def _run_curves(args) -> int:
     rows = error_curves(schedule, ns, facts, participation, progress=not args.no_progress)
     out = Path(args.out)
     csv_path = atomic_write_csv(out / "curves.csv", CURVE_COLUMNS, [r.as_tuple() for r in rows])
-    png_path = plot_curves(rows, out / "curves.png")
+    fig_path = plot_curves(rows, out / f"curves.{args.format}", dpi=args.dpi)
     _print_curves(rows)
-    print(f"wrote {csv_path} and {png_path}")
+    print(f"wrote {csv_path} and {fig_path}")
     return 0
 
 
@@ -186,8 +198,27 @@ def _add_colormap(sub):
     p.add_argument("--beta", required=True, help="β values, comma-separated, each in (0, 1]")
     _add_participation_flags(p)
     p.add_argument("--out", required=True, help="output folder")
+    _add_figure_flags(p)
     p.add_argument("--no-progress", action="store_true")
     return p
+
+
+# the first three columns are the original file's, so that its readers keep working
+COLORMAP_COLUMNS = (
+    "n",
+    "beta",
+    "gain",
+    "metric",
+    "schedule",
+    "gamma",
+    "numerator",
+    "denominator",
+    "numerator_error",
+    "denominator_error",
+    "participation",
+    "min_sep",
+    "max_participations",
+)
 
 
 def _run_colormap(args) -> int:
@@ -195,6 +226,7 @@ def _run_colormap(args) -> int:
     from dpmf.mechanisms.sweeps import gain_grid
     from dpmf.plots import plot_gain
 
+    _check_figure_flags(args)
     grid = gain_grid(
         args.numerator,
         args.denominator,
@@ -207,13 +239,28 @@ def _run_colormap(args) -> int:
         progress=not args.no_progress,
     )
     out = Path(args.out)
+    part = grid.participation
     rows = [
-        (int(n), float(b), float(grid.gain[i, j]))
+        (
+            int(n),
+            float(b),
+            float(grid.gain[i, j]),
+            grid.metric,
+            grid.schedule,
+            "" if args.gamma is None else args.gamma,
+            grid.numerator,
+            grid.denominator,
+            float(grid.numerator_error[i, j]),
+            float(grid.denominator_error[i, j]),
+            part.kind,
+            "" if part.kind == "single" else part.min_sep,
+            "" if part.kind == "single" else part.max_participations,
+        )
         for i, b in enumerate(grid.betas)
         for j, n in enumerate(grid.ns)
     ]
-    csv_path = atomic_write_csv(out / "colormap.csv", ("n", "beta", "gain"), rows)
-    png_path = plot_gain(grid, out / "colormap.png")
+    csv_path = atomic_write_csv(out / "colormap.csv", COLORMAP_COLUMNS, rows)
+    png_path = plot_gain(grid, out / f"colormap.{args.format}", dpi=args.dpi)
     better = int((grid.gain < 1).sum())
     print(
         f"{args.numerator} better than {args.denominator} ({args.metric}) "
