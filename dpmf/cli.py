@@ -327,6 +327,11 @@ _TRAIN_FLAGS = (
     ("--accountant", str, "pld|rdp|prv|monte_carlo (default: the scheme's)"),
     ("--samples", int, "Monte Carlo samples for the balls-in-bins schemes"),
     ("--eval-batch-size", int, "test batch size"),
+    (
+        "--log-every",
+        int,
+        "every K steps: training loss, clipped fraction, lr to steps.csv (and TensorBoard if installed)",
+    ),
 )
 
 

@@ -2,6 +2,7 @@
 user would (a crash, a hang, a silent or misleading answer, an unusable output) and the
 behaviour that replaced it."""
 
+import logging
 import math
 import os
 import stat
@@ -441,3 +442,179 @@ def test_colormap_csv_holds_metric_schedule_strategies_and_errors(tmp_path):
         assert float(r["denominator_error"]) == pytest.approx(den, rel=1e-12)
         assert float(r["gain"]) == pytest.approx(num / den, rel=1e-12)
     assert (tmp_path / "colormap.svg").exists()
+
+
+# --- 17. per-step metrics ----------------------------------------------------------------------
+
+
+def _trainer(data, out, *, log_every=None, epochs=2, batch=256, seed=3):
+    import torch
+    import torch.nn.functional as F
+
+    from dpmf.optim.noise import identity_noise
+    from dpmf.optim.privatize import Privatizer
+    from dpmf.train.loop import Trainer
+    from dpmf.train.models import build_model
+    from dpmf.train.samplers import make_sampler
+
+    n = len(data)
+    steps = epochs * -(-n // batch)
+    model = build_model("mlp", data.input_shape, data.num_classes, seed=seed)
+    d = sum(p.numel() for p in model.parameters())
+    sampler = make_sampler("poisson", n, batch, steps, seed=seed + 2)
+    priv = Privatizer(
+        model,
+        F.cross_entropy,
+        clip_norm=0.5,
+        noise_multiplier=0.8,
+        sensitivity=1.0,
+        expected_batch_size=sampler.expected_batch_size,
+        noise=identity_noise(d, seed=seed + 1, steps=steps),
+    )
+    trainer = Trainer(
+        model=model,
+        data=data,
+        sampler=sampler,
+        privatizer=priv,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+        lr_multipliers=np.linspace(1.0, 0.2, steps),
+        epochs=epochs,
+        out_dir=str(out),
+        device="cpu",
+        run_identity={"seed": seed},
+        final_epsilon=1.0,
+        delta=1e-5,
+        progress=False,
+        log_every=log_every,
+    )
+    return trainer, model
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_log_every_writes_steps_csv_without_changing_the_trajectory(tmp_path, caplog):
+    import csv
+    import importlib.util
+
+    import torch
+
+    from dpmf.train.data import load_dataset
+
+    data = load_dataset("digits")
+    plain, m0 = _trainer(data, tmp_path / "plain")
+    plain.run()
+    logged, m1 = _trainer(data, tmp_path / "logged", log_every=3)
+    with caplog.at_level(logging.INFO, logger="dpmf"):
+        logged.run()
+    for a, b in zip(m0.state_dict().values(), m1.state_dict().values(), strict=True):
+        assert torch.equal(a, b)  # the extra forward passes consume no randomness
+    with open(tmp_path / "logged" / "steps.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    steps = 2 * -(-len(data) // 256)
+    assert [int(r["step"]) for r in rows] == list(range(3, steps + 1, 3))
+    chi = np.linspace(1.0, 0.2, steps)
+    for r in rows:
+        t = int(r["step"])
+        assert int(r["epoch"]) == (t - 1) // (steps // 2) + 1
+        assert float(r["lr"]) == pytest.approx(0.5 * chi[t - 1], rel=1e-12)
+        assert 0.0 <= float(r["clipped_fraction"]) <= 1.0
+        assert 0.0 < float(r["train_loss"]) < 10.0
+    assert float(rows[0]["train_loss"]) > float(rows[-1]["train_loss"])  # it learns
+    assert not (tmp_path / "plain" / "steps.csv").exists()
+    if importlib.util.find_spec("tensorboard") is None:
+        assert any("tensorboard is not installed" in r.getMessage() for r in caplog.records)
+        assert not (tmp_path / "logged" / "tensorboard").exists()
+    else:
+        assert any(p.name.startswith("events.") for p in (tmp_path / "logged" / "tensorboard").iterdir())
+
+
+def test_step_log_resume_keeps_rows_up_to_the_checkpoint(tmp_path):
+    from dpmf.train.metrics import StepLog
+
+    first = StepLog(str(tmp_path), 2, tensorboard=False)
+    for t in (2, 4, 6, 8):
+        first.record(t, 1, 1.0 / t, 0.5, 0.1)
+    first.flush()
+    resumed = StepLog(str(tmp_path), 2, start_step=4, tensorboard=False)
+    resumed.record(6, 2, None, 0.25, 0.1)  # an empty batch has no loss
+    resumed.flush()
+    lines = (tmp_path / "steps.csv").read_text().splitlines()
+    assert lines[0] == "step,epoch,train_loss,clipped_fraction,lr"
+    assert [ln.split(",")[0] for ln in lines[1:]] == ["2", "4", "6"]
+    assert lines[-1] == "6,2,,0.25,0.1"
+
+
+def test_log_every_is_validated(capsys, tmp_path):
+    from dpmf.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="log_every=0 is invalid"):
+        TrainConfig(dataset="digits", log_every=0)
+    assert (
+        TrainConfig(dataset="digits", log_every=3).run_identity()
+        == TrainConfig(dataset="digits").run_identity()
+    )
+    assert cli.main(["train", "--dataset", "digits", "--log-every", "0", "--out", str(tmp_path / "o")]) == 2
+    assert "log_every=0" in _one_line_error(capsys, "train")
+
+
+# --- 18. cvxpy is optional ------------------------------------------------------------------
+
+
+def test_cvxpy_is_a_test_extra_not_a_dependency():
+    import pathlib
+
+    tomllib = pytest.importorskip("tomllib")
+    meta = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert not any(d.startswith("cvxpy") for d in meta["dependencies"])
+    assert any(d.startswith("cvxpy") for d in meta["optional-dependencies"]["test"])
+
+
+def test_dpmf_imports_and_works_without_cvxpy_and_installs_no_log_handlers():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['cvxpy'] = None\n"  # importing cvxpy now raises ImportError
+        "import dpmf.cli, dpmf.mechanisms, dpmf.accountants, dpmf.plots\n"
+        "from dpmf.mechanisms import factorize, evaluate\n"
+        "from dpmf.mechanisms.dense_cvxpy import dense_cvxpy\n"
+        "from dpmf.workloads import prefix_sum\n"
+        "print(round(evaluate(factorize(prefix_sum(8), 'sqrt_prefix')).max_se, 6))\n"
+        "try:\n"
+        "    dense_cvxpy(prefix_sum(4))\n"
+        "except ImportError as exc:\n"
+        "    print('ImportError:', exc)\n"
+        "import logging\n"
+        "names = [n for n in logging.root.manager.loggerDict if n.startswith('dpmf')]\n"
+        "print(len(names), sum(len(logging.getLogger(n).handlers) for n in names + ['dpmf']))\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    r = [math.comb(2 * j, j) / 4**j for j in range(8)]
+    assert float(lines[0]) == pytest.approx(sum(x * x for x in r), abs=1e-6)  # MaxSE = Σ r_j²
+    assert lines[1].startswith("ImportError: dense_cvxpy needs cvxpy") and "pip install cvxpy" in lines[1]
+    loggers, handlers = map(int, lines[2].split())
+    assert loggers >= 2 and handlers == 0  # module loggers exist; the library configures none
+
+
+# --- 19. library messages through logging ---------------------------------------------------
+
+
+def test_library_messages_go_through_logging_and_can_be_silenced(caplog, capsys):
+    with caplog.at_level(logging.WARNING, logger="dpmf"):
+        meas = PLDAccountant().epsilon(GaussianEvent(1e-300), 1e-5)
+    assert meas.epsilon == math.inf
+    rec = [r for r in caplog.records if r.name == "dpmf.accountants.library"]
+    assert rec and rec[0].levelno == logging.WARNING and "noise is negligible" in rec[0].getMessage()
+    argv = ["epsilon", *SINGLE, "--noise-multiplier", "1e-300", "--delta", "1e-5"]
+    assert cli.main(argv) == 0
+    assert "privacy: analytic Gaussian" in capsys.readouterr().err  # the CLI prints it
+    lib = logging.getLogger("dpmf")
+    before = lib.level
+    lib.setLevel(logging.ERROR)
+    try:
+        assert cli.main(argv) == 0
+        assert "privacy:" not in capsys.readouterr().err  # and the user can silence it
+    finally:
+        lib.setLevel(before)
