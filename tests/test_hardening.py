@@ -618,3 +618,29 @@ def test_library_messages_go_through_logging_and_can_be_silenced(caplog, capsys)
         assert "privacy:" not in capsys.readouterr().err  # and the user can silence it
     finally:
         lib.setLevel(before)
+
+
+# --- 20. the GPU check script ---------------------------------------------------------------
+
+
+def test_gpu_check_says_there_is_no_gpu_and_exits_3(tmp_path):
+    import subprocess
+    import sys
+
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine runs scripts/gpu_check.sh itself (about 5 minutes)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OUT=str(tmp_path), DPMF_PYTHON=sys.executable)
+    done = subprocess.run(
+        ["bash", os.path.join(root, "scripts", "gpu_check.sh")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 3, done.stdout + done.stderr
+    report = (tmp_path / "gpu_check.txt").read_text()
+    assert "no CUDA device is usable by torch here" in report
+    assert "status: skipped (no CUDA device)" in report and report in done.stdout
