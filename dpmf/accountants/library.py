@@ -82,12 +82,15 @@ MIN_SUBSAMPLED_NOISE_MULTIPLIER = 0.1
 
 # Below this noise multiplier σ² underflows in the libraries' arithmetic (dp-accounting's RDP
 # returns ε = 0 at σ = 1e-160, and divides by zero at 1e-200): every library accountant refuses a
-# Poisson-subsampled event below it. Gaussian events are measured in closed form at any σ.
+# library call below it. A composition of Gaussian events alone is measured in closed form at
+# any σ (``_LibraryAccountant._analytic``) and never reaches the libraries.
 MIN_NOISE_MULTIPLIER = 1e-50
 
 
 class NoiseTooSmallError(ValueError):
-    """A noise multiplier below ``MIN_SUBSAMPLED_NOISE_MULTIPLIER`` for the PLD/PRV accountants."""
+    """A noise multiplier below what the accountant measures: ``MIN_SUBSAMPLED_NOISE_MULTIPLIER``
+    for PLD/PRV under Poisson subsampling, ``MIN_NOISE_MULTIPLIER`` for every library accountant
+    (a Gaussian composition alone is measured in closed form at any σ)."""
 
 
 class DeltaTooSmallError(ValueError):
@@ -97,7 +100,7 @@ class DeltaTooSmallError(ValueError):
 
 def _check_representable(events, name: str) -> None:
     for e in events:
-        if isinstance(e, PoissonGaussianEvent) and e.noise_multiplier < MIN_NOISE_MULTIPLIER:
+        if e.noise_multiplier < MIN_NOISE_MULTIPLIER:
             raise NoiseTooSmallError(
                 f"noise_multiplier={e.noise_multiplier:g} (per step, after normalization) is invalid "
                 f"for the {name} accountant: must be >= {MIN_NOISE_MULTIPLIER:g} (below it the "
@@ -313,8 +316,12 @@ class PRVAccountant(_LibraryAccountant):
         return acc, counts
 
     def _fallback(self, exc: RuntimeError, query: str) -> str:
-        """Log that prv-accountant failed and PLD answers instead; the method's suffix."""
+        """Log (once per accountant: a calibration asks many times) that prv-accountant failed
+        and PLD answers instead; return the method's prefix."""
         reason = str(exc).strip().rstrip(".") or type(exc).__name__
+        if getattr(self, "_fallback_logged", False):
+            return f"prv-accountant failed ({reason}): dp-accounting PLD instead"
+        self._fallback_logged = True
         logger.warning(
             "notice: prv-accountant could not discretize this privacy loss (%s); %s is "
             "computed with the pld accountant instead (also an upper bound)",
