@@ -8,6 +8,7 @@ validated first; bad input exits with status 2 and a one-line reason on stderr
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -43,11 +44,49 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _ConsoleHandler(logging.Handler):
+    """The library's log records as the command's own output: INFO on stdout, WARNING and above
+    on stderr, the message alone. The stream is looked up at each record, so redirections made
+    after the handler was installed (tests, notebooks) are honoured."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            stream = sys.stdout if record.levelno < logging.WARNING else sys.stderr
+            stream.write(self.format(record) + "\n")
+            stream.flush()
+        except Exception:  # pragma: no cover - logging must not raise
+            self.handleError(record)
+
+
+def _configure_logging() -> None:
+    """Install the console handler on the ``dpmf`` logger once (the library installs none)."""
+    logger = logging.getLogger("dpmf")
+    if not any(isinstance(h, _ConsoleHandler) for h in logger.handlers):
+        handler = _ConsoleHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _configure_logging()
     try:
-        return int(args._run(args) or 0)
+        out = getattr(args, "out", None)
+        if out is not None:  # every command that writes files: refuse a bad folder before any work
+            from dpmf._io import check_out_dir
+
+            check_out_dir(out, name="--out")
+        limit = getattr(args, "max_samples", None)
+        if limit is None:
+            return int(args._run(args) or 0)
+        from dpmf.accountants.montecarlo import sample_limit
+
+        with sample_limit(limit):
+            return int(args._run(args) or 0)
     except (UsageError, ValueError, TypeError) as exc:
         print(f"dpmf {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -74,6 +113,16 @@ def _participation(args):
     return Participation(args.participation, args.min_sep, args.max_participations)
 
 
+def _add_figure_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", default="png", choices=("png", "pdf", "svg"), help="figure format")
+    p.add_argument("--dpi", type=int, default=150, help="figure resolution of a PNG (default 150)")
+
+
+def _check_figure_flags(args) -> None:
+    if not 10 <= args.dpi <= 2400:
+        raise UsageError(f"--dpi={args.dpi} is invalid: must be an integer in [10, 2400]")
+
+
 def _add_curves(sub):
     p = sub.add_parser(
         "curves",
@@ -91,6 +140,7 @@ def _add_curves(sub):
         "--factorizations", required=True, help="comma-separated, e.g. sqrt_prefix,lr_aware,bisr:16"
     )
     p.add_argument("--out", required=True, help="output folder")
+    _add_figure_flags(p)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
@@ -101,6 +151,7 @@ def _run_curves(args) -> int:
     from dpmf.plots import plot_curves
     from dpmf.workloads import Schedule
 
+    _check_figure_flags(args)
     schedule = Schedule(args.schedule, args.beta, args.gamma)
     ns = _csv_list(args.n, int)
     facts = _csv_list(args.factorizations)
@@ -108,9 +159,9 @@ def _run_curves(args) -> int:
     rows = error_curves(schedule, ns, facts, participation, progress=not args.no_progress)
     out = Path(args.out)
     csv_path = atomic_write_csv(out / "curves.csv", CURVE_COLUMNS, [r.as_tuple() for r in rows])
-    png_path = plot_curves(rows, out / "curves.png")
+    fig_path = plot_curves(rows, out / f"curves.{args.format}", dpi=args.dpi)
     _print_curves(rows)
-    print(f"wrote {csv_path} and {png_path}")
+    print(f"wrote {csv_path} and {fig_path}")
     return 0
 
 
@@ -147,8 +198,27 @@ def _add_colormap(sub):
     p.add_argument("--beta", required=True, help="β values, comma-separated, each in (0, 1]")
     _add_participation_flags(p)
     p.add_argument("--out", required=True, help="output folder")
+    _add_figure_flags(p)
     p.add_argument("--no-progress", action="store_true")
     return p
+
+
+# the first three columns are the original file's, so that its readers keep working
+COLORMAP_COLUMNS = (
+    "n",
+    "beta",
+    "gain",
+    "metric",
+    "schedule",
+    "gamma",
+    "numerator",
+    "denominator",
+    "numerator_error",
+    "denominator_error",
+    "participation",
+    "min_sep",
+    "max_participations",
+)
 
 
 def _run_colormap(args) -> int:
@@ -156,6 +226,7 @@ def _run_colormap(args) -> int:
     from dpmf.mechanisms.sweeps import gain_grid
     from dpmf.plots import plot_gain
 
+    _check_figure_flags(args)
     grid = gain_grid(
         args.numerator,
         args.denominator,
@@ -168,13 +239,28 @@ def _run_colormap(args) -> int:
         progress=not args.no_progress,
     )
     out = Path(args.out)
+    part = grid.participation
     rows = [
-        (int(n), float(b), float(grid.gain[i, j]))
+        (
+            int(n),
+            float(b),
+            float(grid.gain[i, j]),
+            grid.metric,
+            grid.schedule,
+            "" if args.gamma is None else args.gamma,
+            grid.numerator,
+            grid.denominator,
+            float(grid.numerator_error[i, j]),
+            float(grid.denominator_error[i, j]),
+            part.kind,
+            "" if part.kind == "single" else part.min_sep,
+            "" if part.kind == "single" else part.max_participations,
+        )
         for i, b in enumerate(grid.betas)
         for j, n in enumerate(grid.ns)
     ]
-    csv_path = atomic_write_csv(out / "colormap.csv", ("n", "beta", "gain"), rows)
-    png_path = plot_gain(grid, out / "colormap.png")
+    csv_path = atomic_write_csv(out / "colormap.csv", COLORMAP_COLUMNS, rows)
+    png_path = plot_gain(grid, out / f"colormap.{args.format}", dpi=args.dpi)
     better = int((grid.gain < 1).sum())
     print(
         f"{args.numerator} better than {args.denominator} ({args.metric}) "
@@ -241,6 +327,11 @@ _TRAIN_FLAGS = (
     ("--accountant", str, "pld|rdp|prv|monte_carlo (default: the scheme's)"),
     ("--samples", int, "Monte Carlo samples for the balls-in-bins schemes"),
     ("--eval-batch-size", int, "test batch size"),
+    (
+        "--log-every",
+        int,
+        "every K steps: training loss, clipped fraction, lr to steps.csv (and TensorBoard if installed)",
+    ),
 )
 
 
@@ -319,6 +410,15 @@ _COMMANDS.append((_add_train, _run_train))
 # dpmf epsilon / dpmf calibrate: privacy accounting of a training run
 
 
+def _add_max_samples_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-samples",
+        type=int,
+        default=None,
+        help="refuse a Monte Carlo query needing more samples per direction (default 1e9)",
+    )
+
+
 def _add_accounting_flags(p: argparse.ArgumentParser, target: str) -> None:
     from dpmf.accountants import ACCOUNTANTS
     from dpmf.plan import scheme_names
@@ -355,6 +455,7 @@ def _add_accounting_flags(p: argparse.ArgumentParser, target: str) -> None:
         help="default: pld, or monte_carlo for the balls-in-bins schemes",
     )
     p.add_argument("--samples", type=int, default=None, help="Monte Carlo samples per direction")
+    _add_max_samples_flag(p)
     p.add_argument("--seed", type=int, default=0, help="Monte Carlo seed (default 0)")
     p.add_argument("--confidence", type=float, default=0.99, help="Monte Carlo confidence (default 0.99)")
     p.add_argument("--min-sep", type=int, default=None, help="cyclic_poisson groups b' (default: bands of C)")
@@ -527,6 +628,7 @@ def _add_pick(sub):
     p.add_argument("--dense-max-steps", type=int, default=1024, help="dense only when n ≤ this")
     p.add_argument("--accountant", choices=("pld", "rdp", "prv"), default=None)
     p.add_argument("--samples", type=int, default=None, help="Monte Carlo samples (balls_in_bins)")
+    _add_max_samples_flag(p)
     p.add_argument("--seed", type=int, default=0, help="Monte Carlo seed")
     p.add_argument("--confidence", type=float, default=0.99, help="Monte Carlo confidence")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")

@@ -104,7 +104,7 @@ def test_colormap(tmp_path):
     )
     assert rc == 0
     rows = read_csv(tmp_path / "colormap.csv")
-    assert [k for k in rows[0]] == ["n", "beta", "gain"] and len(rows) == 4
+    assert [k for k in rows[0]][:3] == ["n", "beta", "gain"] and len(rows) == 4
     for r in rows:
         w = from_schedule(Schedule("exponential", float(r["beta"])), int(r["n"]))
         ratio = evaluate(factorize(w, "lr_aware")).max_se / evaluate(factorize(w, "sqrt_prefix")).max_se

@@ -34,6 +34,7 @@ from dpmf.accountants.library import NoiseTooSmallError, PLDAccountant, PRVAccou
 from dpmf.accountants.montecarlo import (
     MonteCarloAccountant,
     certified_delta,
+    check_confidence,
     delta_means,
     samples_needed,
 )
@@ -62,9 +63,7 @@ def check_monte_carlo(samples, seed, confidence):
     samples = None if samples is None else check_int("samples", samples, minimum=1)
     seed = check_int("seed", seed, minimum=0)
     if confidence is not None:
-        confidence = check_real(
-            "confidence", confidence, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False
-        )
+        confidence = check_confidence(confidence)
     return samples, seed, confidence
 
 

@@ -35,12 +35,20 @@ Samples needed. ``samples_needed`` returns the m for which a run whose true δ i
 ``ratio``·δ_target certifies δ_target with probability ≥ ``power`` (Chernoff bounds in both
 directions); it grows like ln(1/α)/δ_target, as noted by Choquette-Choo et al. (2025) and
 Schuchardt & Kalinin (2026) for this approach.
+
+Limits. A run of more than ``max_samples`` samples per direction (default ``MAX_SAMPLES``;
+``sample_limit`` raises it for a block of code) is refused before any sampling, with the count
+and the time it would take (timed on a short pilot): δ = 10⁻¹² needs about 10¹⁴ samples. The
+confidence of a ``certified`` answer is at least ``MIN_CONFIDENCE``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import os
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -52,6 +60,11 @@ from dpmf.accountants.events import GaussianEvent, MixtureGaussianEvent, flatten
 from dpmf.accountants.result import Measurement
 
 __all__ = [
+    "MAX_SAMPLES",
+    "MIN_CONFIDENCE",
+    "TooManySamplesError",
+    "check_confidence",
+    "sample_limit",
     "MonteCarloAccountant",
     "PrivacyLossSample",
     "certified_delta",
@@ -62,6 +75,86 @@ __all__ = [
 ]
 
 _CHUNK_FLOATS = 1 << 20  # entries of one (chunk × bins) work array: 8 MiB
+
+# The default most samples per direction one query may draw (about 15 minutes for 10 bins on
+# two cores); ``sample_limit`` or ``max_samples=`` raise it.
+MAX_SAMPLES = 10**9
+# A "certified" bound must hold more often than not: below this confidence the bound would fail
+# for most seeds, and the label would mislead.
+MIN_CONFIDENCE = 0.5
+
+_LIMIT: contextvars.ContextVar[int | None] = contextvars.ContextVar("dpmf_max_samples", default=None)
+
+
+class TooManySamplesError(ValueError):
+    """A Monte Carlo query needs more samples than the limit allows (refused before sampling)."""
+
+
+@contextlib.contextmanager
+def sample_limit(max_samples: int | None):
+    """Within the block, Monte Carlo queries may draw up to ``max_samples`` samples per
+    direction (None: ``MAX_SAMPLES``). Used by ``dpmf --max-samples``.
+
+    Raises:
+        ValueError: ``max_samples`` < 1.
+    """
+    value = None if max_samples is None else check_int("max_samples", max_samples, minimum=1)
+    token = _LIMIT.set(value)
+    try:
+        yield value
+    finally:
+        _LIMIT.reset(token)
+
+
+def _max_samples(max_samples: int | None) -> int:
+    if max_samples is not None:
+        return check_int("max_samples", max_samples, minimum=1)
+    limit = _LIMIT.get()
+    return MAX_SAMPLES if limit is None else limit
+
+
+def check_confidence(confidence) -> float:
+    """``confidence`` as a float in [``MIN_CONFIDENCE``, 1).
+
+    Raises:
+        ValueError: outside that range (a bound failing more often than not is no certificate).
+    """
+    value = check_real("confidence", confidence, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
+    if value < MIN_CONFIDENCE:
+        raise ValueError(
+            f"confidence={confidence!r} is invalid: must be in [{MIN_CONFIDENCE:g}, 1) (a certified "
+            "bound that fails for most seeds is no certificate; 0.99 is usual)"
+        )
+    return value
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("years", 365.25 * 86400), ("days", 86400), ("hours", 3600), ("minutes", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds:.3g} s"
+
+
+def _check_budget(event, samples: int, scales: int, max_samples: int | None, why: str = "") -> None:
+    """Refuse ``samples`` above the limit, naming the count and the time it would take."""
+    limit = _max_samples(max_samples)
+    if samples <= limit:
+        return
+    blocks = _blocks(event)
+    pilot = 2000
+    began = time.perf_counter()
+    _chunk_losses(blocks, [1.0] * scales, pilot, np.random.default_rng(0))
+    per_sample = (time.perf_counter() - began) / pilot / _workers()
+    raise TooManySamplesError(
+        f"samples={samples:.3g} per direction{why} is above the limit max_samples={limit:.3g}: it "
+        f"would take about {_duration(per_sample * samples)} here; raise the limit "
+        "(max_samples=, sample_limit(), or dpmf --max-samples) or use a larger delta"
+    )
+
+
+def _workers() -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    return max(1, min(cores, 8))
 
 
 def kl_bernoulli(p: float, q: float) -> float:
@@ -281,7 +374,7 @@ def _iterate(event, scales, samples: int, seed: int, stream: int, progress, desc
 
     # numpy's element-wise work releases the GIL: chunks run on the machine's cores, and are
     # yielded in order (every chunk has its own stream, so the result does not depend on it)
-    workers = max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1, 8))
+    workers = _workers()
     pool = ThreadPoolExecutor(max_workers=workers) if workers > 1 and n_chunks > 1 else None
     try:
         pending: deque = deque()
@@ -419,6 +512,7 @@ def sample_privacy_losses(
     threshold: float = 0.0,
     stream: int = 0,
     progress: bool | None = None,
+    max_samples: int | None = None,
 ) -> PrivacyLossSample:
     """Draw ``samples`` privacy losses per direction of ``event`` and keep those above τ.
 
@@ -430,20 +524,22 @@ def sample_privacy_losses(
         threshold: τ ≥ 0; only losses above τ are stored (memory), so ε < τ cannot be resolved.
         stream: an independent stream index under the same seed.
         progress: show a tqdm progress bar (None: only on a terminal).
+        max_samples: the most samples allowed (None: ``sample_limit``'s, else ``MAX_SAMPLES``).
 
     Returns:
         ``PrivacyLossSample``.
 
     Raises:
-        ValueError: invalid arguments or an unsupported event.
+        ValueError: invalid arguments (confidence below ``MIN_CONFIDENCE``) or an unsupported
+            event.
+        TooManySamplesError: ``samples`` above the limit (before any sampling).
     """
     samples = check_int("samples", samples, minimum=1)
     seed = check_int("seed", seed, minimum=0)
-    confidence = check_real(
-        "confidence", confidence, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False
-    )
+    confidence = check_confidence(confidence)
     threshold = check_real("threshold", threshold, low=0.0)
     _blocks(event)  # validate before any work
+    _check_budget(event, samples, 1, max_samples)
     rem_keep, add_keep = [], []
     for rem, add in _iterate(event, [1.0], samples, seed, stream, progress, "privacy losses"):
         rem_keep.append(rem[0][rem[0] > threshold])
@@ -462,6 +558,7 @@ def delta_means(
     seed: int = 0,
     stream: int = 0,
     progress: bool | None = None,
+    max_samples: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Sample means of (1 − e^{ε−ℓ})₊ for every noise scale, sharing the Gaussian draws.
 
@@ -469,10 +566,14 @@ def delta_means(
 
     Returns:
         (remove, add) means, each of shape (K,).
+
+    Raises:
+        TooManySamplesError: ``samples`` above ``max_samples`` (as in ``sample_privacy_losses``).
     """
     scales = np.asarray(scales, dtype=np.float64)
     epsilon = check_real("epsilon", epsilon, low=0.0)
     samples = check_int("samples", samples, minimum=1)
+    _check_budget(event, samples, max(1, scales.shape[0]), max_samples)
     tot_r = np.zeros(scales.shape[0])
     tot_a = np.zeros(scales.shape[0])
     for rem, add in _iterate(event, list(scales), samples, seed, stream, progress, "calibration"):
@@ -493,9 +594,15 @@ class MonteCarloAccountant:
         samples: m per direction; None picks ``samples_needed(δ, ratio=0.5, confidence)`` for
             ``epsilon`` queries and 10⁶ for ``delta`` queries.
         seed: the generator seed.
-        confidence: 1 − α of the certified bound; None reports point estimates
-            (guarantee ``estimate``).
+        confidence: 1 − α of the certified bound, in [``MIN_CONFIDENCE``, 1); None reports
+            point estimates (guarantee ``estimate``).
         progress: tqdm progress bar (None: only on a terminal).
+        max_samples: the most samples per direction a query may draw (None: ``sample_limit``'s,
+            else ``MAX_SAMPLES``); a query needing more is refused before sampling, with the
+            count and the time it would take.
+
+    Raises:
+        ValueError: an argument out of range (confidence below ``MIN_CONFIDENCE``).
     """
 
     name = "monte_carlo"
@@ -506,22 +613,13 @@ class MonteCarloAccountant:
         seed: int = 0,
         confidence: float | None = 0.99,
         progress: bool | None = None,
+        max_samples: int | None = None,
     ):
         self.samples = None if samples is None else check_int("samples", samples, minimum=1)
         self.seed = check_int("seed", seed, minimum=0)
-        self.confidence = (
-            None
-            if confidence is None
-            else check_real(
-                "confidence",
-                confidence,
-                low=0.0,
-                high=1.0,
-                low_inclusive=False,
-                high_inclusive=False,
-            )
-        )
+        self.confidence = None if confidence is None else check_confidence(confidence)
         self.progress = progress
+        self.max_samples = None if max_samples is None else check_int("max_samples", max_samples, minimum=1)
 
     def supports(self, event) -> bool:
         """Whether ``event`` is made of mixture and Gaussian events."""
@@ -545,6 +643,7 @@ class MonteCarloAccountant:
             seed=self.seed,
             confidence=self.confidence or 0.99,
             progress=self.progress,
+            max_samples=self.max_samples,
         )
 
     def epsilon(self, event, delta: float) -> Measurement:
@@ -552,6 +651,7 @@ class MonteCarloAccountant:
 
         Raises:
             ValueError: δ outside (0, 1), an unsupported event, or too few samples to certify δ.
+            TooManySamplesError: the samples δ needs are above ``max_samples``.
         """
         delta = check_real("delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
         _blocks(event)
@@ -567,6 +667,8 @@ class MonteCarloAccountant:
                     f"{samples_needed(delta, confidence=self.confidence)} "
                     "for a tight epsilon"
                 )
+        why = "" if self.samples is not None else f" (needed for delta={delta:g})"
+        _check_budget(event, m, 1, self.max_samples, why)
         s = self.sample(event, m)
         est = s.epsilon_estimate(delta)
         method = _method(m, self.seed)
@@ -601,6 +703,7 @@ class MonteCarloAccountant:
             confidence=self.confidence or 0.99,
             threshold=epsilon,
             progress=self.progress,
+            max_samples=self.max_samples,
         )
         est = s.delta_estimate(epsilon)
         method = _method(m, self.seed)

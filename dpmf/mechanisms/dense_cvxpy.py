@@ -33,6 +33,18 @@ __all__ = ["CvxpyCertificate", "dense_cvxpy", "CVXPY_MAX_STEPS"]
 CVXPY_MAX_STEPS = 64
 
 
+def _import_cvxpy():
+    """cvxpy, imported when first needed: dpmf itself works without it."""
+    try:
+        import cvxpy
+    except ImportError as exc:
+        raise ImportError(
+            "dense_cvxpy needs cvxpy, an optional dependency of dpmf: pip install cvxpy "
+            "(or pip install 'dpmf[test]')"
+        ) from exc
+    return cvxpy
+
+
 @dataclass(frozen=True, eq=False)
 class CvxpyCertificate:
     """The optimum of the convex program.
@@ -74,8 +86,9 @@ def dense_cvxpy(
 
     Raises:
         ValueError: n > 64, bad objective, too many min_sep constraints, or a solver failure.
+        ImportError: cvxpy is not installed (it is an optional dependency, in the ``test`` extra).
     """
-    import cvxpy as cp
+    cp = _import_cvxpy()
 
     if not isinstance(workload, Workload):
         raise TypeError(f"workload={workload!r} is invalid: must be a dpmf.workloads.Workload")

@@ -119,6 +119,8 @@ class GainGrid:
     """metric(numerator)/metric(denominator) on a grid: ``gain[i, j]`` at β = betas[i], n = ns[j].
 
     A gain below 1 means the numerator factorization has the smaller error.
+    ``numerator_error`` and ``denominator_error`` (same shape) are the two errors themselves
+    (None when not recorded), ``participation`` the pattern they were evaluated under.
     """
 
     numerator: str
@@ -128,6 +130,9 @@ class GainGrid:
     ns: np.ndarray
     betas: np.ndarray
     gain: np.ndarray
+    numerator_error: np.ndarray | None = None
+    denominator_error: np.ndarray | None = None
+    participation: Participation | None = None
 
 
 def gain_grid(
@@ -161,6 +166,7 @@ def gain_grid(
     for n in ns:
         participation.check_steps(n)
     gain = np.empty((len(scheds), len(ns)))
+    err_num, err_den = np.empty_like(gain), np.empty_like(gain)
     bar = tqdm(total=gain.size, disable=not progress, desc="colormap", unit="cell")
     for i, sched in enumerate(scheds):
         for j, n in enumerate(ns):
@@ -169,7 +175,8 @@ def gain_grid(
             f_den = factorize(w, *den, participation=participation)
             e_num = evaluate(f_num, participation, with_lower_bound=False)
             e_den = evaluate(f_den, participation, with_lower_bound=False)
-            gain[i, j] = getattr(e_num, metric) / getattr(e_den, metric)
+            err_num[i, j], err_den[i, j] = getattr(e_num, metric), getattr(e_den, metric)
+            gain[i, j] = err_num[i, j] / err_den[i, j]
             bar.update()
     bar.close()
     return GainGrid(
@@ -180,4 +187,7 @@ def gain_grid(
         ns=np.asarray(ns),
         betas=np.asarray([s.beta for s in scheds]),
         gain=gain,
+        numerator_error=err_num,
+        denominator_error=err_den,
+        participation=participation,
     )

@@ -84,6 +84,10 @@ class TrainConfig:
         epsilon_each_epoch: account ε after every epoch (True) or only for the whole run
             (False); None: True except for the balls-in-bins schemes, whose Monte Carlo
             accounting is costly (their final ε is always reported).
+        log_every: K ≥ 1: every K steps, the training loss, the fraction of clipped examples
+            and the learning rate go to ``steps.csv`` and, where ``tensorboard`` is installed,
+            TensorBoard event files (computed from the private batches without noise: not
+            covered by (ε, δ), keep them private). None: per-epoch metrics only.
     """
 
     dataset: str = "fashion-mnist"
@@ -119,6 +123,7 @@ class TrainConfig:
     samples: int | None = None
     eval_batch_size: int = 1024
     epsilon_each_epoch: bool | None = None
+    log_every: int | None = None
 
     def __post_init__(self):
         check_choice("dataset", self.dataset, DATASETS)
@@ -207,6 +212,8 @@ class TrainConfig:
         object.__setattr__(
             self, "eval_batch_size", check_int("eval_batch_size", self.eval_batch_size, minimum=1)
         )
+        if self.log_every is not None:
+            object.__setattr__(self, "log_every", check_int("log_every", self.log_every, minimum=1))
         if self.epsilon_each_epoch is not None and not isinstance(self.epsilon_each_epoch, bool):
             raise TypeError(
                 f"epsilon_each_epoch={self.epsilon_each_epoch!r} is invalid: must be true or false"
@@ -315,6 +322,6 @@ class TrainConfig:
         """The fields that define the run's trajectory (a resumed run must match them)."""
         d = self.to_dict()
         d["lr"] = self.base_lr
-        for k in ("device", "eval_batch_size", "epsilon_each_epoch", "data_dir"):
+        for k in ("device", "eval_batch_size", "epsilon_each_epoch", "data_dir", "log_every"):
             d.pop(k)
         return d

@@ -19,7 +19,11 @@ so no statistic of the private training examples enters the model; labels are in
 
 Nothing is downloaded. ``load_dataset`` with no ``data_dir`` falls back to digits (with a
 notice) when the requested data set is absent from its default place; a ``data_dir`` given
-explicitly must exist and hold the files.
+explicitly must exist and hold the files (digits, bundled with scikit-learn, takes none).
+
+Files are checked when read, so that a bad file fails before the privacy is accounted: a file
+that cannot be decompressed or unpickled, images of the wrong shape, a label count different
+from the image count, or a label outside [0, classes) is a ``ValueError`` naming the file.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import gzip
 import os
 import pickle
 import warnings
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,8 +113,11 @@ def read_idx(path: str) -> np.ndarray:
         ValueError: not an unsigned-byte IDX file, or the size does not match the header.
     """
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        raw = f.read()
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        raise ValueError(f"{path} is invalid: not a readable gzip file ({exc})") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
         raise ValueError(f"{path} is invalid: not an unsigned-byte IDX file")
     ndim = raw[3]
@@ -143,9 +151,33 @@ def _fashion_mnist(folder: str) -> Dataset:
             "(IDX files, optionally .gz)"
         )
     arrays = {k: read_idx(p) for k, p in paths.items()}
+    for split in ("train", "test"):
+        x_path, y_path = paths[f"{split}_x"], paths[f"{split}_y"]
+        x, y = arrays[f"{split}_x"], arrays[f"{split}_y"]
+        if x.ndim != 3 or x.shape[1:] != (28, 28):
+            raise ValueError(f"{x_path} is invalid: images must have shape (N, 28, 28), got {x.shape}")
+        _check_labels(y_path, y, x.shape[0], x_path, 10)
     x_tr = arrays["train_x"].astype(np.float32)[:, None] / 255.0
     x_te = arrays["test_x"].astype(np.float32)[:, None] / 255.0
     return _standardised("fashion-mnist", x_tr, arrays["train_y"], x_te, arrays["test_y"], 10, folder)
+
+
+def _check_labels(path: str, labels: np.ndarray, images: int, image_path: str, classes: int) -> None:
+    """Labels must be one per image and in [0, classes).
+
+    Raises:
+        ValueError: naming ``path`` and what is wrong.
+    """
+    if labels.ndim != 1:
+        raise ValueError(f"{path} is invalid: labels must be one-dimensional, got shape {labels.shape}")
+    if labels.shape[0] != images:
+        raise ValueError(
+            f"{path} is invalid: it holds {labels.shape[0]} labels but {image_path} holds {images} "
+            "images (the files must come from the same split)"
+        )
+    if labels.size and (int(labels.min()) < 0 or int(labels.max()) >= classes):
+        bad = int(labels.max()) if int(labels.max()) >= classes else int(labels.min())
+        raise ValueError(f"{path} is invalid: label {bad} is outside [0, {classes}) ({classes} classes)")
 
 
 def _cifar10(folder: str) -> Dataset:
@@ -161,10 +193,23 @@ def _cifar10(folder: str) -> Dataset:
         )
 
     def load(name):
-        with open(os.path.join(base, name), "rb") as f:
-            d = pickle.load(f, encoding="bytes")
-        x = np.asarray(d[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
-        return x.astype(np.float32) / 255.0, np.asarray(d[b"labels"], dtype=np.int64)
+        path = os.path.join(base, name)
+        try:
+            with open(path, "rb") as f:
+                d = pickle.load(f, encoding="bytes")
+            raw, labels = np.asarray(d[b"data"]), np.asarray(d[b"labels"])
+        except (pickle.UnpicklingError, EOFError, TypeError, KeyError, AttributeError, ValueError) as exc:
+            raise ValueError(
+                f"{path} is invalid: not a CIFAR-10 python batch (a pickled dict with b'data' and "
+                f"b'labels'): {type(exc).__name__}: {exc}"
+            ) from None
+        if raw.ndim != 2 or raw.shape[1] != 3 * 32 * 32 or not np.issubdtype(raw.dtype, np.integer):
+            raise ValueError(f"{path} is invalid: data must be integers of shape (N, 3072), got {raw.shape}")
+        if not np.issubdtype(labels.dtype, np.integer):
+            raise ValueError(f"{path} is invalid: labels must be integers, got {labels.dtype}")
+        _check_labels(path, labels, raw.shape[0], path, 10)
+        x = raw.astype(np.uint8).reshape(-1, 3, 32, 32)
+        return x.astype(np.float32) / 255.0, labels.astype(np.int64)
 
     parts = [load(n) for n in names[:5]]
     x_tr = np.concatenate([p[0] for p in parts])
@@ -213,12 +258,18 @@ def load_dataset(name: str, data_dir: str | None = None, *, fallback: bool = Tru
         ``Dataset``.
 
     Raises:
-        ValueError: unknown name.
+        ValueError: unknown name; a ``data_dir`` with digits; a file that is not what it should
+            be (unreadable, wrong shape, label count or label range), named.
         DatasetNotFoundError: an explicit ``data_dir`` that does not exist or lacks the files;
             or the data set absent with ``fallback=False``.
     """
     check_choice("dataset", name, DATASETS)
     if name == "digits":
+        if data_dir is not None:
+            raise ValueError(
+                f"data_dir={data_dir!r} is invalid with dataset='digits': digits is bundled with "
+                "scikit-learn and read from no folder; drop --data-dir"
+            )
         return _digits()
     loader = _fashion_mnist if name == "fashion-mnist" else _cifar10
     if data_dir is not None:

@@ -35,7 +35,7 @@ from dpmf.optim.clipping import trainable_parameters
 from dpmf.optim.privatize import Privatizer
 from dpmf.train.checkpoint import as_numpy, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from dpmf.train.data import Dataset
-from dpmf.train.metrics import plot_training_curves, write_metrics_csv
+from dpmf.train.metrics import StepLog, batch_loss, plot_training_curves, write_metrics_csv
 from dpmf.train.samplers import BatchSampler
 
 __all__ = [
@@ -175,6 +175,9 @@ class Trainer:
         lookahead: an object whose ``points(model)`` gives each step's evaluation plan
             (``dpmf.optim.disk.DiskLookahead`` for the DiSK filter), called once per step
             before the gradients; its ``state_dict`` is checkpointed. None: gradients at θ_t.
+        log_every: K ≥ 1: every K steps, the batch's training loss, clipped fraction and
+            learning rate go to ``steps.csv`` (and TensorBoard where installed; see
+            ``dpmf.train.metrics.StepLog``; not private). None: per-epoch metrics only.
 
     Raises:
         ValueError: inconsistent step counts or out-of-range numbers.
@@ -201,9 +204,12 @@ class Trainer:
         title: str = "",
         lookahead=None,
         secrets: dict | None = None,
+        log_every: int | None = None,
     ):
         self.model = model
         self.secrets = dict(secrets or {})
+        self.log_every = None if log_every is None else check_int("log_every", log_every, minimum=1)
+        self.step_log: StepLog | None = None
         self.lookahead = lookahead
         self.data = data
         self.sampler = sampler
@@ -297,7 +303,11 @@ class Trainer:
             group["lr"] = base * chi
         lr = self.base_lrs[0] * chi
         points = None if self.lookahead is None else self.lookahead.points(self.model)
-        self.privatizer.privatize(x, y, example_ids=ids, points=points)
+        info = self.privatizer.privatize(x, y, example_ids=ids, points=points)
+        if self.step_log is not None and self.step_log.due(t + 1):  # weights still θ_t here
+            epoch = t // self.sampler.steps_per_epoch + 1
+            loss = batch_loss(self.model, x, y)
+            self.step_log.record(t + 1, epoch, loss, info.clipped_fraction, lr)
         params = [p for _, p in trainable_parameters(self.model)]
         before = [p.detach().clone() for p in params]
         self.optimizer.step()
@@ -347,6 +357,8 @@ class Trainer:
             if self.outcome.metrics:  # the files agree with the checkpoint from the start
                 write_metrics_csv(os.path.join(self.out_dir, METRICS), self.outcome.metrics)
             self.outcome.resumed_from_epoch = start_epoch
+        if self.log_every is not None:
+            self.step_log = StepLog(self.out_dir, self.log_every, start_step=self.sampler.step)
         self.model.train()
         spe = self.sampler.steps_per_epoch
         bar = tqdm(
@@ -370,6 +382,8 @@ class Trainer:
                     callback(epoch + 1, row)
         finally:
             bar.close()
+            if self.step_log is not None:
+                self.step_log.close()
         self.outcome.steps = self.sampler.step
         return self.outcome
 
@@ -400,7 +414,10 @@ class Trainer:
             "seconds": round(seconds, 3),
         }
         self.outcome.metrics.append(row)
-        # the checkpoint first: after a kill between the writes, metrics.csv is never ahead of it
+        if self.step_log is not None:  # steps.csv is trimmed to the checkpoint on resume
+            self.step_log.flush()
+        # the checkpoint before metrics.csv: after a kill between the writes, metrics.csv is never
+        # ahead of it
         save_checkpoint(self.checkpoint_path, self._state(epoch))
         write_metrics_csv(os.path.join(self.out_dir, METRICS), self.outcome.metrics)
         plot_training_curves(os.path.join(self.out_dir, CURVES), self.outcome.metrics, title=self.title)

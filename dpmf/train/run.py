@@ -389,6 +389,7 @@ def train(
         progress=progress,
         title=f"{config.optimizer}, {plan.label}, {data.name}",
         lookahead=lookahead,
+        log_every=config.log_every,
     )
     if not os.path.exists(checkpoint):
         atomic_write_json(os.path.join(out_dir, RESULTS), _jsonable(header))
