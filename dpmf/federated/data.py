@@ -173,7 +173,8 @@ def load_medmnist(path: str) -> tuple[dict[str, np.ndarray], str]:
             missing = [k for k in _MEDMNIST_KEYS if k not in z.files]
             if missing:
                 raise ValueError(
-                    f"data_file={path!r} is invalid: not in the MedMNIST layout (missing {', '.join(missing)})"
+                    f"data_file={path!r} is invalid: not in the MedMNIST layout "
+                    f"(missing {', '.join(missing)})"
                 )
             arrays = {k: np.asarray(z[k]) for k in _MEDMNIST_KEYS}
     except (OSError, EOFError) as exc:

@@ -273,8 +273,9 @@ class _Server:
             )
             self.steps_per_round = per_round.size
             note = (
-                "protects only the server's aggregator dataset against the released models; the clients' "
-                "updates reach a semi-honest aggregator unprotected (client-level DP needs secure aggregation)"
+                "protects only the server's aggregator dataset against the released models; the "
+                "clients' updates reach a semi-honest aggregator unprotected (client-level DP needs "
+                "secure aggregation)"
             )
             if config.server_noise:
                 pr = local.aggregator_privacy(
