@@ -28,6 +28,7 @@ Three pieces:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -139,7 +140,16 @@ def aggregator_privacy(sigmas, *, sampling_rate: float, delta: float, accountant
     if s.size == 0:
         raise ValueError("sigmas is invalid: the run has no server step")
     levels, counts = np.unique(s, return_counts=True)
-    segs = [(float(v), float(sampling_rate), int(c)) for v, c in zip(levels, counts, strict=True)]
+    segs = tuple((float(v), float(sampling_rate), int(c)) for v, c in zip(levels, counts, strict=True))
+    return _grouped_privacy(segs, float(delta), accountant)
+
+
+@functools.lru_cache(maxsize=256)
+def _grouped_privacy(segs: tuple, delta: float, accountant: str):
+    """``aggregator_privacy`` of the grouped segments (cached: a pure function of them)."""
+    levels = np.array([seg[0] for seg in segs])
+    steps = sum(seg[2] for seg in segs)
+    sampling_rate = segs[0][1]
     if accountant != "pld":
         return account_segments(segs, delta=delta, accountant=accountant)
     events = tuple(PoissonGaussianEvent(*seg) for seg in segs)
@@ -153,7 +163,7 @@ def aggregator_privacy(sigmas, *, sampling_rate: float, delta: float, accountant
         scheme="poisson",
         accountant=meas.accountant,
         guarantee=meas.guarantee,
-        steps=int(s.size),
+        steps=int(steps),
         sensitivity=1.0,
         sampling_rate=float(sampling_rate),
         method=meas.method,
