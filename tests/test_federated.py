@@ -301,3 +301,43 @@ def test_correlated_client_noise_has_the_covariance_of_its_strategy():
     indep = ClientLevelNoise(4, R, noise_multiplier=sigma, clip_norm=0.5, delta=1e-5, dim=2, seed=1)
     assert noise.privacy.epsilon == pytest.approx(indep.privacy.epsilon, rel=1e-9)
     assert noise.privacy.sensitivity != pytest.approx(math.sqrt(R))
+
+
+def test_client_mode_mean_is_the_clipped_mean_plus_one_noise_before_the_server_optimizer():
+    from dpmf.federated.local import ClientLevelNoise
+    from dpmf.federated.run import FLConfig, _Server, participants
+
+    cfg = FLConfig(num_clients=4, rounds=3, privacy="client", strategy="fedadam", client_clip=0.5)
+    comp = example_profiles(4)
+    idx, sig = participants(cfg, comp)
+    data = load_federated("breast-cancer", 4)
+    server = _Server(cfg, data, comp, idx, sig, log=lambda *_: None)
+    rng = np.random.default_rng(5)
+    base = {k: v.astype(np.float64) for k, v in server.initial.items()}
+    updates = [{k: rng.normal(scale=s, size=v.shape) for k, v in base.items()} for s in (0.01, 0.1, 1.0, 3.0)]
+    arrays = [{k: (base[k] + u[k]).astype(np.float32) for k in base} for u in updates]
+    grid = _grid_returning(arrays, [7, 1, 2, 9])
+    rec = ArrayRecord({k: Array(v.astype(np.float32)) for k, v in base.items()})
+    with server_identity():
+        replies = grid.send_and_receive(list(server.strategy.configure_train(1, rec, ConfigRecord(), grid)))
+    replies = server._privatize_replies(replies, rec)
+    # FedAvg's mean of the privatized replies, from Flower's own aggregation
+    from flwr.serverapp.strategy import FedAvg
+
+    mean, _ = FedAvg(min_available_nodes=4).aggregate_train(1, replies)
+    ref_noise = ClientLevelNoise(
+        4, 3, noise_multiplier=float(sig.max()), clip_norm=0.5, delta=1e-5, dim=server.dim, seed=0
+    )
+    z = ref_noise.next() / 4
+    off = 0
+    for k, b in base.items():
+        clipped = []
+        for u in updates:
+            norm = math.sqrt(
+                sum(float(np.sum(v.astype(np.float32).astype(np.float64) ** 2)) for v in u.values())
+            )
+            clipped.append(u[k] * min(1.0, 0.5 / norm))
+        want = b + np.mean(clipped, axis=0) + z[off : off + b.size].reshape(b.shape)
+        off += b.size
+        np.testing.assert_allclose(mean[k].numpy(), want, atol=2e-6)
+    assert ref_noise.std_on_sum == pytest.approx(float(sig.max()) * 0.5)

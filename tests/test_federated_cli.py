@@ -34,6 +34,8 @@ def test_every_mode_and_strategy_runs_in_under_a_minute(tmp_path, capsys):
             assert units == want
             rows = (out / "metrics.csv").read_text().strip().splitlines()
             assert len(rows) == 1 + 4  # header, rounds 0..3
+            # no non-private statistic of the protected data reaches the server
+            assert (rows[-1].split(",")[4] == "nan") == (mode != "aggregator")
     assert time.perf_counter() - began < 60
     text = capsys.readouterr().out
     assert "bundled example profile" in text and "for aggregator-dataset records" in text

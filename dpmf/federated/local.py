@@ -265,7 +265,11 @@ class PrivateLocalRun:
         return int(self.sampler.step)
 
     def train_round(self, weights, steps: int, proximal_mu: float = 0.0):
-        """``steps`` private steps from the global ``weights``; returns (weights, mean loss proxy).
+        """``steps`` private steps from the global ``weights``.
+
+        Returns:
+            (weights, mean per-example gradient norm). The norm is a non-private diagnostic
+            of the client's records: keep it local, never send it.
 
         The optimizer's state starts afresh each round (the global model replaced the weights).
         FedProx's proximal gradient is added after the private gradient (post-processing).

@@ -16,9 +16,10 @@ for the compliant-only baseline):
    steps per participant, each at that participant's noise multiplier σ_k;
 6. the server evaluates the global model on the test split.
 
-Client weights: ``aggregator`` mode weights clients by their example counts (the clients' data
-are not what this mode protects); ``record`` and ``client`` modes weight clients equally, since
-a client's record count changes with one record (or is the client's own data) and would leak.
+Client weights and metrics: ``aggregator`` mode weights clients by their example counts and
+receives their training losses (the clients' data are not what this mode protects); ``record``
+and ``client`` modes weight clients equally and send no training loss (``train_loss`` is NaN),
+since a record count or a loss is a non-private statistic of the protected data.
 
 Privacy note: the noise is a deterministic function of ``seed`` (reproducible runs). A released
 model keeps its guarantee only if the seed stays secret.
@@ -177,7 +178,8 @@ class FLResult:
     Attributes:
         config: the run.
         metrics: one dict per round r = 0..R (r = 0: the initial model): ``round``,
-            ``test_accuracy``, ``test_loss``, ``train_loss``.
+            ``test_accuracy``, ``test_loss``, ``train_loss`` (the clients' mean, aggregator mode
+            only; NaN otherwise).
         ledger: the ``PrivacyEntry`` list of the run.
         participants: the client ids that trained.
         sigmas: client id → σ_k (the allocation actually used).
@@ -462,7 +464,7 @@ def _client_app(config: FLConfig, data: FederatedData, idx, sigmas, ids, server)
         steps = int(cfg["local-steps"])
         r = int(cfg["server-round"])
         if config.privacy == "record":
-            new, loss = runs[j].train_round(weights, steps, mu)
+            new, _ = runs[j].train_round(weights, steps, mu)
             weight = 1
         else:
             if j not in plain:
@@ -478,6 +480,8 @@ def _client_app(config: FLConfig, data: FederatedData, idx, sigmas, ids, server)
             )  # fmt: skip
             new = get_weights(model)
             weight = int(data.client_y[i].shape[0]) if config.privacy == "aggregator" else 1
+        if config.privacy != "aggregator":  # a non-private statistic of the protected data: not sent
+            loss = float("nan")
         content = RecordDict(
             {
                 "arrays": ArrayRecord({k: Array(np.asarray(v)) for k, v in new.items()}),
