@@ -678,6 +678,12 @@ def _add_fl(sub):
     p.add_argument(
         "--compliance", default=None, help="YAML of the clients' compliance profiles (default: example)"
     )
+    p.add_argument(
+        "--criteria-weights",
+        default=None,
+        help="weights of the five criteria, e.g. hipaa=0.3,gdpr=0.3,nist=0.2,iso=0.1,hl7_fhir=0.1 "
+        "(default: the file's, else equal)",
+    )
     p.add_argument("--compliant-only", action="store_true", help="train with the compliant clients only")
     p.add_argument(
         "--allocation", default="weighted", help="weighted (σ_k from scores) | uniform (equal mean)"
@@ -708,9 +714,22 @@ def _noise_table(text: str) -> tuple:
     return tuple(rows)
 
 
+def _criteria_weights(text: str) -> dict:
+    out = {}
+    for item in _csv_list(text):
+        name, _, value = item.partition("=")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise UsageError(
+                f"--criteria-weights {text!r} is invalid: give name=weight pairs, e.g. hipaa=0.3"
+            ) from None
+    return out
+
+
 def _run_fl(args) -> int:
     from dpmf._validation import check_choice, check_int
-    from dpmf.federated.compliance import NoiseMap
+    from dpmf.federated.compliance import NoiseMap, check_weights
     from dpmf.federated.report import parse_seeds
 
     check_choice("backend", args.backend, ("local", "ray"))
@@ -724,6 +743,9 @@ def _run_fl(args) -> int:
             raise UsageError("--noise-table needs --noise-map table")
         noise_map = NoiseMap(args.noise_map, args.sigma_min, args.sigma_max)
     seeds = parse_seeds(args.seeds)
+    weights = None
+    if args.criteria_weights is not None:
+        weights = check_weights(_criteria_weights(args.criteria_weights))
     if args.compliance is not None and not os.path.isfile(args.compliance):
         raise UsageError(f"--compliance {args.compliance!r} is invalid: no such file")
     if args.data_file is not None and not os.path.isfile(args.data_file):
@@ -752,7 +774,12 @@ def _run_fl(args) -> int:
     if args.compliance is not None:
         from dpmf.federated.compliance import load_profiles
 
-        compliance = load_profiles(args.compliance)
+        compliance = load_profiles(args.compliance, weights=weights)
+    elif weights is not None:
+        from dpmf.federated.compliance import ComplianceSet, example_profiles
+
+        ex = example_profiles(config.num_clients)
+        compliance = ComplianceSet(ex.profiles, weights, ex.compliant_threshold, source="example")
     import torch
 
     torch.set_num_threads(threads)

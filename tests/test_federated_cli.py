@@ -96,6 +96,7 @@ def test_compliant_only_trains_the_compliant_clients_and_uniform_noise_is_equal(
         (["--compliance", "/nonexistent.yaml"], "no such file"),
         (["--backend", "spark"], "backend='spark' is invalid"),
         (["--local-optimizer", "dp-muon"], "record mode"),
+        (["--criteria-weights", "hipa=1"], "unknown criteria ['hipa']"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, extra, match):

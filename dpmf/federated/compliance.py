@@ -46,6 +46,7 @@ __all__ = [
     "ComplianceProfile",
     "ComplianceSet",
     "NoiseMap",
+    "check_weights",
     "example_profiles",
     "load_profiles",
     "uniform_control",
@@ -56,7 +57,13 @@ DEFAULT_WEIGHTS = dict.fromkeys(CRITERIA, 0.2)
 NOISE_MAPS = ("linear", "exponential", "table")
 
 
-def _check_weights(weights: Mapping[str, float]) -> dict[str, float]:
+def check_weights(weights: Mapping[str, float]) -> dict[str, float]:
+    """Criterion weights as a full dict over ``CRITERIA`` (missing ones 0).
+
+    Raises:
+        TypeError: not a mapping.
+        ValueError: an unknown criterion, a negative weight, or all weights zero.
+    """
     if not isinstance(weights, Mapping):
         raise TypeError(f"weights={weights!r} is invalid: must be a mapping criterion -> weight")
     unknown = sorted(set(weights) - set(CRITERIA))
@@ -97,7 +104,7 @@ class ComplianceProfile:
 
     def score(self, weights: Mapping[str, float] | None = None) -> float:
         """The compliance score s = Σ w_c s_c / Σ w_c in [0, 1] (``weights`` default equal)."""
-        w = _check_weights(DEFAULT_WEIGHTS if weights is None else weights)
+        w = check_weights(DEFAULT_WEIGHTS if weights is None else weights)
         return float(sum(w[c] * self.scores[c] for c in CRITERIA) / sum(w.values()))
 
 
@@ -127,7 +134,7 @@ class ComplianceSet:
         if len(set(ids)) != len(ids):
             raise ValueError(f"profiles is invalid: client ids repeat ({ids})")
         object.__setattr__(self, "profiles", profiles)
-        object.__setattr__(self, "weights", _check_weights(self.weights))
+        object.__setattr__(self, "weights", check_weights(self.weights))
         object.__setattr__(
             self,
             "compliant_threshold",

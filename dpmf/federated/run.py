@@ -537,6 +537,7 @@ def run_federated(
     began = time.perf_counter()
     if compliance is None:
         compliance = example_profiles(config.num_clients)
+    if compliance.source == "example":
         log(
             f"notice: no compliance file given: using the bundled example profile ({config.num_clients} "
             f"clients, {int(compliance.compliant().sum())} compliant)"
