@@ -15,8 +15,9 @@ noise multiplier. Three privacy modes, each with the unit its ε protects (``led
 Modules: ``compliance`` and ``ledger`` (numpy only), ``data`` (MedMNIST files, stand-ins,
 partitions), ``models`` (torch), ``local`` (the one seam to dpmf's private-step machinery),
 ``strategies``, ``grid`` (in-process Flower Grid), ``run`` (``FLConfig``, ``run_federated``),
-``report`` (files and summary tables). Import ``run``/``grid``/``strategies`` only with Flower
-installed.
+``report`` (several seeds, files and summary tables) and ``experiment`` (the grid of
+Experiments 1/4 × weighted/uniform noise). Import ``run``/``grid``/``strategies``/``report``/
+``experiment`` only with Flower installed.
 """
 
 from dpmf.federated.compliance import (
