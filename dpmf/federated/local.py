@@ -94,9 +94,24 @@ def record_privacy(
     Returns:
         ``dpmf.accountants.PrivacyResult``.
 
+    The result is cached (a pure function of the arguments): several seeds of a federated run
+    account each client once.
+
     Raises:
         ValueError/TypeError: any invalid argument (from ``check_run`` / ``account``).
     """
+    args = (noise_multiplier, dataset_size, batch_size, steps, delta, scheme, factorization, accountant)
+    try:
+        hash(args)
+    except TypeError:  # not cacheable: let ``account`` name the bad argument
+        return _record_privacy.__wrapped__(*args)
+    return _record_privacy(*args)
+
+
+@functools.lru_cache(maxsize=1024)
+def _record_privacy(
+    noise_multiplier, dataset_size, batch_size, steps, delta, scheme, factorization, accountant
+):
     fact = _strategy(factorization, steps, scheme, -(-int(dataset_size) // int(batch_size)))
     return account(
         scheme,
