@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -392,8 +393,6 @@ def _run_train(args) -> int:
         print(f"dpmf train: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        import os
-
         if os.path.exists(os.path.join(args.out, "checkpoint.pt")):
             where = f"the last completed epoch is in {args.out}/checkpoint.pt (continue with --resume)"
         else:
@@ -702,6 +701,185 @@ def _print_pick(result) -> None:
 
 
 _COMMANDS.append((_add_pick, _run_pick))
+
+
+# --------------------------------------------------------------------------------------------
+# dpmf fl: compliance-aware federated learning on Flower (the optional extra `fl`)
+
+_FL_FLAGS = (
+    # (flag, FLConfig field, type, help); defaults are FLConfig's
+    ("--data-file", "data_file", str, "the MedMNIST .npz (pneumoniamnist[_S].npz, breastmnist[_S].npz, ...)"),
+    ("--partition", "partition", str, "iid|dirichlet|shards (default iid)"),
+    ("--alpha", "alpha", float, "Dirichlet concentration α > 0 (default 0.5)"),
+    ("--shards", "shards", int, "label shards per client (default 2)"),
+    ("--aggregator-fraction", "aggregator_fraction", float, "share of the stand-ins held out for the server"),
+    ("--local-steps", "local_steps", int, "local steps per round L (default 5)"),
+    ("--local-batch-size", "local_batch_size", int, "local (expected) batch size (default 16)"),
+    ("--local-lr", "local_lr", float, "local learning rate (default 0.1)"),
+    ("--local-optimizer", "local_optimizer", str, "record mode: dp-sgd|dp-adam|dp-muon|dp-muon-s|dp-muon-bc"),
+    ("--local-factorization", "local_factorization", str, "record mode: strategy of the local noise"),
+    ("--local-scheme", "local_scheme", str, "record mode: batch-sampling scheme (default poisson)"),
+    ("--clip-norm", "clip_norm", float, "per-example clip norm ζ (record and aggregator modes; default 1)"),
+    ("--server-steps", "server_steps", int, "aggregator mode: server DP-SGD steps per participant per round"),
+    ("--server-batch-size", "server_batch_size", int, "aggregator mode: expected server batch (default 16)"),
+    ("--server-lr", "server_lr", float, "aggregator mode: server DP-SGD step size (default 0.1)"),
+    ("--client-clip", "client_clip", float, "client mode: bound on each client's update norm (default 1)"),
+    (
+        "--client-noise-multiplier",
+        "client_noise_multiplier",
+        float,
+        "client mode: σ_c (default: largest σ_k)",
+    ),
+    (
+        "--client-factorization",
+        "client_factorization",
+        str,
+        "client mode: identity or a strategy, e.g. bisr:4",
+    ),
+    ("--proximal-mu", "proximal_mu", float, "FedProx μ (default 0.01)"),
+    ("--fedopt-eta", "fedopt_eta", float, "FedAdam/FedYogi server learning rate (default Flower's)"),
+    ("--hidden", "hidden", int, "hidden width of the MLP (default 32)"),
+    ("--delta", "delta", float, "δ of every ε (default 1e-5)"),
+    ("--accountant", "accountant", str, "pld|rdp|prv (default pld)"),
+)
+
+
+def _add_fl(sub):
+    p = sub.add_parser(
+        "fl",
+        help="compliance-aware federated learning on Flower (needs the extra fl)",
+        description="Federated training on Flower with compliance-dependent noise; every ε is "
+        "reported with what it protects (aggregator-dataset records, records of client k, client).",
+    )
+    p.add_argument(
+        "--dataset",
+        default="breast-cancer",
+        help="breast-cancer|fashion-mnist-2|pneumoniamnist|breastmnist|medmnist",
+    )
+    p.add_argument("--clients", type=int, default=16, help="number of clients K (default 16)")
+    p.add_argument("--rounds", type=int, default=50, help="rounds R (default 50)")
+    p.add_argument("--strategy", default="fedavg", help="fedavg|fedmedian|fedprox|fedadam|fedyogi")
+    p.add_argument("--privacy", default="aggregator", help="aggregator|record|client")
+    p.add_argument(
+        "--compliance", default=None, help="YAML of the clients' compliance profiles (default: example)"
+    )
+    p.add_argument(
+        "--criteria-weights",
+        default=None,
+        help="weights of the five criteria, e.g. hipaa=0.3,gdpr=0.3,nist=0.2,iso=0.1,hl7_fhir=0.1 "
+        "(default: the file's, else equal)",
+    )
+    p.add_argument("--compliant-only", action="store_true", help="train with the compliant clients only")
+    p.add_argument(
+        "--allocation", default="weighted", help="weighted (σ_k from scores) | uniform (equal mean)"
+    )
+    p.add_argument("--noise-map", default="linear", help="linear|exponential|table (score -> σ)")
+    p.add_argument("--sigma-min", type=float, default=0.8, help="σ at score 1 (default 0.8)")
+    p.add_argument("--sigma-max", type=float, default=2.0, help="σ at score 0 (default 2.0)")
+    p.add_argument("--noise-table", default=None, help="for --noise-map table: 0:2.0,0.5:1.2,0.8:0.8")
+    p.add_argument("--seeds", default="0", help="a range 0-4 or a list 0,1,2 (default 0)")
+    p.add_argument("--backend", default="local", help="local (in-process, deterministic) | ray")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    p.add_argument("--out", required=True, help="output folder")
+    for flag, _, kind, text in _FL_FLAGS:
+        p.add_argument(flag, type=kind, default=None, help=text)
+    return p
+
+
+def _noise_table(text: str) -> tuple:
+    rows = []
+    for item in _csv_list(text):
+        t, _, s = item.partition(":")
+        try:
+            rows.append((float(t), float(s)))
+        except ValueError:
+            raise UsageError(
+                f"--noise-table {text!r} is invalid: give threshold:sigma pairs, e.g. 0:2,0.8:0.8"
+            ) from None
+    return tuple(rows)
+
+
+def _criteria_weights(text: str) -> dict:
+    out = {}
+    for item in _csv_list(text):
+        name, _, value = item.partition("=")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise UsageError(
+                f"--criteria-weights {text!r} is invalid: give name=weight pairs, e.g. hipaa=0.3"
+            ) from None
+    return out
+
+
+def _run_fl(args) -> int:
+    from dpmf._validation import check_choice, check_int
+    from dpmf.federated.compliance import NoiseMap, check_weights
+    from dpmf.federated.report import parse_seeds
+
+    check_choice("backend", args.backend, ("local", "ray"))
+    threads = check_int("threads", args.threads, minimum=1)
+    if args.noise_map == "table":
+        if args.noise_table is None:
+            raise UsageError("--noise-map table needs --noise-table (e.g. 0:2.0,0.5:1.2,0.8:0.8)")
+        noise_map = NoiseMap("table", table=_noise_table(args.noise_table))
+    else:
+        if args.noise_table is not None:
+            raise UsageError("--noise-table needs --noise-map table")
+        noise_map = NoiseMap(args.noise_map, args.sigma_min, args.sigma_max)
+    seeds = parse_seeds(args.seeds)
+    weights = None
+    if args.criteria_weights is not None:
+        weights = check_weights(_criteria_weights(args.criteria_weights))
+    if args.compliance is not None and not os.path.isfile(args.compliance):
+        raise UsageError(f"--compliance {args.compliance!r} is invalid: no such file")
+    if args.data_file is not None and not os.path.isfile(args.data_file):
+        raise UsageError(f"--data-file {args.data_file!r} is invalid: no such file")
+    try:
+        import flwr  # noqa: F401
+    except ImportError:
+        raise UsageError(
+            "Flower is not installed: pip install 'dpmf[fl]' (flwr==1.42.0, Python >= 3.11)"
+        ) from None
+    from dpmf.federated.run import FLConfig
+
+    overrides = {field: getattr(args, flag.lstrip("-").replace("-", "_")) for flag, field, _, _ in _FL_FLAGS}
+    config = FLConfig(
+        dataset=args.dataset,
+        num_clients=args.clients,
+        rounds=args.rounds,
+        strategy=args.strategy,
+        privacy=args.privacy,
+        compliant_only=args.compliant_only,
+        allocation=args.allocation,
+        noise_map=noise_map,
+        **{k: v for k, v in overrides.items() if v is not None},
+    )
+    compliance = None
+    if args.compliance is not None:
+        from dpmf.federated.compliance import load_profiles
+
+        compliance = load_profiles(args.compliance, weights=weights)
+    elif weights is not None:
+        from dpmf.federated.compliance import ComplianceSet, example_profiles
+
+        ex = example_profiles(config.num_clients)
+        compliance = ComplianceSet(ex.profiles, weights, ex.compliant_threshold, source="example")
+    import torch
+
+    torch.set_num_threads(threads)
+    from dpmf.federated.report import run_seeds, summarize
+
+    try:
+        results = run_seeds(config, seeds, out_dir=args.out, compliance=compliance, backend=args.backend)
+    except (ImportError, FileNotFoundError) as exc:
+        raise UsageError(str(exc)) from None
+    print(summarize(results))
+    print(f"wrote {args.out}/{{metrics.csv, ledger.json, summary.csv}}")
+    return 0
+
+
+_COMMANDS.append((_add_fl, _run_fl))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -191,6 +191,17 @@ class Privatizer:
                     f"step wrote it (a parameter of shape {tuple(p.shape)}); {fix}"
                 )
 
+    def post_process(self, fn) -> None:
+        """Run ``fn()``, which changes this step's private gradients in place (post-processing,
+        e.g. FedProx's proximal term), and vouch for the result: the next ``step()`` accepts it.
+
+        Raises:
+            RuntimeError: no unconsumed private gradient (as ``check_gradients``).
+        """
+        self.check_gradients()
+        fn()
+        self._written = [(p, p.grad, p.grad._version) for p, _, _ in self._written]
+
     def consume(self) -> None:
         """Mark this step's private gradients as used (the next ``step()`` needs a new one)."""
         self._written = None

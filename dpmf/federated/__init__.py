@@ -1,0 +1,46 @@
+"""Compliance-aware federated learning on Flower (the optional extra ``fl``: ``flwr==1.42.0``).
+
+Institutions (clients) train one model with Flower's Message API (``ServerApp``/``ClientApp``)
+and Flower's own strategies (FedAvg, FedMedian, FedProx, FedAdam, FedYogi). Each client's
+public compliance profile (HIPAA, GDPR, NIST, ISO, HL7/FHIR scores; ``compliance``) sets its
+noise multiplier. Three privacy modes, each with the unit its ε protects (``ledger``):
+
+* ``aggregator`` — server-side DP-SGD on a small aggregator dataset after each aggregation,
+  per-step noise from the participants' scores; ε of the aggregator dataset's records;
+* ``record`` — each client trains with dpmf's private step to its own (ε_k, δ); ε of client
+  k's records;
+* ``client`` — clipped client updates, one Gaussian noise on their mean (optionally correlated
+  across rounds); ε of a whole client.
+
+Modules: ``compliance`` and ``ledger`` (numpy only), ``data`` (MedMNIST files, stand-ins,
+partitions), ``models`` (torch), ``local`` (the one seam to dpmf's private-step machinery),
+``strategies``, ``grid`` (in-process Flower Grid), ``run`` (``FLConfig``, ``run_federated``),
+``report`` (several seeds, files and summary tables) and ``experiment`` (the grid of
+Experiments 1/4 × weighted/uniform noise). Import ``run``/``grid``/``strategies``/``report``/
+``experiment`` only with Flower installed.
+"""
+
+from dpmf.federated.compliance import (
+    CRITERIA,
+    ComplianceProfile,
+    ComplianceSet,
+    NoiseMap,
+    example_profiles,
+    load_profiles,
+    uniform_control,
+)
+from dpmf.federated.ledger import UNITS, VACUOUS_EPSILON, PrivacyEntry, format_entry
+
+__all__ = [
+    "CRITERIA",
+    "UNITS",
+    "VACUOUS_EPSILON",
+    "ComplianceProfile",
+    "ComplianceSet",
+    "NoiseMap",
+    "PrivacyEntry",
+    "example_profiles",
+    "format_entry",
+    "load_profiles",
+    "uniform_control",
+]

@@ -1,0 +1,432 @@
+"""The one place where federated learning meets dpmf's private-step machinery.
+
+Every use of the accounting entry points (``account``), the strategy builder
+(``dpmf.plan.build_strategy``), the batch samplers (``make_sampler``), the noise streams
+(``noise_for_factorization``), the private gradient (``Privatizer``) and the DP optimizers
+(``build_optimizer``) by ``dpmf.federated`` is in this module, so that they can be replaced by
+a single plan object without touching the rest of the sub-package.
+
+Three pieces:
+
+* ``record_privacy`` / ``PrivateLocalRun`` (``record`` mode): a client's local training over the
+  whole federation is one private run of R·L steps on its own records (per-example clipping,
+  any batch-sampling scheme and strategy, DP-SGD or DP-Muon). Its (ε_k, δ) is computed by the
+  same call as ``dpmf epsilon`` (``account`` with the strategy built by ``build_strategy`` for the
+  prefix-sum workload). Between rounds the weights are replaced by the global model, which
+  depends on the client's records only through its earlier private releases (post-processing)
+  and on other clients' independent data: the adaptive composition of the run's steps holds.
+* ``AggregatorDPSGD`` (``aggregator`` mode): DP-SGD steps on the server's aggregator dataset,
+  Poisson-sampled, with a per-step noise multiplier (set from the clients' compliance).
+* ``ClientLevelNoise`` (``client`` mode): the Gaussian noise on the mean of K clipped client
+  updates, independent across rounds or correlated by a matrix-factorization strategy, with
+  every client participating in every round (the DP-FTRL / BLT setting of Kairouz et al.,
+  "Practical and Private (Deep) Learning without Sampling or Shuffling", ICML 2021, and
+  Dvijotham et al., "Efficient and Near-Optimal Noise Generation for Streaming Differential
+  Privacy", FOCS 2024). Accounted as ``fixed_order`` with N = B = K: one batch per round holding
+  every client, k = R participations, sensitivity sens(C) for that pattern.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dpmf.accountants import (
+    ComposedEvent,
+    PLDAccountant,
+    PoissonGaussianEvent,
+    PrivacyResult,
+    account,
+    account_segments,
+)
+from dpmf.federated.models import add_proximal_gradient, get_weights, set_weights
+from dpmf.mechanisms import factorize, parse_factorization
+from dpmf.optim.noise import identity_noise, noise_for_factorization
+from dpmf.optim.privatize import Privatizer
+from dpmf.plan.plan import build_strategy
+from dpmf.plan.schemes import CyclicPoisson, FixedOrder, Poisson, get_scheme, strategy_bandwidth
+from dpmf.train.config import TrainConfig
+from dpmf.train.run import build_optimizer
+from dpmf.train.samplers import make_sampler
+from dpmf.workloads import prefix_sum
+
+__all__ = [
+    "aggregator_privacy",
+    "record_privacy",
+    "PrivateLocalRun",
+    "AggregatorDPSGD",
+    "ClientLevelNoise",
+    "LOCAL_OPTIMIZERS",
+]
+
+LOCAL_OPTIMIZERS = ("dp-sgd", "dp-adam", "dp-muon", "dp-muon-s", "dp-muon-bc")
+
+
+def _strategy(spec: str, steps: int, scheme: str, steps_per_epoch: int):
+    """The factorization of the prefix-sum workload (None for identity), as ``dpmf epsilon``."""
+    name, _ = parse_factorization(spec)
+    if name == "identity":
+        return None
+    return build_strategy(prefix_sum(steps), spec, get_scheme(scheme), steps_per_epoch)
+
+
+def record_privacy(
+    noise_multiplier: float,
+    *,
+    dataset_size: int,
+    batch_size: int,
+    steps: int,
+    delta: float,
+    scheme: str = Poisson.name,
+    factorization: str = "identity",
+    accountant: str | None = None,
+):
+    """(ε_k, δ) of one client's local private run: the ``dpmf epsilon`` computation.
+
+    Equals ``dpmf epsilon --scheme S --noise-multiplier σ --dataset-size N --batch-size B
+    --steps n --delta δ [--factorization F] [--accountant A]``.
+
+    Returns:
+        ``dpmf.accountants.PrivacyResult``.
+
+    The result is cached (a pure function of the arguments): several seeds of a federated run
+    account each client once.
+
+    Raises:
+        ValueError/TypeError: any invalid argument (from the plan and ``account``).
+    """
+    args = (noise_multiplier, dataset_size, batch_size, steps, delta, scheme, factorization, accountant)
+    try:
+        hash(args)
+    except TypeError:  # not cacheable: let ``account`` name the bad argument
+        return _record_privacy.__wrapped__(*args)
+    return _record_privacy(*args)
+
+
+@functools.lru_cache(maxsize=1024)
+def _record_privacy(
+    noise_multiplier, dataset_size, batch_size, steps, delta, scheme, factorization, accountant
+):
+    fact = _strategy(factorization, steps, scheme, -(-int(dataset_size) // int(batch_size)))
+    return account(
+        scheme,
+        noise_multiplier=noise_multiplier,
+        dataset_size=dataset_size,
+        batch_size=batch_size,
+        steps=steps,
+        delta=delta,
+        factorization=fact,
+        accountant=accountant,
+        progress=False,
+    )
+
+
+AGGREGATOR_PLD_GRID = 1e-3  # dp-accounting PLD value discretization (coarser = pessimistic)
+
+
+def aggregator_privacy(sigmas, *, sampling_rate: float, delta: float, accountant: str = "pld"):
+    """(ε, δ) of server-side DP-SGD with per-step noise multipliers ``sigmas`` (Poisson rate q).
+
+    Heterogeneous composition of the T steps. Composition is commutative (the PLD of a
+    composition is the convolution of the steps' PLDs), so the steps are grouped by σ into at
+    most as many segments as distinct noise levels, (σ_i, q, count_i), and composed by
+    dp-accounting — PLD on a value grid of ``AGGREGATOR_PLD_GRID`` (a pessimistic
+    discretization: ε can only grow with the grid step; at 1e-3 it is within 1e-5 relative of
+    the 1e-4 grid for the runs of this module, and 15× faster), or RDP / PRV.
+
+    Args:
+        sigmas: σ_t > 0 for t = 1..T.
+        sampling_rate: q in (0, 1].
+        delta: δ in (0, 1).
+        accountant: ``pld``, ``rdp`` or ``prv``.
+
+    Returns:
+        ``PrivacyResult`` (scheme ``poisson``, steps T, ``details["segments"]``).
+
+    Raises:
+        ValueError: an empty list or a σ that is not > 0.
+    """
+    s = np.asarray(sigmas, dtype=np.float64).ravel()
+    if s.size == 0:
+        raise ValueError("sigmas is invalid: the run has no server step")
+    levels, counts = np.unique(s, return_counts=True)
+    segs = tuple((float(v), float(sampling_rate), int(c)) for v, c in zip(levels, counts, strict=True))
+    return _grouped_privacy(segs, float(delta), accountant)
+
+
+@functools.lru_cache(maxsize=256)
+def _grouped_privacy(segs: tuple, delta: float, accountant: str):
+    """``aggregator_privacy`` of the grouped segments (cached: a pure function of them)."""
+    levels = np.array([seg[0] for seg in segs])
+    steps = sum(seg[2] for seg in segs)
+    sampling_rate = segs[0][1]
+    if accountant != "pld":
+        return account_segments(segs, delta=delta, accountant=accountant)
+    events = tuple(PoissonGaussianEvent(*seg) for seg in segs)
+    meas = PLDAccountant(value_discretization_interval=AGGREGATOR_PLD_GRID).epsilon(
+        ComposedEvent(events), delta
+    )
+    return PrivacyResult(
+        epsilon=meas.epsilon,
+        delta=meas.delta,
+        noise_multiplier=float(levels.min()),
+        scheme=Poisson.name,
+        accountant=meas.accountant,
+        guarantee=meas.guarantee,
+        steps=int(steps),
+        sensitivity=1.0,
+        sampling_rate=float(sampling_rate),
+        method=meas.method,
+        details={"segments": [list(seg) for seg in segs]},
+    )
+
+
+def _sub_seed(seed: int, *purpose: int) -> int:
+    return int(np.random.SeedSequence([int(seed), *map(int, purpose)]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+class PrivateLocalRun:
+    """One client's private local training across all rounds (``record`` mode).
+
+    Args:
+        x, y: the client's records, shapes (N_k, C, H, W) float32 and (N_k,) int64.
+        model: the client's own torch model (its weights are set from the global model each
+            round).
+        noise_multiplier: σ_k > 0 (from the client's compliance score).
+        clip_norm: per-example clip norm ζ > 0.
+        batch_size: expected batch size B in [1, N_k].
+        steps: total private steps n = rounds × local steps.
+        delta: δ in (0, 1).
+        scheme, factorization, accountant: as ``dpmf epsilon``.
+        optimizer: one of ``LOCAL_OPTIMIZERS``; ``lr`` its learning rate.
+        seed: seeds the sampler and the noise (keep it secret for a released model).
+
+    Raises:
+        ValueError/TypeError: invalid settings (before any training).
+    """
+
+    def __init__(
+        self,
+        x,
+        y,
+        model,
+        *,
+        noise_multiplier: float,
+        clip_norm: float,
+        batch_size: int,
+        steps: int,
+        delta: float,
+        scheme: str = Poisson.name,
+        factorization: str = "identity",
+        accountant: str | None = None,
+        optimizer: str = "dp-sgd",
+        lr: float = 0.5,
+        seed: int = 0,
+    ):
+        self.x, self.y = x, y
+        n = int(y.shape[0])
+        self.privacy = record_privacy(
+            noise_multiplier,
+            dataset_size=n,
+            batch_size=batch_size,
+            steps=steps,
+            delta=delta,
+            scheme=scheme,
+            factorization=factorization,
+            accountant=accountant,
+        )
+        self.config = TrainConfig(
+            dataset="digits",
+            optimizer=optimizer,
+            factorization=factorization,
+            scheme=scheme,
+            batch_size=batch_size,
+            epsilon=None,
+            noise_multiplier=noise_multiplier,
+            delta=delta,
+            clip_norm=clip_norm,
+            lr=lr,
+            momentum=0.0,
+            seed=seed,
+            device="cpu",
+        )
+        fact = _strategy(factorization, steps, scheme, -(-n // int(batch_size)))
+        dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        if fact is None:
+            noise = identity_noise(dim, seed=_sub_seed(seed, 2), steps=steps)
+            groups = None
+        else:
+            noise = noise_for_factorization(fact, dim, seed=_sub_seed(seed, 2))
+            groups = strategy_bandwidth(fact.C) if scheme == CyclicPoisson.name else None
+        self.sampler = make_sampler(scheme, n, batch_size, steps, seed=_sub_seed(seed, 1), groups=groups)
+        self.model = model
+        self.privatizer = Privatizer(
+            model,
+            F.cross_entropy,
+            clip_norm=clip_norm,
+            noise_multiplier=noise_multiplier,
+            sensitivity=self.privacy.sensitivity,
+            expected_batch_size=self.sampler.expected_batch_size,
+            noise=noise,
+        )
+
+    @property
+    def steps_taken(self) -> int:
+        return int(self.sampler.step)
+
+    def train_round(self, weights, steps: int, proximal_mu: float = 0.0):
+        """``steps`` private steps from the global ``weights``.
+
+        Returns:
+            (weights, mean per-example gradient norm). The norm is a non-private diagnostic
+            of the client's records: keep it local, never send it.
+
+        The optimizer's state starts afresh each round (the global model replaced the weights).
+        FedProx's proximal gradient is added after the private gradient (post-processing).
+
+        Raises:
+            RuntimeError: more steps than the accounted run has.
+        """
+        if self.sampler.step + steps > self.sampler.steps:
+            raise RuntimeError(
+                f"the private run has {self.sampler.steps} steps and {self.sampler.step} were taken: "
+                f"{steps} more would exceed what was accounted"
+            )
+        set_weights(self.model, weights)
+        anchor = get_weights(self.model)
+        opt = build_optimizer(self.config, self.model, log=lambda *_: None)
+        self.privatizer.bind(opt)
+        norms = []
+        for _ in range(steps):
+            idx = torch.from_numpy(self.sampler.next())
+            info = self.privatizer.privatize(torch.from_numpy(self.x)[idx], torch.from_numpy(self.y)[idx])
+            self.privatizer.post_process(lambda: add_proximal_gradient(self.model, anchor, proximal_mu))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            norms.append(info.mean_norm)
+        return get_weights(self.model), float(np.mean(norms)) if norms else 0.0
+
+
+class AggregatorDPSGD:
+    """Server-side DP-SGD on the aggregator dataset with a noise multiplier per step.
+
+    Step t samples each aggregator record with probability q = B/N (Poisson), clips each
+    per-example gradient to ζ, adds N(0, σ_t²ζ²) per coordinate to the sum, divides by B and
+    takes an SGD step of size ``lr``. σ_t = 0 is allowed for a non-private control (its ε is ∞).
+
+    Args:
+        x, y: the aggregator dataset.
+        model: the server's torch model.
+        sigmas: σ_t for every server step of the whole run, shape (T,), ≥ 0.
+        clip_norm, batch_size, lr, seed: as above.
+    """
+
+    def __init__(self, x, y, model, *, sigmas, clip_norm: float, batch_size: int, lr: float, seed: int):
+        self.x, self.y, self.model = x, y, model
+        self.sigmas = np.asarray(sigmas, dtype=np.float64)
+        n = int(y.shape[0])
+        steps = int(self.sigmas.size)
+        self.sampler = make_sampler(Poisson.name, n, batch_size, steps, seed=_sub_seed(seed, 11))
+        dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.noise = identity_noise(dim, seed=_sub_seed(seed, 12), steps=steps)
+        self.clip_norm, self.lr = float(clip_norm), float(lr)
+
+    @property
+    def sampling_rate(self) -> float:
+        return float(self.sampler.sampling_rate)
+
+    def run(self, weights, steps: int):
+        """The next ``steps`` server steps from ``weights``; returns the new weights."""
+        set_weights(self.model, weights)
+        for _ in range(steps):
+            t = self.sampler.step
+            priv = Privatizer(
+                self.model,
+                F.cross_entropy,
+                clip_norm=self.clip_norm,
+                noise_multiplier=float(self.sigmas[t]),
+                sensitivity=1.0,
+                expected_batch_size=self.sampler.expected_batch_size,
+                noise=self.noise,
+            )
+            idx = torch.from_numpy(self.sampler.next())
+            priv.privatize(torch.from_numpy(self.x)[idx], torch.from_numpy(self.y)[idx])
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.add_(p.grad, alpha=-self.lr)
+                    p.grad = None
+        return get_weights(self.model)
+
+
+@dataclass(frozen=True)
+class _ClientPlan:
+    noise_multiplier: float  # σ of the accountant: the noise on C·G has std σ·ζ·sens
+    sensitivity: float
+
+
+class ClientLevelNoise:
+    """The Gaussian noise on the sum of K clipped client updates, round by round (``client``).
+
+    With ``factorization="identity"`` round r adds N(0, σ_c²ζ²) per coordinate to the sum
+    (σ_c = ``noise_multiplier``, Flower's convention for DP-FedAvg with fixed clipping), i.e.
+    σ_c·ζ/K on the mean; R rounds compose to a Gaussian mechanism with μ = √R/σ_c. A
+    correlated strategy C uses the same privacy: the accountant's σ = σ_c/√R on C·G, i.e. the
+    round's noise σ_c/√R·ζ·sens(C)·(C⁻¹Z)_r (identity: sens = √R, the same noise as above).
+
+    Args:
+        num_clients: K, every client in every round.
+        rounds: R.
+        noise_multiplier: σ_c > 0.
+        clip_norm: ζ > 0, the bound on each client's update norm.
+        delta: δ.
+        factorization: ``identity`` or a strategy (``bisr:4``, ``blt:2``, ``sqrt_prefix``…).
+        accountant: ``pld`` (default) or ``rdp``/``prv``.
+        dim: number of model coordinates.
+        seed: seed of the noise (keep it secret).
+    """
+
+    def __init__(
+        self,
+        num_clients: int,
+        rounds: int,
+        *,
+        noise_multiplier: float,
+        clip_norm: float,
+        delta: float,
+        factorization: str = "identity",
+        accountant: str | None = None,
+        dim: int,
+        seed: int,
+    ):
+        sigma_acc = float(noise_multiplier) / math.sqrt(rounds)
+        fact = _strategy(factorization, rounds, FixedOrder.name, 1)
+        self.privacy = account(
+            FixedOrder.name,
+            noise_multiplier=sigma_acc,
+            dataset_size=num_clients,
+            batch_size=num_clients,
+            steps=rounds,
+            delta=delta,
+            factorization=fact,
+            accountant=accountant,
+            progress=False,
+        )
+        self.plan = _ClientPlan(sigma_acc, float(self.privacy.sensitivity))
+        if fact is None:
+            fact = factorize(prefix_sum(rounds), "identity")
+        self.noise = noise_for_factorization(fact, dim, seed=_sub_seed(seed, 21), dtype=torch.float64)
+        self.clip_norm = float(clip_norm)
+
+    @property
+    def std_on_sum(self) -> float:
+        """σ·ζ·sens: the scale of the unit-variance stream on the sum of the clipped updates."""
+        return self.plan.noise_multiplier * self.clip_norm * self.plan.sensitivity
+
+    def next(self) -> np.ndarray:
+        """The noise on the round's sum of clipped updates, shape (dim,), float64."""
+        return self.noise.next().numpy() * self.std_on_sum

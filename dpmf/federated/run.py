@@ -1,0 +1,607 @@
+"""A compliance-aware federated run on Flower: configuration, ClientApp, ServerApp, results.
+
+One round (r = 1..R), for the P participating clients (all clients, or only the compliant ones
+for the compliant-only baseline):
+
+1. the strategy's ``configure_train`` sends the global weights to every participant;
+2. each ClientApp trains locally — plain SGD (``aggregator``, ``client``) or dpmf's private step
+   to its own (ε_k, δ) (``record``) — and replies with its weights;
+3. ``client`` mode only: the server (standing for secure aggregation or a trusted aggregator)
+   clips each update w_k − w to ζ, gives every client weight 1 and adds one Gaussian noise
+   vector ν_r to every reply, so that the mean is w + (1/P)·Σ_k clip(w_k − w) + ν_r, with
+   ν_r = the round's noise on the sum / P (``local.ClientLevelNoise``), before any server
+   optimizer (FedAdam/FedYogi apply their update to the noisy mean);
+4. the strategy's ``aggregate_train`` combines the replies (Flower's own arithmetic);
+5. ``aggregator`` mode only: the server runs DP-SGD on its aggregator dataset, ``server_steps``
+   steps per participant, each at that participant's noise multiplier σ_k;
+6. the server evaluates the global model on the test split.
+
+Client weights and metrics: ``aggregator`` mode weights clients by their example counts and
+receives their training losses (the clients' data are not what this mode protects); ``record``
+and ``client`` modes weight clients equally and send no training loss (``train_loss`` is NaN),
+since a record count or a loss is a non-private statistic of the protected data.
+
+Privacy note: the noise is a deterministic function of ``seed`` (reproducible runs). A released
+model keeps its guarantee only if the seed stays secret.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+
+from dpmf._validation import check_choice, check_int, check_real
+from dpmf.federated.compliance import ComplianceSet, NoiseMap, example_profiles, uniform_control
+from dpmf.federated.data import DATASETS, PARTITIONS, FederatedData, load_federated
+from dpmf.federated.ledger import MODES, UNITS, PrivacyEntry, format_entry
+from dpmf.federated.strategies import MEAN_STRATEGIES, STRATEGIES, make_strategy
+from dpmf.plan.schemes import Poisson
+
+__all__ = ["ALLOCATIONS", "BACKENDS", "FLConfig", "FLResult", "run_federated", "participants"]
+
+BACKENDS = ("local", "ray")
+ALLOCATIONS = ("weighted", "uniform")
+
+
+@dataclass(frozen=True)
+class FLConfig:
+    """Everything a federated run needs (validated when built, before any data is read).
+
+    Attributes:
+        dataset, data_file, partition, alpha, shards, aggregator_fraction: the data
+            (``dpmf.federated.data``).
+        num_clients: K ≥ 2 (clients with a compliance profile; the first K profiles).
+        rounds: R ≥ 1.
+        strategy: one of ``STRATEGIES`` (Flower's classes).
+        privacy: ``aggregator``, ``record`` or ``client``.
+        compliant_only: train with the compliant clients only (the compliant-only baseline).
+        allocation: ``weighted`` (σ_k from each client's score) or ``uniform`` (every client at
+            the participants' mean σ: equal mean noise).
+        noise_map: the score → σ map.
+        local_steps: L local steps per round; ``local_batch_size`` B; ``local_lr`` η.
+        local_optimizer, local_factorization, local_scheme: ``record`` mode's private step.
+        clip_norm: per-example clip norm ζ of the private steps (record and aggregator modes).
+        server_steps: ``aggregator`` mode: server DP-SGD steps per participant per round;
+            ``server_batch_size`` the expected batch, ``server_lr`` its step size;
+            ``server_noise=False`` runs them without noise (a non-private control, ε = ∞).
+        client_clip: ``client`` mode's bound ζ_c on each client's update norm.
+        client_noise_multiplier: σ_c of ``client`` mode; None: the largest σ_k of the
+            participants (the noise the least compliant one needs; the mean under ``uniform``).
+        client_factorization: ``identity`` (independent noise) or a strategy correlating the
+            noise across rounds (``bisr:4``, ``blt:2``, …).
+        proximal_mu: FedProx's μ; ``fedopt_eta``: FedAdam/FedYogi's η (None: Flower's default).
+        hidden: width of the MLP's hidden layer.
+        delta: δ of every reported ε; ``accountant``: ``pld`` (default), ``rdp`` or ``prv``.
+        seed: weights, partition, batches and noise.
+    """
+
+    dataset: str = "breast-cancer"
+    data_file: str | None = None
+    num_clients: int = 16
+    rounds: int = 50
+    strategy: str = "fedavg"
+    privacy: str = "aggregator"
+    compliant_only: bool = False
+    allocation: str = "weighted"
+    noise_map: NoiseMap = field(default_factory=NoiseMap)
+    partition: str = "iid"
+    alpha: float = 0.5
+    shards: int = 2
+    aggregator_fraction: float = 0.1
+    local_steps: int = 5
+    local_batch_size: int = 16
+    local_lr: float = 0.1
+    local_optimizer: str = "dp-sgd"
+    local_factorization: str = "identity"
+    local_scheme: str = Poisson.name
+    clip_norm: float = 1.0
+    server_steps: int = 1
+    server_batch_size: int = 16
+    server_lr: float = 0.1
+    server_noise: bool = True
+    client_clip: float = 1.0
+    client_noise_multiplier: float | None = None
+    client_factorization: str = "identity"
+    proximal_mu: float = 0.01
+    fedopt_eta: float | None = None
+    hidden: int = 32
+    delta: float = 1e-5
+    accountant: str | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        from dpmf.federated.local import LOCAL_OPTIMIZERS
+
+        check_choice("dataset", self.dataset, DATASETS)
+        check_int("num_clients", self.num_clients, minimum=2)
+        check_int("rounds", self.rounds, minimum=1)
+        check_choice("strategy", self.strategy, STRATEGIES)
+        check_choice("privacy", self.privacy, MODES)
+        check_choice("allocation", self.allocation, ALLOCATIONS)
+        if not isinstance(self.noise_map, NoiseMap):
+            raise TypeError(f"noise_map={self.noise_map!r} is invalid: must be a NoiseMap")
+        check_choice("partition", self.partition, PARTITIONS)
+        for name in ("local_steps", "local_batch_size", "server_steps", "server_batch_size", "hidden"):
+            check_int(name, getattr(self, name), minimum=1)
+        for name in ("local_lr", "clip_norm", "server_lr", "client_clip"):
+            check_real(name, getattr(self, name), low=0.0, low_inclusive=False)
+        check_real("proximal_mu", self.proximal_mu, low=0.0)
+        if self.fedopt_eta is not None:
+            check_real("fedopt_eta", self.fedopt_eta, low=0.0, low_inclusive=False)
+        check_real("delta", self.delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
+        if self.accountant is not None:
+            check_choice("accountant", self.accountant, ("pld", "rdp", "prv"))
+        check_int("seed", self.seed, minimum=0)
+        check_choice("local_optimizer", self.local_optimizer, LOCAL_OPTIMIZERS)
+        if self.privacy == "client" and self.strategy not in MEAN_STRATEGIES:
+            raise ValueError(
+                f"strategy={self.strategy!r} is invalid with privacy='client': client-level noise is "
+                "calibrated to the sensitivity of a mean, and a coordinate-wise median has another; "
+                f"use one of {', '.join(MEAN_STRATEGIES)}"
+            )
+        if self.client_noise_multiplier is not None:
+            check_real("client_noise_multiplier", self.client_noise_multiplier, low=0.0, low_inclusive=False)
+        if self.privacy != "record" and (
+            self.local_optimizer != "dp-sgd"
+            or self.local_factorization != "identity"
+            or self.local_scheme != Poisson.name
+        ):
+            raise ValueError(
+                "local_optimizer/local_factorization/local_scheme are invalid with "
+                f"privacy={self.privacy!r}: they set record mode's private local step"
+            )
+        if self.privacy != "client" and (
+            self.client_factorization != "identity" or self.client_noise_multiplier is not None
+        ):
+            raise ValueError(
+                f"client_factorization/client_noise_multiplier are invalid with privacy={self.privacy!r}: "
+                "they set client mode's noise"
+            )
+        if not self.server_noise and self.privacy != "aggregator":
+            raise ValueError("server_noise=False is invalid: only aggregator mode has server noise")
+
+    def replace(self, **changes) -> FLConfig:
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["noise_map"] = {"kind": self.noise_map.kind, "describe": self.noise_map.describe()}
+        return out
+
+
+@dataclass
+class FLResult:
+    """The outcome of one seed of ``run_federated``.
+
+    Attributes:
+        config: the run.
+        metrics: one dict per round r = 0..R (r = 0: the initial model): ``round``,
+            ``test_accuracy``, ``test_loss``, ``train_loss`` (the clients' mean, aggregator mode
+            only; NaN otherwise).
+        ledger: the ``PrivacyEntry`` list of the run.
+        participants: the client ids that trained.
+        sigmas: client id → σ_k (the allocation actually used).
+        data: the run's data description.
+        seconds: wall time.
+    """
+
+    config: FLConfig
+    metrics: list
+    ledger: list
+    participants: list
+    sigmas: dict
+    data: dict
+    seconds: float = 0.0
+
+    @property
+    def final_accuracy(self) -> float:
+        return float(self.metrics[-1]["test_accuracy"])
+
+
+def participants(config: FLConfig, compliance: ComplianceSet) -> tuple[list[int], np.ndarray]:
+    """The indices of the clients that train and their σ_k (after the allocation rule).
+
+    Raises:
+        ValueError: fewer profiles than clients, or no compliant client for the baseline.
+    """
+    comp = compliance.select(config.num_clients) if len(compliance) >= config.num_clients else None
+    if comp is None:
+        raise ValueError(
+            f"num_clients={config.num_clients} is invalid: the compliance file {compliance.source!r} has "
+            f"{len(compliance)} profiles"
+        )
+    scores = comp.scores()
+    idx = list(range(config.num_clients))
+    if config.compliant_only:
+        idx = [i for i in idx if scores[i] >= comp.compliant_threshold]
+        if len(idx) < 1:
+            raise ValueError(
+                f"compliant_only is invalid: no client reaches the threshold {comp.compliant_threshold:g}"
+            )
+    sig = config.noise_map(scores[idx])
+    if config.allocation == "uniform":
+        sig = uniform_control(sig)
+    return idx, sig
+
+
+def _flwr():
+    try:
+        import flwr  # noqa: F401
+    except ImportError:
+        raise ImportError(
+            "dpmf.federated needs Flower: pip install 'dpmf[fl]' (flwr==1.42.0, Python >= 3.11)"
+        ) from None
+
+
+class _Server:
+    """The server side of one run: strategy, privacy mechanism, evaluation, ledger."""
+
+    def __init__(self, config: FLConfig, data: FederatedData, comp: ComplianceSet, idx, sigmas, log):
+        from dpmf.federated import local
+        from dpmf.federated.models import build_model, get_weights
+
+        self.config, self.data, self.log = config, data, log
+        self.ids = [comp.profiles[i].client_id for i in idx]
+        self.idx, self.sigmas = list(idx), np.asarray(sigmas, dtype=np.float64)
+        self.model = build_model(data.input_shape, data.num_classes, hidden=config.hidden, seed=config.seed)
+        self.initial = get_weights(self.model)
+        self.dim = int(sum(v.size for v in self.initial.values()))
+        P, R = len(self.idx), config.rounds
+        self.strategy = make_strategy(
+            config.strategy, P, proximal_mu=config.proximal_mu, server_lr=config.fedopt_eta
+        )
+        self.ledger: list[PrivacyEntry] = []
+        self.dp = self.client_noise = None
+        if config.privacy == "aggregator":
+            per_round = np.repeat(self.sigmas, config.server_steps)
+            steps = np.tile(per_round, R)
+            n_agg = int(data.aggregator_y.shape[0])
+            if config.server_batch_size > n_agg:
+                raise ValueError(
+                    f"server_batch_size={config.server_batch_size} is invalid: the aggregator dataset has "
+                    f"{n_agg} records"
+                )
+            self.dp = local.AggregatorDPSGD(
+                data.aggregator_x,
+                data.aggregator_y,
+                build_model(data.input_shape, data.num_classes, hidden=config.hidden, seed=config.seed),
+                sigmas=steps if config.server_noise else np.zeros_like(steps),
+                clip_norm=config.clip_norm,
+                batch_size=config.server_batch_size,
+                lr=config.server_lr,
+                seed=config.seed,
+            )
+            self.steps_per_round = per_round.size
+            note = (
+                "protects only the server's aggregator dataset against the released models; the "
+                "clients' updates reach a semi-honest aggregator unprotected (client-level DP needs "
+                "secure aggregation)"
+            )
+            if config.server_noise:
+                pr = local.aggregator_privacy(
+                    steps,
+                    sampling_rate=self.dp.sampling_rate,
+                    delta=config.delta,
+                    accountant=config.accountant or "pld",
+                )
+                eps, acc, guar = pr.epsilon, pr.accountant, pr.guarantee
+            else:
+                eps, acc, guar = math.inf, "none", "upper_bound"
+            self.ledger.append(
+                PrivacyEntry(
+                    "aggregator",
+                    UNITS["aggregator"],
+                    f"aggregator dataset (N={n_agg})",
+                    eps,
+                    config.delta,
+                    acc,
+                    guar,
+                    float(steps.min()) if config.server_noise else 0.0,
+                    int(steps.size),
+                    n_agg,
+                    note,
+                )  # fmt: skip
+            )
+        elif config.privacy == "client":
+            sigma_c = config.client_noise_multiplier
+            if sigma_c is None:
+                sigma_c = float(self.sigmas.max())
+            self.client_noise = local.ClientLevelNoise(
+                P,
+                R,
+                noise_multiplier=sigma_c,
+                clip_norm=config.client_clip,
+                delta=config.delta,
+                factorization=config.client_factorization,
+                accountant=config.accountant,
+                dim=self.dim,
+                seed=config.seed,
+            )
+            pr = self.client_noise.privacy
+            note = (
+                "protects each whole client (add or remove one client) against whoever sees the noisy "
+                "aggregate; individual updates must stay hidden from the server (secure aggregation)"
+            )
+            self.ledger.append(
+                PrivacyEntry(
+                    "client",
+                    UNITS["client"],
+                    f"each of the {P} participating clients",
+                    pr.epsilon,
+                    config.delta,
+                    pr.accountant,
+                    pr.guarantee,
+                    float(sigma_c),
+                    R,
+                    P,
+                    note,
+                )  # fmt: skip
+            )
+            self.sigma_c = float(sigma_c)
+
+    # -- client mode: clipping and one noise vector on the mean -------------------------------
+    def _privatize_replies(self, replies, arrays):
+        from flwr.app import Array, ArrayRecord
+
+        base = {k: a.numpy().astype(np.float64) for k, a in arrays.items()}
+        noise = self.client_noise.next() / len(replies)
+        for msg in replies:
+            rec_key = next(iter(msg.content.array_records.keys()))
+            upd = {k: a.numpy().astype(np.float64) - base[k] for k, a in msg.content[rec_key].items()}
+            norm = math.sqrt(sum(float(np.sum(u * u)) for u in upd.values()))
+            scale = min(1.0, self.config.client_clip / norm) if norm > 0 else 1.0
+            out, off = {}, 0
+            for k, u in upd.items():
+                z = noise[off : off + u.size].reshape(u.shape)
+                off += u.size
+                out[k] = Array(np.asarray(base[k] + scale * u + z, dtype=np.float32))
+            msg.content[rec_key] = ArrayRecord(out)
+            met_key = next(iter(msg.content.metric_records.keys()))
+            msg.content[met_key]["num-examples"] = 1
+        return replies
+
+    def _evaluate(self, weights) -> tuple[float, float]:
+        from dpmf.federated.models import evaluate, set_weights
+
+        set_weights(self.model, weights)
+        return evaluate(self.model, self.data.test_x, self.data.test_y)
+
+    def serve(self, grid) -> list[dict]:
+        """The R rounds (steps 1–6 of the module docstring) over ``grid``; per-round metrics."""
+        from flwr.app import Array, ArrayRecord, ConfigRecord
+
+        def record(w):
+            return ArrayRecord({k: Array(np.asarray(v)) for k, v in w.items()})
+
+        weights = self.initial
+        acc, loss = self._evaluate(weights)
+        rows = [{"round": 0, "test_accuracy": acc, "test_loss": loss, "train_loss": float("nan")}]
+        arrays = record(weights)
+        for r in range(1, self.config.rounds + 1):
+            msgs = self.strategy.configure_train(
+                r, arrays, ConfigRecord({"local-steps": self.config.local_steps}), grid
+            )
+            replies = sorted(grid.send_and_receive(msgs), key=lambda m: m.metadata.src_node_id)
+            errors = [m for m in replies if m.has_error()]
+            if errors:
+                raise RuntimeError(f"round {r}: a ClientApp failed: {errors[0].error.reason}")
+            if len(replies) != len(self.idx):
+                raise RuntimeError(f"round {r}: {len(replies)} replies from {len(self.idx)} participants")
+            train_loss = float(np.mean([float(m.content["metrics"]["train-loss"]) for m in replies]))
+            if self.client_noise is not None:
+                replies = self._privatize_replies(replies, arrays)
+            agg, _ = self.strategy.aggregate_train(r, replies)
+            if agg is None:
+                raise RuntimeError(f"round {r}: the strategy returned no model")
+            weights = {k: a.numpy() for k, a in agg.items()}
+            if self.dp is not None:
+                weights = self.dp.run(weights, self.steps_per_round)
+            arrays = record(weights)
+            acc, loss = self._evaluate(weights)
+            rows.append({"round": r, "test_accuracy": acc, "test_loss": loss, "train_loss": train_loss})
+        return rows
+
+
+def _client_app(config: FLConfig, data: FederatedData, idx, sigmas, ids, server):
+    """The ClientApp; node i trains participant i's partition. Record mode keeps each
+    client's private run (sampler, noise stream) between rounds."""
+    from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+
+    from dpmf.federated import local
+    from dpmf.federated.models import build_model, get_weights, local_sgd, set_weights
+
+    runs = {}
+    if config.privacy == "record":
+        for j, i in enumerate(idx):
+            x, y = data.client_x[i], data.client_y[i]
+            b = min(config.local_batch_size, int(y.shape[0]))
+            runs[j] = local.PrivateLocalRun(
+                x,
+                y,
+                build_model(data.input_shape, data.num_classes, hidden=config.hidden, seed=config.seed),
+                noise_multiplier=float(sigmas[j]),
+                clip_norm=config.clip_norm,
+                batch_size=b,
+                steps=config.rounds * config.local_steps,
+                delta=config.delta,
+                scheme=config.local_scheme,
+                factorization=config.local_factorization,
+                accountant=config.accountant,
+                optimizer=config.local_optimizer,
+                lr=config.local_lr,
+                seed=int(np.random.SeedSequence([config.seed, 7, i]).generate_state(1)[0] & 0x7FFFFFFF),
+            )
+            pr = runs[j].privacy
+            server.ledger.append(
+                PrivacyEntry(
+                    "record",
+                    UNITS["record"].format(k=ids[j]),
+                    ids[j],
+                    pr.epsilon,
+                    config.delta,
+                    pr.accountant,
+                    pr.guarantee,
+                    float(sigmas[j]),
+                    pr.steps,
+                    int(y.shape[0]),
+                    "protects one record of this client against everyone who sees its updates, the server "
+                    "included; the server's aggregation and optimizer are post-processing",
+                )  # fmt: skip
+            )
+    plain = {}
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context) -> Message:
+        j = int(context.node_config["partition-id"])
+        i = idx[j]
+        weights = {k: a.numpy() for k, a in msg.content["arrays"].items()}
+        cfg = msg.content["config"]
+        mu = float(cfg.get("proximal-mu", 0.0))
+        steps = int(cfg["local-steps"])
+        r = int(cfg["server-round"])
+        if config.privacy == "record":
+            new, _ = runs[j].train_round(weights, steps, mu)
+            weight = 1
+        else:
+            if j not in plain:
+                plain[j] = build_model(
+                    data.input_shape, data.num_classes, hidden=config.hidden, seed=config.seed
+                )
+            model = plain[j]
+            set_weights(model, weights)
+            rng = np.random.default_rng([config.seed, 3, i, r])
+            loss = local_sgd(
+                model, data.client_x[i], data.client_y[i], steps=steps, batch_size=config.local_batch_size,
+                lr=config.local_lr, proximal_mu=mu, rng=rng,
+            )  # fmt: skip
+            new = get_weights(model)
+            weight = int(data.client_y[i].shape[0]) if config.privacy == "aggregator" else 1
+        if config.privacy != "aggregator":  # a non-private statistic of the protected data: not sent
+            loss = float("nan")
+        content = RecordDict(
+            {
+                "arrays": ArrayRecord({k: Array(np.asarray(v)) for k, v in new.items()}),
+                "metrics": MetricRecord({"num-examples": weight, "train-loss": float(loss)}),
+            }
+        )
+        return Message(content=content, reply_to=msg)
+
+    return app
+
+
+def run_federated(
+    config: FLConfig,
+    *,
+    compliance: ComplianceSet | None = None,
+    backend: str = "local",
+    data: FederatedData | None = None,
+    log=print,
+) -> FLResult:
+    """Run one seed of a compliance-aware federated experiment on Flower.
+
+    Args:
+        config: the run.
+        compliance: the clients' profiles; None: ``example_profiles(num_clients)`` (announced
+            through ``log``).
+        backend: ``local`` (the ServerApp and ClientApps in this process through
+            ``LocalGrid``; deterministic) or ``ray`` (Flower's simulation engine; needs Ray,
+            and refuses ``record`` mode, whose clients keep private state between rounds).
+        data: already loaded data (else loaded from the config).
+        log: where notices and the ledger lines go.
+
+    Returns:
+        ``FLResult``.
+
+    Raises:
+        ImportError: Flower (or Ray for ``backend='ray'``) is not installed.
+        ValueError: invalid settings, before any training.
+    """
+    check_choice("backend", backend, BACKENDS)
+    _flwr()
+    if backend == "ray":
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise ImportError(
+                "backend='ray' needs Ray: pip install 'flwr[simulation]==1.42.0' (or use the local backend)"
+            ) from None
+        if config.privacy == "record":
+            raise ValueError(
+                "backend='ray' is invalid with privacy='record': each client's private run keeps its "
+                "sampler and noise stream between rounds, which Ray workers do not; use backend='local'"
+            )
+    began = time.perf_counter()
+    if compliance is None:
+        compliance = example_profiles(config.num_clients)
+    if compliance.source == "example":
+        log(
+            f"notice: no compliance file given: using the bundled example profile ({config.num_clients} "
+            f"clients, {int(compliance.compliant().sum())} compliant)"
+        )
+    idx, sigmas = participants(config, compliance)
+    if data is None:
+        data = load_federated(
+            config.dataset,
+            config.num_clients,
+            data_file=config.data_file,
+            partition_scheme=config.partition,
+            alpha=config.alpha,
+            shards=config.shards,
+            seed=config.seed,
+            aggregator_fraction=config.aggregator_fraction,
+        )
+    for note in data.notes:
+        log(f"notice: {note}")
+    comp = compliance.select(config.num_clients)
+    server = _Server(config, data, comp, idx, sigmas, log)
+    app = _client_app(config, data, idx, sigmas, server.ids, server)
+    from flwr.app import Context, RecordDict
+    from flwr.serverapp import Grid, ServerApp
+
+    out: dict = {}
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        out["rows"] = server.serve(grid)
+
+    if backend == "local":
+        from dpmf.federated.grid import LocalGrid, server_identity
+
+        grid = LocalGrid(app, len(idx))
+        with server_identity():
+            server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
+    else:  # pragma: no cover - needs Ray
+        from flwr.simulation import run_simulation
+
+        run_simulation(
+            server_app=server_app,
+            client_app=app,
+            num_supernodes=len(idx),
+            backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
+        )
+        if "rows" not in out:
+            raise RuntimeError("the Ray simulation ended without results (see Flower's log above)")
+    for e in server.ledger:
+        log(f"privacy: {format_entry(e)}")
+    data_info = {
+        "name": data.name,
+        "source": data.source,
+        "client_sizes": data.client_sizes(),
+        "aggregator": int(data.aggregator_y.shape[0]),
+        "test": int(data.test_y.shape[0]),
+    }
+    return FLResult(
+        config,
+        out["rows"],
+        list(server.ledger),
+        list(server.ids),
+        {cid: float(s) for cid, s in zip(server.ids, server.sigmas, strict=True)},
+        data_info,
+        time.perf_counter() - began,
+    )
