@@ -84,7 +84,7 @@ def test_calibrate_returns_a_plan_with_its_noise_and_epsilon_after():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(steps=10, epochs=1), "steps/epochs"),
+        (dict(steps=11, epochs=1), "steps/epochs"),
         (dict(), "steps/epochs"),
         (dict(steps=10, batch_size=2000), "batch_size"),
         (dict(steps=10, scheme="shuffle"), "scheme"),
