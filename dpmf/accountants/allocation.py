@@ -140,7 +140,7 @@ class _Group:
     mu: float
     count: int
     small: np.ndarray
-    big: np.ndarray | None  # indices k..top; None for an empty bin (X = 1)
+    big: np.ndarray | None  # on the coarse grid KΔ, indices k/K..top/K; None: X = 1
     k: int
     p_big: float  # P_Q(X > x_c)
     a_big: float  # E_Q[X; X > x_c] = P(X > x_c | z ~ N(μ, 1))
@@ -148,7 +148,7 @@ class _Group:
     a_top: float  # E_Q[X; X > x_cap]
 
 
-def _group(mu: float, count: int, step: float, z_small: float, z_top: float) -> _Group:
+def _group(mu: float, count: int, step: float, z_small: float, z_top: float, coarse: int) -> _Group:
     if mu == 0.0:  # an empty bin: X = 1 exactly, spread onto its two grid neighbours
         pos = 1.0 / step
         i = int(math.floor(pos))
@@ -156,14 +156,23 @@ def _group(mu: float, count: int, step: float, z_small: float, z_top: float) -> 
         small[i] += 1.0 - (pos - i)
         small[i + 1] += pos - i
         return _Group(0.0, count, small, None, i + 1, 0.0, 0.0, 0.0, 0.0)
-    k = max(int(math.ceil(math.exp(mu * z_small - mu * mu / 2.0) / step)), 2)
-    top = max(int(math.ceil(math.exp(mu * z_top - mu * mu / 2.0) / step)), k + 1)
+    big_step = coarse * step
+    kc = max(int(math.ceil(math.exp(mu * z_small - mu * mu / 2.0) / big_step)), 2)
+    topc = max(int(math.ceil(math.exp(mu * z_top - mu * mu / 2.0) / big_step)), kc + 1)
+    k, top = kc * coarse, topc * coarse
     small = _spread(mu, step, 0, k)
-    big = _spread(mu, step, k, top)
+    big = _spread(mu, big_step, kc, topc)  # on the coarse grid {kc, …, topc}·KΔ
     zk = (math.log(k * step) + mu * mu / 2.0) / mu
     zt = (math.log(top * step) + mu * mu / 2.0) / mu
     return _Group(
-        mu, count, small, big, k, float(ndtr(-zk)), float(ndtr(-(zk - mu))), float(ndtr(-zt)),
+        mu,
+        count,
+        small,
+        big,
+        k,
+        float(ndtr(-zk)),
+        float(ndtr(-(zk - mu))),
+        float(ndtr(-zt)),
         float(ndtr(-(zt - mu))),
     )
 
@@ -229,6 +238,18 @@ def _power(law: _Law | None, n: int, cap: int, remove: bool) -> _Law | None:
         if n:
             base = _add(base, base, cap, remove)
     return result
+
+
+def _coarsen(law: _Law, factor: int) -> _Law:
+    """Mean-preserving spread of a law on {jΔ} onto {i·factor·Δ}."""
+    j = law.lo + np.arange(law.p.size)
+    q, r = np.divmod(j, factor)
+    frac = r / factor
+    q0 = int(q[0])
+    n = int(q[-1]) - q0 + 2
+    out = np.bincount(q - q0, weights=law.p * (1.0 - frac), minlength=n)
+    out += np.bincount(q - q0 + 1, weights=law.p * frac, minlength=n)
+    return _Law(q0, out, law.to_zero)
 
 
 def _sum(laws, cap: int, remove: bool) -> _Law | None:
@@ -350,10 +371,13 @@ def _mixture_pmfs(event: MixtureGaussianEvent, vdi: float, tail: float, resoluti
     if x_top / step > _MAX_POINTS:  # a coarser grid is only looser, never less private
         step = x_top / _MAX_POINTS
         step = float(math.ceil(step)) if step >= 1.0 else 1.0 / math.floor(1.0 / step)
+    # the term with one big summand lives on a grid K times coarser: its S ≥ x_c is large, so
+    # the spread's extra variance (KΔ)²/4 is negligible next to that of the other summands
+    var_sum = float(np.sum(counts * np.expm1(mus**2)))
+    coarse = max(1, int(0.05 * math.sqrt(var_sum) / step))
     groups = [
-        _group(float(m), int(c), step, z_small, z_top) for m, c in zip(mus, counts, strict=True)
+        _group(float(m), int(c), step, z_small, z_top, coarse) for m, c in zip(mus, counts, strict=True)
     ]
-    n_pos = float(sum(gr.count for gr in groups if gr.mu > 0))
     p_big = sum(gr.count * gr.p_big for gr in groups)
     a_max = max(gr.a_big for gr in groups)
     # P-mass of N ≥ 2 and of a summand above x_cap (union bounds); Q-masses for the add side
@@ -366,31 +390,28 @@ def _mixture_pmfs(event: MixtureGaussianEvent, vdi: float, tail: float, resoluti
         smalls = [_Law(0, gr.small.copy()) for gr in groups]
         lower = [_power(sm, gr.count - 1, cap, remove) for sm, gr in zip(smalls, groups, strict=True)]
         full = [
-            sm if lo_ is None else _add(lo_, sm, cap, remove)
-            for sm, lo_ in zip(smalls, lower, strict=True)
+            sm if lo_ is None else _add(lo_, sm, cap, remove) for sm, lo_ in zip(smalls, lower, strict=True)
         ]
         n0 = _sum(full, cap, remove)  # N = 0
-        parts = [n0]
+        atoms = [(n0.lo + np.arange(n0.p.size), n0.p)]  # (index on the Δ grid, Q-mass)
+        to_zero = n0.to_zero
         infinity = charge_p + per if remove else charge_q
         for i, gr in enumerate(groups):
             if gr.big is None:
                 continue
             others = _sum([lower[i]] + full[:i] + full[i + 1 :], cap, remove)
-            big = _Law(gr.k, gr.big * gr.count)
-            if others is None:
-                parts.append(big)
-                continue
-            parts.append(_Law(others.lo + big.lo, _convolve(others.p, big.p), others.to_zero))
-            if remove:  # the small parts' mass dropped above the cap, inside this term
+            big = _Law(gr.k // coarse, gr.big * gr.count)
+            if others is not None:
+                oc = _coarsen(others, coarse)
+                to_zero += oc.to_zero
+                big = _Law(oc.lo + big.lo, _convolve(oc.p, big.p))
+            atoms.append(((big.lo + np.arange(big.p.size)) * coarse, big.p))
+            if remove and others is not None:  # small parts dropped above the cap, here
                 counts_i = [gr2.count - (1 if j == i else 0) for j, gr2 in enumerate(groups)]
                 chern = _chernoff_at(groups, counts_i, b, step, cap)
                 infinity += gr.count * chern * (gr.a_big / (cap * step) + gr.p_big) * b
-        lo = min(pt.lo for pt in parts)
-        hi = max(pt.lo + pt.p.size for pt in parts)
-        q = np.zeros(hi - lo)
-        for pt in parts:
-            q[pt.lo - lo : pt.lo - lo + pt.p.size] += pt.p
-        idx = lo + np.arange(q.size)
+        idx = np.concatenate([a[0] for a in atoms])
+        q = np.concatenate([a[1] for a in atoms])
         pos = (idx > 0) & (q > 0)
         ell = np.log(idx[pos] * (step / b))
         if remove:
@@ -399,8 +420,7 @@ def _mixture_pmfs(event: MixtureGaussianEvent, vdi: float, tail: float, resoluti
         else:
             mass = q[pos]
             k = np.ceil(-ell / vdi)
-            infinity += n0.to_zero + float(q[(idx <= 0) & (q > 0)].sum())
-            infinity += sum(pt.to_zero for pt in parts[1:])
+            infinity += to_zero + float(q[(idx <= 0) & (q > 0)].sum())
         k = k.astype(np.int64)
         kmin = int(k.min())
         probs = np.bincount(k - kmin, weights=mass)
@@ -416,7 +436,6 @@ def _mixture_pmfs(event: MixtureGaussianEvent, vdi: float, tail: float, resoluti
             kept[0] += float(probs[:first].sum())
             probs, kmin = kept, kmin + first
         pmfs.append(pld_pmf.DensePLDPmf(vdi, kmin, probs, min(1.0, infinity), True))
-    del n_pos
     return pmfs[0], pmfs[1], step
 
 
@@ -539,11 +558,11 @@ def calibrate_allocation(event1, epsilon: float, delta: float, rtol: float = 1e-
     """The smallest σ multiplier (within ``rtol``) whose event meets (ε, δ), and its measurement.
 
     ``event1`` is built at σ = 1; every noise multiplier in it is multiplied by the returned σ.
-    The search relies on ε(σ) being non-increasing: it brackets geometrically from the
-    Gaussian bound without amplification (which always meets the target), then bisects on
-    log σ on a coarse grid (value_discretization_interval 1e-3, resolution 0.1, both more
-    pessimistic), and finally refines on the accountant's own grid, stepping up by ``rtol``
-    until the target is met. Every returned σ was evaluated and meets the target.
+    The search relies on ε(σ) being non-increasing: it brackets by halving from the Gaussian
+    bound without amplification (which always meets the target), runs Brent's method on
+    log σ on a coarse grid (value_discretization_interval 1e-3, resolution 0.1: more
+    pessimistic, faster), then evaluates the accountant's own grid at that σ and tries one
+    secant step below it. Every returned σ was evaluated on the fine grid and meets the target.
 
     Args:
         event1: the event at σ = 1 (see ``AllocationPLDAccountant``).
@@ -560,6 +579,10 @@ def calibrate_allocation(event1, epsilon: float, delta: float, rtol: float = 1e-
     """
     import dataclasses
 
+    from scipy.optimize import brentq
+
+    from dpmf.accountants.events import ComposedEvent
+
     epsilon = check_real("epsilon", epsilon, low=0.0, low_inclusive=False)
     delta = check_real("delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
     rtol = check_real("rtol", rtol, low=0.0, high=0.1, low_inclusive=False)
@@ -571,40 +594,45 @@ def calibrate_allocation(event1, epsilon: float, delta: float, rtol: float = 1e-
         def one(e):
             return dataclasses.replace(e, noise_multiplier=e.noise_multiplier * s)
 
-        from dpmf.accountants.events import ComposedEvent
-
         if isinstance(event1, ComposedEvent):
             return ComposedEvent(tuple(one(e) for e in parts))
         return one(event1)
 
-    evals = 0
+    history: dict[float, float] = {}
+
+    def f(x: float) -> float:
+        s = math.exp(x)
+        history[s] = coarse.epsilon(scaled(s), delta).epsilon
+        return min(history[s], 1e6) - epsilon
+
     hi = _gaussian_bound_mu(parts) / gaussian_mu(epsilon, delta)  # meets the target
-    lo = hi / 1.5
-    while True:
-        evals += 1
-        if coarse.epsilon(scaled(lo), delta).epsilon > epsilon:
-            break
-        hi, lo = lo, lo / 1.5
+    lo = hi / 2.0
+    while f(math.log(lo)) <= 0:
+        hi, lo = lo, lo / 2.0
         if lo < 1e-4:
             raise ValueError("calibration failed: the target is met for every noise multiplier >= 1e-4")
-    while hi / lo > 1.0 + rtol / 2.0:
-        mid = math.sqrt(lo * hi)
-        evals += 1
-        if coarse.epsilon(scaled(mid), delta).epsilon <= epsilon:
-            hi = mid
-        else:
-            lo = mid
-    # the fine grid is tighter: try a little below the coarse answer, then step up as needed
-    s = lo * (1.0 + rtol / 2.0)
-    meas = fine.epsilon(scaled(s), delta)
+    if math.log(hi) - math.log(lo) > rtol / 4.0:
+        brentq(f, math.log(lo), math.log(hi), xtol=rtol / 4.0, rtol=1e-12)
+    s_coarse = min(s for s, e in history.items() if e <= epsilon)
+    evals = len(history)
+    meas = fine.epsilon(scaled(s_coarse), delta)
     evals += 1
-    if meas.epsilon <= epsilon:
-        return s, meas, {"evaluations": evals}
-    s = hi
-    meas = fine.epsilon(scaled(s), delta)
-    evals += 1
-    while meas.epsilon > epsilon:
+    s = s_coarse
+    while meas.epsilon > epsilon:  # the fine grid was not tighter here: step up
         s *= 1.0 + rtol
         meas = fine.epsilon(scaled(s), delta)
         evals += 1
-    return s, meas, {"evaluations": evals}
+    # one secant step below, with the slope of the coarse evaluations near the answer
+    near = sorted((math.log(t), e) for t, e in history.items() if abs(math.log(t / s)) < 0.2)
+    if len(near) >= 2 and meas.epsilon < epsilon:
+        x = np.array([p[0] for p in near])
+        y = np.array([p[1] for p in near])
+        slope = -float(np.polyfit(x, y, 1)[0])
+        if slope > 0:
+            s2 = s * math.exp(-(epsilon - meas.epsilon) / slope + rtol / 4.0)
+            if s2 < s * (1.0 - rtol / 2.0):
+                meas2 = fine.epsilon(scaled(s2), delta)
+                evals += 1
+                if meas2.epsilon <= epsilon:
+                    s, meas = s2, meas2
+    return s, meas, {"evaluations": evals, "coarse_noise_multiplier": s_coarse}
