@@ -352,13 +352,13 @@ def _mixture_pmfs(event: MixtureGaussianEvent, vdi: float, tail: float, resoluti
 
     The sum S is split by the number N of summands above their x_c: N = 0 (all small),
     N = 1 (one big summand on its own grid, convolved with the other small ones) and N ≥ 2
-    (charged in full, with the summands above x_cap). The budget ``tail`` is split in five.
+    (charged in full, with the summands above x_cap). The budget ``tail`` is split in six.
     """
     b = event.bins
     g = np.diag(event.gram)
     values, counts = np.unique(g, return_counts=True)
     mus = np.sqrt(values) / event.noise_multiplier
-    per = tail / 5.0
+    per = tail / 6.0
     step = _grid_step(mus, counts, resolution, per)
     if np.any(mus > 0):
         z_small = _split_point(mus, counts, per)
@@ -424,10 +424,11 @@ def _mixture_pmfs(event: MixtureGaussianEvent, vdi: float, tail: float, resoluti
         k = k.astype(np.int64)
         kmin = int(k.min())
         probs = np.bincount(k - kmin, weights=mass)
-        # in loss space moving mass up is always pessimistic: the lower tail goes up to the
-        # first kept loss, the upper tail (at most ``per``) to +inf
+        # in loss space moving mass up is always pessimistic (δ grows by at most the mass
+        # moved): the lower tail (at most ``per``) goes up to the first kept loss, the upper
+        # tail (at most ``per``) to +inf
         c = np.cumsum(probs)
-        first = int(np.searchsorted(c, _LOW_TAIL, side="right"))
+        first = int(np.searchsorted(c, per, side="right"))
         r = np.cumsum(probs[::-1])
         last = probs.size - int(np.searchsorted(r, per, side="right"))
         if first < last:
@@ -440,21 +441,24 @@ def _mixture_pmfs(event: MixtureGaussianEvent, vdi: float, tail: float, resoluti
 
 
 def _event_pld(event, vdi: float, tail: float, resolution: float):
+    """The composed PLD; at most ``tail`` mass is charged as infinite loss in all (half in
+    the per-copy discretizations, half in dp-accounting's pessimistic tail truncations)."""
     parts = _check_supported(event)
     total = None
     copies = sum(e.count if isinstance(e, GaussianEvent) else e.repetitions for e in parts)
-    per_copy = tail / max(copies, 1)
+    per_copy = tail / 2.0 / max(copies, 1)
+    per_op = tail / 2.0 / (2 * len(parts))  # each self_compose / compose truncates once
     for e in parts:
         if isinstance(e, GaussianEvent):
             pld = _pld.from_gaussian_mechanism(
                 e.noise_multiplier, value_discretization_interval=vdi, pessimistic_estimate=True
-            ).self_compose(e.count)
+            ).self_compose(e.count, tail_mass_truncation=per_op)
         else:
             rem, add, _ = _mixture_pmfs(e, vdi, per_copy, resolution)
             pld = _pld.PrivacyLossDistribution(rem, add)
             if e.repetitions > 1:
-                pld = pld.self_compose(e.repetitions)
-        total = pld if total is None else total.compose(pld)
+                pld = pld.self_compose(e.repetitions, tail_mass_truncation=per_op)
+        total = pld if total is None else total.compose(pld, tail_mass_truncation=per_op)
     return total
 
 
@@ -482,8 +486,9 @@ class AllocationPLDAccountant:
         value_discretization_interval: the loss grid of the dp-accounting PMFs (default 1e-4).
         resolution: the summand grid step Δ relative to the summands' standard deviation
             (default 0.03; smaller is slower and tighter, never less private).
-        tail_fraction: the mass charged as infinite loss, as a fraction of δ (default 1e-4;
-            for ``delta`` queries 1e-12 is charged instead).
+        tail_fraction: the mass charged as infinite loss, as a fraction of δ (default 1e-3:
+            the reported ε meets δ with 0.1% of it spent on truncated tails; for ``delta``
+            queries 1e-12 is charged instead).
 
     Raises:
         ValueError: any argument not positive (resolution and tail_fraction also ≤ 0.5).
@@ -495,7 +500,7 @@ class AllocationPLDAccountant:
         self,
         value_discretization_interval: float = 1e-4,
         resolution: float = 0.03,
-        tail_fraction: float = 1e-4,
+        tail_fraction: float = 1e-3,
     ):
         self.value_discretization_interval = check_real(
             "value_discretization_interval",
