@@ -1,14 +1,16 @@
-"""Sampling-free accounting of balls-in-bins sampling (random allocation) with independent bins.
+"""Sampling-free accounting of balls-in-bins sampling (random allocation).
 
 In the balls-in-bins scheme every example sits in exactly one of b bins, chosen uniformly; for
-DP-SGD (``epoch_balls_in_bins``) a fresh bin every epoch. Its dominating pair is the
+DP-SGD (``epoch_balls_in_bins``) a fresh bin every epoch, for matrix mechanisms
+(``balls_in_bins``) one bin for the whole run. Its dominating pair is the
 ``MixtureGaussianEvent`` P = (1/b) Σ_j N(v_j, σ²I) against Q = N(0, σ²I). This module measures
-it *deterministically* (no sampling, no confidence level) when the bins are **orthogonal**:
-the Gram matrix G_ij = ⟨v_i, v_j⟩ is diagonal. That is the random-allocation setting of
-Feldman & Shenfeld, "Privacy amplification by random allocation" (arXiv 2502.08202) and
-"Efficient privacy loss accounting for subsampling and random allocation" (arXiv 2602.17284):
-DP-SGD with 1-out-of-b allocation per epoch (G = I), its last partial epoch (G = diag(1, …, 1,
-0, …, 0)), and fixed bins for C = I (G = diag of the participations per bin).
+it *deterministically* (no sampling, no confidence level).
+
+Orthogonal bins (G_ij = ⟨v_i, v_j⟩ diagonal): the random-allocation setting of Feldman &
+Shenfeld, "Privacy amplification by random allocation" (arXiv 2502.08202) and "Efficient
+privacy loss accounting for subsampling and random allocation" (arXiv 2602.17284): DP-SGD with
+1-out-of-b allocation per epoch (G = I), its last partial epoch (G = diag(1, …, 1, 0, …, 0)),
+and fixed bins for C = I (G = diag of the participations per bin).
 
 The reduction to one sum. With μ_j² = G_jj/σ², under Q the likelihood ratio is
 
@@ -25,29 +27,42 @@ dominates it in the **convex order** (E f(L') ≥ E f(L) for every convex f) can
 both δ's, for every number of epochs (Fubini, one coordinate at a time). Convex order is kept
 by independent sums and produced by *mean-preserving spreads*; that is the discretization here:
 
-1. each X_j, restricted to X_j ≤ x_cap, is spread onto the grid {iΔ}: the Q-mass of every cell
-   [iΔ, (i+1)Δ) goes to its two end points with the cell's exact conditional mean kept
-   (normal-cdf formulas, E[X·1{z∈[a,c]}] = Φ(c−μ) − Φ(a−μ));
-2. the b summands are added exactly on that grid (FFT convolutions, binary powering);
-3. mass that is cut away is charged in full: P(some X_j > x_cap) ≤ max_j P_{z∼N(μ_j,1)}(·) +
-   Σ_j P_Q(X_j > x_cap) (a union bound) and a Chernoff bound for the remove direction above
-   the top of the grid, E_Q[L·1{S > s}] ≤ (e^{−λs}/b)·(Π_j ψ_j(λ))·Σ_j ψ_j'(λ)/ψ_j(λ) with
-   ψ_j(λ) = E[e^{λX_j}] of the spread law (an upper bound: e^{λx} and x·e^{λx} are convex),
-   both become mass at +∞ loss; below the grid's useful range the remove direction moves
-   mass *up* (increasing convex order suffices for δ_R) and the add direction moves it to
-   L = 0 (infinite loss);
+1. each X_j is spread onto the grid {iΔ}: the Q-mass of every cell [iΔ, (i+1)Δ) goes to its
+   two end points with the cell's exact conditional mean kept (normal-cdf formulas,
+   E[X·1{z∈[a,c]}] = Φ(c−μ) − Φ(a−μ)). The sum is split by the number N of summands above
+   a threshold x_c: N = 0 (every summand on the fine grid [0, x_c]), N = 1 (the big summand
+   on a grid K times coarser up to x_cap, with the others spread onto it too) and N ≥ 2,
+   charged in full as infinite loss (a union bound), as is a summand above x_cap;
+2. the summands are added exactly on their grid (FFT convolutions, binary powering);
+3. the remove direction drops mass above the top of the grid and charges it by a Chernoff
+   bound, E_Q[L·1{S > s}] ≤ (e^{−λs}/b)·(Π_j ψ_j(λ))·Σ_j ψ_j'(λ)/ψ_j(λ) with ψ_j(λ) =
+   E[e^{λX_j}] of the spread law (an upper bound: e^{λx} and x·e^{λx} are convex); below the
+   useful range it moves mass *up* (increasing convex order suffices for δ_R); the add
+   direction clamps mass above the top down and sends the far lower tail to L = 0 (infinite
+   loss);
 4. the per-epoch law becomes two dp-accounting PMFs with losses rounded *up* to the grid of
    ``value_discretization_interval`` (remove: P-mass q·L at log L; add: Q-mass q at −log L),
-   composed by dp-accounting (``self_compose`` / ``compose``, pessimistic tails).
+   whose far tails (at most the tail budget) are moved up, and which dp-accounting composes
+   (``self_compose`` / ``compose``, pessimistic tail truncation).
 
-Every step is an upper bound on both δ's (the spread only adds variance ≤ Δ²/4 per summand; it
-is second-order, not a shift), so the reported ε is an ``upper_bound``. The only departures
-from exact arithmetic are floating point and FFT round-off (negative round-off is clipped to
-0), as in dp-accounting's own PLD composition.
+Correlated bins (a banded strategy under fixed bins). If the bins split into classes J_c of
+pairwise uncorrelated bins (``independent_classes``; for a p-banded C with p ≤ b, ⌊b/p⌋ bins
+per class), then with weights w_c = |J_c|/b, L = Σ_c w_c·M_c where M_c, the mean of its
+class's X_j, is a sum of *independent* log-normals (jointly Gaussian, uncorrelated). Jensen's
+inequality, f(L) ≤ Σ_c w_c·f(M_c) for convex f, bounds L in the convex order by the mixture of
+the laws of the M_c: an orthogonal allocation over |J_c| bins each. This is a simpler and
+looser argument than the Rényi/dynamic-programming and conditional-composition bounds of
+Schuchardt & Kalinin, "Sampling-Free Privacy Accounting for Matrix Mechanisms under Random
+Allocation" (arXiv 2601.21636): it keeps amplification by ⌊b/p⌋ bins, not b. When no two bins
+are uncorrelated (a strategy that is not banded, or bands > b/2) there is no amplification
+left; ``supports`` says no and ``epsilon`` refuses by name (the Monte Carlo accountant measures
+those).
 
-Matrix mechanisms with non-orthogonal bins (G not diagonal, e.g. banded strategies under
-fixed bins) are *not* covered: the sum above then has correlated terms. ``supports`` says no
-and ``epsilon`` refuses them by name; the Monte Carlo accountant measures them.
+Every step is an upper bound on both δ's (the spreads only add variance ≤ Δ²/4 per summand;
+second order, not a shift), so the reported ε is an ``upper_bound``, never above the Gaussian
+bound without amplification (μ = max_j ‖v_j‖/σ per copy, joint convexity), which is reported
+instead when smaller. The only departures from exact arithmetic are floating point and FFT
+round-off (negative round-off clipped to 0), as in dp-accounting's own PLD composition.
 """
 
 from __future__ import annotations
@@ -66,7 +81,12 @@ from dpmf.accountants.events import GaussianEvent, MixtureGaussianEvent, flatten
 from dpmf.accountants.gaussian import gaussian_epsilon, gaussian_mu
 from dpmf.accountants.result import Measurement
 
-__all__ = ["AllocationPLDAccountant", "calibrate_allocation", "is_orthogonal_mixture"]
+__all__ = [
+    "AllocationPLDAccountant",
+    "calibrate_allocation",
+    "independent_classes",
+    "is_orthogonal_mixture",
+]
 
 _MAX_POINTS = 1 << 20  # grid points of a summand's big part (beyond it the grid is coarsened)
 _LOW_TAIL = 1e-30  # mass cut below a partial sum's useful range (moved up / to L = 0)
@@ -80,23 +100,69 @@ def is_orthogonal_mixture(event) -> bool:
     return not np.any(G - np.diag(np.diag(G)))
 
 
+def independent_classes(gram) -> list[np.ndarray]:
+    """A partition of the bins into classes of pairwise uncorrelated bins (G_ij = 0).
+
+    For a diagonal G: one class. Otherwise let w be the largest *cyclic* distance
+    min(|i − j|, b − |i − j|) of a non-zero G_ij (for a p-banded strategy with p ≤ b under
+    fixed bins, w ≤ p − 1: a column only meets the next p − 1 columns, across the epoch
+    boundary too). The cycle of b bins is cut into q = ⌊b/(w + 1)⌋ segments of ⌊b/q⌋ or
+    ⌈b/q⌉ consecutive bins, and class c holds the c-th bin of every segment: two bins of one
+    class are at least w + 1 apart. Every class is checked (G restricted to it must be
+    diagonal); when q ≤ 1 or a check fails, every bin is its own class.
+
+    Args:
+        gram: the b×b Gram matrix.
+
+    Returns:
+        The classes, as arrays of bin indices, sizes non-increasing.
+    """
+    G = np.asarray(gram, dtype=np.float64)
+    b = G.shape[0]
+    off = G - np.diag(np.diag(G))
+    i, j = np.nonzero(off)
+    if i.size == 0:
+        return [np.arange(b)]
+    d = np.abs(i - j)
+    w = int(np.max(np.minimum(d, b - d)))
+    q = b // (w + 1)
+    singletons = [np.array([k]) for k in range(b)]
+    if q <= 1:
+        return singletons
+    base, extra = divmod(b, q)
+    lengths = [base + 1] * extra + [base] * (q - extra)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    classes = []
+    for c in range(max(lengths)):
+        members = np.array([st + c for st, ln in zip(starts, lengths, strict=True) if c < ln], dtype=np.int64)
+        sub = off[np.ix_(members, members)]
+        if np.any(sub):
+            return singletons
+        classes.append(members)
+    return classes
+
+
+def _amplifies(event: MixtureGaussianEvent) -> bool:
+    return len(independent_classes(event.gram)) < event.bins or event.bins == 1
+
+
 def _check_supported(event) -> list:
     parts = flatten(event)
     for e in parts:
         if isinstance(e, GaussianEvent):
             continue
         if isinstance(e, MixtureGaussianEvent):
-            if not is_orthogonal_mixture(e):
+            if not _amplifies(e):
                 raise ValueError(
-                    "event is invalid for the allocation_pld accountant: its balls-in-bins "
-                    f"Gram matrix ({e.bins}×{e.bins}) is not diagonal (the bins' contributions "
-                    "are correlated, e.g. a banded strategy); use accountant='monte_carlo'"
+                    "event is invalid for the allocation_pld accountant: every pair of its "
+                    f"{e.bins} bins is correlated (no two bins are more than b/2 apart with "
+                    "G_ij = 0, e.g. a strategy that is not banded with bands <= bins/2), so the "
+                    "bound has no amplification; use accountant='monte_carlo'"
                 )
             continue
         raise ValueError(
             f"event {type(e).__name__} is not supported by the allocation_pld accountant: it "
-            "measures balls-in-bins (MixtureGaussianEvent with a diagonal Gram matrix) and "
-            "Gaussian events"
+            "measures balls-in-bins (MixtureGaussianEvent) and Gaussian events"
         )
     return parts
 
@@ -440,6 +506,50 @@ def _mixture_pmfs(event: MixtureGaussianEvent, vdi: float, tail: float, resoluti
     return pmfs[0], pmfs[1], step
 
 
+def _combine(pmfs, weights, vdi: float) -> pld_pmf.DensePLDPmf:
+    """The PMF of the mixture Σ_c w_c·(law c): masses and infinite masses add linearly."""
+    lower = min(p._lower_loss for p in pmfs)  # noqa: SLF001 (dp-accounting's PMF fields)
+    upper = max(p._lower_loss + p._probs.size for p in pmfs)  # noqa: SLF001
+    probs = np.zeros(upper - lower)
+    infinity = 0.0
+    for p, w in zip(pmfs, weights, strict=True):
+        start = p._lower_loss - lower  # noqa: SLF001
+        probs[start : start + p._probs.size] += w * p._probs  # noqa: SLF001
+        infinity += w * p._infinity_mass  # noqa: SLF001
+    return pld_pmf.DensePLDPmf(vdi, lower, probs, min(1.0, infinity), True)
+
+
+def _class_pmfs(event: MixtureGaussianEvent, vdi: float, tail: float, resolution: float):
+    """(remove, add) PMFs of one copy of any mixture, through its independent classes.
+
+    With classes J_1, …, J_r of pairwise uncorrelated bins (``independent_classes``),
+    L = Σ_c (|J_c|/b)·M_c with M_c = (1/|J_c|)·Σ_{j∈J_c} X_j, and Jensen's inequality gives
+    f(L) ≤ Σ_c (|J_c|/b)·f(M_c) for every convex f: L is dominated in the convex order by the
+    *mixture* of the laws of the M_c, each an orthogonal mixture of |J_c| independent bins.
+    Within a class the squared norms are rounded up to the class size's largest (log-normals
+    of mean 1 grow in the convex order with their variance), so classes of one size share
+    one computation.
+    """
+    if is_orthogonal_mixture(event):
+        rem, add, _ = _mixture_pmfs(event, vdi, tail, resolution)
+        return rem, add
+    classes = independent_classes(event.gram)
+    g = np.diag(event.gram)
+    b = event.bins
+    by_size: dict[int, float] = {}
+    for members in classes:
+        by_size[members.size] = max(by_size.get(members.size, 0.0), float(np.max(g[members])))
+    rems, adds, weights = [], [], []
+    for size, top in sorted(by_size.items()):
+        n_classes = sum(1 for m in classes if m.size == size)
+        sub = MixtureGaussianEvent(event.noise_multiplier, np.eye(size) * top, 1)
+        rem, add, _ = _mixture_pmfs(sub, vdi, tail, resolution)
+        rems.append(rem)
+        adds.append(add)
+        weights.append(size * n_classes / b)
+    return _combine(rems, weights, vdi), _combine(adds, weights, vdi)
+
+
 def _event_pld(event, vdi: float, tail: float, resolution: float):
     """The composed PLD; at most ``tail`` mass is charged as infinite loss in all (half in
     the per-copy discretizations, half in dp-accounting's pessimistic tail truncations)."""
@@ -454,7 +564,7 @@ def _event_pld(event, vdi: float, tail: float, resolution: float):
                 e.noise_multiplier, value_discretization_interval=vdi, pessimistic_estimate=True
             ).self_compose(e.count, tail_mass_truncation=per_op)
         else:
-            rem, add, _ = _mixture_pmfs(e, vdi, per_copy, resolution)
+            rem, add = _class_pmfs(e, vdi, per_copy, resolution)
             pld = _pld.PrivacyLossDistribution(rem, add)
             if e.repetitions > 1:
                 pld = pld.self_compose(e.repetitions, tail_mass_truncation=per_op)
@@ -474,13 +584,14 @@ def _gaussian_bound_mu(parts) -> float:
 
 
 class AllocationPLDAccountant:
-    """Deterministic PLD accountant for balls-in-bins sampling with orthogonal bins.
+    """Deterministic PLD accountant for balls-in-bins sampling (random allocation).
 
-    Measures ``MixtureGaussianEvent`` s with a diagonal Gram matrix (DP-SGD under random
-    allocation, ``epoch_balls_in_bins``; fixed bins with C = I), ``GaussianEvent`` s and their
+    Measures ``MixtureGaussianEvent`` s (DP-SGD under random allocation,
+    ``epoch_balls_in_bins``; fixed bins, ``balls_in_bins``, for C = I exactly and for banded
+    strategies through classes of uncorrelated bins), ``GaussianEvent`` s and their
     compositions, by the convex-order discretization described in the module docstring.
     The reported ε is the smaller of that bound and the Gaussian bound without amplification
-    (both valid).
+    (both valid). Mixtures with no pair of uncorrelated bins are refused.
 
     Args:
         value_discretization_interval: the loss grid of the dp-accounting PMFs (default 1e-4).
@@ -522,12 +633,22 @@ class AllocationPLDAccountant:
             return False
         return True
 
-    def _method(self) -> str:
+    def _method(self, parts=()) -> str:
+        classes = [
+            len(independent_classes(e.gram))
+            for e in parts
+            if isinstance(e, MixtureGaussianEvent) and not is_orthogonal_mixture(e)
+        ]
+        extra = (
+            f"; correlated bins bounded through {max(classes)} classes of uncorrelated bins (Jensen)"
+            if classes
+            else ""
+        )
         return (
             "random-allocation PLD, convex-order discretization of the log-normal sum "
             "(Feldman & Shenfeld 2025, arXiv 2502.08202 / 2602.17284 setting; "
             f"value_discretization_interval={self.value_discretization_interval:g}, "
-            f"resolution={self.resolution:g})"
+            f"resolution={self.resolution:g}{extra})"
         )
 
     def pld(self, event, tail: float = 1e-12):
@@ -549,14 +670,15 @@ class AllocationPLDAccountant:
         if eps_gauss <= eps:
             method = "Gaussian bound without amplification (joint convexity; smaller than the PLD)"
             return Measurement(eps_gauss, delta, self.name, "upper_bound", method)
-        return Measurement(max(eps, 0.0), delta, self.name, "upper_bound", self._method())
+        return Measurement(max(eps, 0.0), delta, self.name, "upper_bound", self._method(parts))
 
     def delta(self, event, epsilon: float) -> Measurement:
         """δ at ``epsilon``: an upper bound (deterministic)."""
         epsilon = check_real("epsilon", epsilon, low=0.0)
-        _check_supported(event)
+        parts = _check_supported(event)
         d = float(self.pld(event, tail=1e-12).get_delta_for_epsilon(epsilon))
-        return Measurement(epsilon, min(max(d, 0.0), 1.0), self.name, "upper_bound", self._method())
+        method = self._method(parts)
+        return Measurement(epsilon, min(max(d, 0.0), 1.0), self.name, "upper_bound", method)
 
 
 def calibrate_allocation(event1, epsilon: float, delta: float, rtol: float = 1e-3, accountant=None):
