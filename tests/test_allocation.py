@@ -273,3 +273,17 @@ def test_calibration_of_the_reference_banded_run():
     gauss = event1.max_norm / gaussian_mu(3.0, 1e-5)
     # between the certified Monte Carlo answer (2.1654) and the Gaussian bound (4.40)
     assert 2.1654 < sigma < 0.65 * gauss
+
+
+def test_the_generic_monotone_search_of_the_api_works_with_this_accountant():
+    # the calibration contract: ε(σ) non-increasing, events rescaled by api._rescaled
+    from dpmf.accountants.api import _rescaled, _smallest_feasible
+
+    event1 = MixtureGaussianEvent(1.0, np.eye(20), 3)
+    acc = AllocationPLDAccountant(value_discretization_interval=1e-3, resolution=0.1)
+    sigma, eps, evaluated = _smallest_feasible(
+        lambda s: acc.epsilon(_rescaled(event1, s), 1e-5).epsilon, 2.0, 1.0, 1e-3
+    )
+    assert eps <= 2.0 and evaluated[sigma] == eps
+    ours, _, _ = calibrate_allocation(event1, 2.0, 1e-5, accountant=acc)
+    assert ours == pytest.approx(sigma, rel=5e-3)

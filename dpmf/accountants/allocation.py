@@ -78,7 +78,7 @@ from scipy.special import logsumexp, ndtr, ndtri
 
 from dpmf._validation import check_real
 from dpmf.accountants.events import GaussianEvent, MixtureGaussianEvent, flatten
-from dpmf.accountants.gaussian import gaussian_epsilon, gaussian_mu
+from dpmf.accountants.gaussian import gaussian_delta, gaussian_epsilon, gaussian_mu
 from dpmf.accountants.result import Measurement
 
 __all__ = [
@@ -90,6 +90,12 @@ __all__ = [
 
 _MAX_POINTS = 1 << 20  # grid points of a summand's big part (beyond it the grid is coarsened)
 _LOW_TAIL = 1e-30  # mass cut below a partial sum's useful range (moved up / to L = 0)
+_MAX_MU = 12.0  # per-bin μ = ‖v‖/σ beyond which only the Gaussian bound is used (ε ≳ 70)
+_MAX_LOG_X = 200.0  # log of the largest summand value on a grid (beyond: Gaussian bound)
+
+
+class _NoiseTooSmall(ArithmeticError):
+    """The per-bin μ is so large that the summands' range does not fit a float grid."""
 
 
 def is_orthogonal_mixture(event) -> bool:
@@ -424,6 +430,8 @@ def _mixture_pmfs(event: MixtureGaussianEvent, vdi: float, tail: float, resoluti
     g = np.diag(event.gram)
     values, counts = np.unique(g, return_counts=True)
     mus = np.sqrt(values) / event.noise_multiplier
+    if float(np.max(mus)) > _MAX_MU:
+        raise _NoiseTooSmall()
     per = tail / 6.0
     step = _grid_step(mus, counts, resolution, per)
     if np.any(mus > 0):
@@ -433,6 +441,8 @@ def _mixture_pmfs(event: MixtureGaussianEvent, vdi: float, tail: float, resoluti
         z_top = max(z_top, z_small + 0.5)
     else:
         z_small = z_top = 0.0
+    if float(np.max(mus * z_top - mus**2 / 2.0)) > _MAX_LOG_X:
+        raise _NoiseTooSmall()
     x_top = float(np.max(np.exp(mus * z_top - mus**2 / 2.0)))
     if x_top / step > _MAX_POINTS:  # a coarser grid is only looser, never less private
         step = x_top / _MAX_POINTS
@@ -472,10 +482,13 @@ def _mixture_pmfs(event: MixtureGaussianEvent, vdi: float, tail: float, resoluti
                 to_zero += oc.to_zero
                 big = _Law(oc.lo + big.lo, _convolve(oc.p, big.p))
             atoms.append(((big.lo + np.arange(big.p.size)) * coarse, big.p))
-            if remove and others is not None:  # small parts dropped above the cap, here
+            if remove and others is not None:
+                # the others' mass dropped above s = capΔ, inside this term: with R the
+                # others' sum and C ≥ E[(R/b)·1{R > s}] (Chernoff), its P-mass is
+                # (c/b)·(E[X; big]·P(R > s) + P(big)·E[R·1{R > s}]) ≤ c·C·(a_big/s + p_big)
                 counts_i = [gr2.count - (1 if j == i else 0) for j, gr2 in enumerate(groups)]
                 chern = _chernoff_at(groups, counts_i, b, step, cap)
-                infinity += gr.count * chern * (gr.a_big / (cap * step) + gr.p_big) * b
+                infinity += gr.count * chern * (gr.a_big / (cap * step) + gr.p_big)
         idx = np.concatenate([a[0] for a in atoms])
         q = np.concatenate([a[1] for a in atoms])
         pos = (idx > 0) & (q > 0)
@@ -652,7 +665,16 @@ class AllocationPLDAccountant:
         )
 
     def pld(self, event, tail: float = 1e-12):
-        """The dp-accounting ``PrivacyLossDistribution`` bounding ``event`` (both directions)."""
+        """The dp-accounting ``PrivacyLossDistribution`` bounding ``event`` (both directions).
+
+        Args:
+            event: a supported event (see the class docstring).
+            tail: total mass charged as infinite loss for truncations, in (0, 0.5].
+
+        Raises:
+            ValueError: an unsupported event or tail; ArithmeticError when a bin's μ = ‖v‖/σ
+                is too large for the grid (σ far below 0.1·‖v‖): use the Gaussian bound.
+        """
         tail = check_real("tail", tail, low=0.0, high=0.5, low_inclusive=False)
         return _event_pld(event, self.value_discretization_interval, tail, self.resolution)
 
@@ -665,8 +687,11 @@ class AllocationPLDAccountant:
         delta = check_real("delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
         parts = _check_supported(event)
         eps_gauss = gaussian_epsilon(_gaussian_bound_mu(parts), delta)
-        pld = self.pld(event, tail=self.tail_fraction * delta)
-        eps = float(pld.get_epsilon_for_delta(delta))
+        try:
+            pld = self.pld(event, tail=self.tail_fraction * delta)
+            eps = float(pld.get_epsilon_for_delta(delta))
+        except _NoiseTooSmall:
+            eps = math.inf
         if eps_gauss <= eps:
             method = "Gaussian bound without amplification (joint convexity; smaller than the PLD)"
             return Measurement(eps_gauss, delta, self.name, "upper_bound", method)
@@ -676,7 +701,14 @@ class AllocationPLDAccountant:
         """δ at ``epsilon``: an upper bound (deterministic)."""
         epsilon = check_real("epsilon", epsilon, low=0.0)
         parts = _check_supported(event)
-        d = float(self.pld(event, tail=1e-12).get_delta_for_epsilon(epsilon))
+        d_gauss = gaussian_delta(_gaussian_bound_mu(parts), epsilon)
+        try:
+            d = float(self.pld(event, tail=1e-12).get_delta_for_epsilon(epsilon))
+        except _NoiseTooSmall:
+            d = math.inf
+        if d_gauss <= d:
+            method = "Gaussian bound without amplification (joint convexity; smaller than the PLD)"
+            return Measurement(epsilon, d_gauss, self.name, "upper_bound", method)
         method = self._method(parts)
         return Measurement(epsilon, min(max(d, 0.0), 1.0), self.name, "upper_bound", method)
 
