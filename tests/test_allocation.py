@@ -115,7 +115,7 @@ def test_two_bins_bound_the_exact_quadrature_tightly():
             assert ours <= exact * 1.01 + 1e-10
 
 
-def test_two_bins_are_more_private_than_one_bin_and_less_than_no_participation():
+def test_two_bins_are_more_private_than_one_bin_but_not_free():
     # amplification: ε(b = 2) < ε(b = 1) at the same σ
     e1 = gaussian_epsilon(1.0, 1e-5)
     e2 = ACC.epsilon(MixtureGaussianEvent(1.0, np.eye(2), 1), 1e-5).epsilon
