@@ -3,7 +3,8 @@
 N = 60000, B = 256 (b = 235 bins), 10 epochs (n = 2350 steps), target (ε, δ) = (3, 1e-5):
 
 1. ``balls_in_bins`` with bsr:16 (fixed bins): ``calibrate(..., accountant="monte_carlo")``
-   (the baseline, certified at 99 %) against ``calibrate_allocation`` (allocation_pld,
+   (the baseline, certified at 99 %, at ``--mc-samples`` samples per direction and round,
+   default 10⁶ as in bench_accounting.py) against ``calibrate_allocation`` (allocation_pld,
    deterministic; target < 10 s);
 2. ``epoch_balls_in_bins`` (DP-SGD, a fresh bin per epoch): ``calibrate_allocation`` (target
    < 5 s) against DP-SGD with Poisson sampling at q = 1/b (dp-accounting PLD), and, with
@@ -13,7 +14,7 @@ N = 60000, B = 256 (b = 235 bins), 10 epochs (n = 2350 steps), target (ε, δ) =
 Deterministic calibrations are repeated ``--repeats`` times (median); Monte Carlo runs once.
 
 Run from the repository root:  python benchmarks/bench_allocation.py [--repeats R]
-    [--epoch-monte-carlo]
+    [--mc-samples M] [--epoch-monte-carlo]
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _timed(fn, repeats=1):
     return statistics.median(times), out
 
 
-def bench_banded(repeats: int) -> None:
+def bench_banded(repeats: int, mc_samples: int) -> None:
     f = factorize(prefix_sum(STEPS), "bsr:16")
     run = check_run("balls_in_bins", N, B, STEPS, f)
     event1, _ = build_event(run, 1.0)
@@ -53,13 +54,17 @@ def bench_banded(repeats: int) -> None:
             steps=STEPS,
             factorization=f,
             accountant="monte_carlo",
+            samples=mc_samples,
             progress=False,
         )
     )
     t_al, (sigma, meas, details) = _timed(lambda: calibrate_allocation(event1, EPS, DELTA), repeats)
     check = AllocationPLDAccountant().epsilon(build_event(run, sigma)[0], DELTA)
     print("[1] balls_in_bins, bsr:16, N = 60000, B = 256, 10 epochs, (3, 1e-5)")
-    print(f"    monte_carlo:    sigma = {mc.noise_multiplier:.4f} ({mc.guarantee}), {t_mc:.1f} s (one run)")
+    print(
+        f"    monte_carlo:    sigma = {mc.noise_multiplier:.4f} ({mc.guarantee}, {mc_samples:.3g} "
+        f"samples), {t_mc:.1f} s (one run)"
+    )
     print(
         f"    allocation_pld: sigma = {sigma:.4f} (upper_bound, epsilon at sigma {check.epsilon:.4f}), "
         f"{t_al:.2f} s (median of {repeats}), {details['evaluations']} evaluations"
@@ -67,11 +72,12 @@ def bench_banded(repeats: int) -> None:
     print(
         f"    sigma ratio allocation/monte_carlo = {sigma / mc.noise_multiplier:.3f}; "
         f"time ratio monte_carlo/allocation = {t_mc / t_al:.1f}x; "
-        f"target < 10 s: {'met' if t_al < 10 else 'NOT met'}"
+        f"target < 10 s: {'met' if t_al < 10 else 'NOT met'}",
+        flush=True,
     )
 
 
-def bench_epochs(repeats: int, with_monte_carlo: bool) -> None:
+def bench_epochs(repeats: int, with_monte_carlo: bool, mc_samples: int) -> None:
     run = check_run("epoch_balls_in_bins", N, B, STEPS)
     event1, info = build_event(run, 1.0)
     bins = info["details"]["bins"]
@@ -100,12 +106,14 @@ def bench_epochs(repeats: int, with_monte_carlo: bool) -> None:
                 batch_size=B,
                 steps=STEPS,
                 accountant="monte_carlo",
+                samples=mc_samples,
                 progress=False,
             )
         )
         print(
             f"    monte_carlo:    sigma = {mc.noise_multiplier:.4f} ({mc.guarantee}), {t_mc:.1f} s "
-            f"(one run); sigma ratio allocation/monte_carlo = {sigma / mc.noise_multiplier:.3f}"
+            f"(one run); sigma ratio allocation/monte_carlo = {sigma / mc.noise_multiplier:.3f}",
+            flush=True,
         )
 
 
@@ -117,11 +125,16 @@ def main() -> None:
         action="store_true",
         help="also run the (slow) Monte Carlo calibration of epoch_balls_in_bins",
     )
+    parser.add_argument(
+        "--mc-samples", type=float, default=1e6, help="Monte Carlo samples per direction and round"
+    )
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats={args.repeats} is invalid: must be >= 1")
-    bench_banded(args.repeats)
-    bench_epochs(args.repeats, args.epoch_monte_carlo)
+    if args.mc_samples < 1000:
+        parser.error(f"--mc-samples={args.mc_samples:g} is invalid: must be >= 1000")
+    bench_banded(args.repeats, int(args.mc_samples))
+    bench_epochs(args.repeats, args.epoch_monte_carlo, int(args.mc_samples))
 
 
 if __name__ == "__main__":
