@@ -97,6 +97,7 @@ def test_epoch_balls_in_bins_one_epoch_matches_independent():
     lo, hi = _bnb_epsilon(1.0, 10, 1e-5)
     r = account(
         "epoch_balls_in_bins",
+        accountant="monte_carlo",
         noise_multiplier=1.0,
         dataset_size=1000,
         batch_size=100,
@@ -307,6 +308,7 @@ def test_too_few_samples_is_a_clear_error():
     with pytest.raises(ValueError, match="samples=1000 is too few"):
         account(
             "epoch_balls_in_bins",
+            accountant="monte_carlo",
             noise_multiplier=1.0,
             dataset_size=100,
             batch_size=10,

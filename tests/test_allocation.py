@@ -29,9 +29,20 @@ from dpmf.accountants.allocation import (
     is_orthogonal_mixture,
 )
 from dpmf.accountants.montecarlo import kl_bernoulli, sample_privacy_losses
-from dpmf.accountants.schemes import build_event, check_run
 from dpmf.mechanisms import factorize
+from dpmf.plan import PrivatePlan
 from dpmf.workloads import prefix_sum
+
+
+def check_run(scheme, dataset_size, batch_size, steps, factorization=None):
+    """The run's plan (C = I without a factorization)."""
+    strategy = "identity" if factorization is None else factorization
+    return PrivatePlan(dataset_size, batch_size, steps=steps, scheme=scheme, strategy=strategy)
+
+
+def build_event(plan, sigma):
+    """The plan's privacy event at σ and its sensitivity."""
+    return plan.event(sigma), {"sensitivity": plan.sensitivity}
 
 ACC = AllocationPLDAccountant()
 
@@ -276,8 +287,9 @@ def test_calibration_of_the_reference_banded_run():
 
 
 def test_the_generic_monotone_search_of_the_api_works_with_this_accountant():
-    # the calibration contract: ε(σ) non-increasing, events rescaled by api._rescaled
-    from dpmf.accountants.api import _rescaled, _smallest_feasible
+    # the calibration contract: ε(σ) non-increasing, events rescaled by calibration.rescaled
+    from dpmf.accountants.calibration import _smallest_feasible
+    from dpmf.accountants.calibration import rescaled as _rescaled
 
     event1 = MixtureGaussianEvent(1.0, np.eye(20), 3)
     acc = AllocationPLDAccountant(value_discretization_interval=1e-3, resolution=0.1)

@@ -13,6 +13,8 @@ Algorithms:
 * library accountants (PLD, RDP, PRV): geometric bracketing and Brent's method on log σ; PLD
   searches a coarse grid (value_discretization_interval 1e-3, pessimistic) and then refines on
   the default grid with a few secant steps; every returned σ was evaluated and meets the target;
+* random allocation (``allocation_pld``): ``calibrate_allocation`` (coarse grid and Brent's
+  method, confirmed on the fine grid);
 * Monte Carlo: a pilot of m/4 samples places 8 candidates; each round draws m fresh samples per
   direction and certifies every candidate at level α/(2^round·8), so all rounds together fail
   with probability ≤ α; the answer never exceeds the Gaussian bound without amplification.
@@ -28,6 +30,7 @@ import numpy as np
 from scipy.optimize import brentq
 
 from dpmf._validation import check_choice, check_int, check_real
+from dpmf.accountants.allocation import AllocationPLDAccountant
 from dpmf.accountants.events import ComposedEvent, GaussianEvent, PoissonGaussianEvent, flatten
 from dpmf.accountants.gaussian import gaussian_mu
 from dpmf.accountants.library import NoiseTooSmallError, PLDAccountant, PRVAccountant, RDPAccountant
@@ -49,7 +52,7 @@ __all__ = [
     "check_monte_carlo",
 ]
 
-ACCOUNTANTS = ("pld", "rdp", "prv", "monte_carlo")
+ACCOUNTANTS = ("pld", "rdp", "prv", "monte_carlo", "allocation_pld")
 
 
 def check_delta(delta) -> float:
@@ -80,6 +83,8 @@ def make_accountant(name: str, samples=None, seed: int = 0, confidence=None, pro
         return RDPAccountant()
     if name == "prv":
         return PRVAccountant()
+    if name == "allocation_pld":
+        return AllocationPLDAccountant()
     return MonteCarloAccountant(samples, seed, confidence, progress)
 
 
@@ -101,7 +106,8 @@ def calibrate_event(
         event1: the privacy event at σ = 1 (``dpmf.accountants.events``).
         epsilon: target ε > 0.
         delta: target δ in (0, 1).
-        accountant: ``pld``, ``rdp``, ``prv`` or ``monte_carlo``.
+        accountant: ``pld``, ``rdp``, ``prv``, ``monte_carlo`` or ``allocation_pld``
+            (``dpmf.accountants.allocation``: deterministic balls-in-bins bound).
         samples: Monte Carlo samples per direction and round (None: ``samples_needed`` for δ at
             the round-1 level).
         seed: Monte Carlo seed.

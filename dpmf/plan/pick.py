@@ -231,8 +231,11 @@ def pick(
     scheme = check_choice("scheme", scheme, PICK_SCHEMES)
     metric = check_choice("metric", metric, ("mean_se", "max_se"))
     dense_max_steps = check_int("dense_max_steps", dense_max_steps, minimum=1, maximum=DENSE_MAX_STEPS)
-    if accountant is not None and accountant not in ("pld", "rdp", "prv"):
-        raise ValueError(f"accountant={accountant!r} is invalid: must be one of pld, rdp, prv")
+    if accountant is not None and accountant not in ("pld", "rdp", "prv", "allocation_pld"):
+        raise ValueError(
+            f"accountant={accountant!r} is invalid: must be one of pld, rdp, prv (Poisson schemes) or "
+            "allocation_pld (balls_in_bins); Monte Carlo settings are samples/seed/confidence"
+        )
     samples, seed, confidence = check_monte_carlo(samples, seed, confidence)
     chosen = None if scheme == "auto" else get_scheme(scheme)
     if chosen is not None:
@@ -250,10 +253,11 @@ def pick(
         t1 = time.perf_counter()
         try:
             plan = _plan(workload, spec, chosen, run0)
-        except (_Skip, ValueError) as exc:  # infeasible/unsolved, or a scheme precondition
-            skipped.append((spec, str(exc)))
+            entry = _account(plan, epsilon, delta, accountant, samples, seed, confidence, cache, t1)
+        except (_Skip, ValueError) as exc:  # infeasible/unsolved, a scheme precondition, or an
+            skipped.append((spec, str(exc)))  # accountant that cannot measure the candidate
             continue
-        entries.append(_account(plan, epsilon, delta, accountant, samples, seed, confidence, cache, t1))
+        entries.append(entry)
     bar.close()
     if not entries:
         raise ValueError(f"scheme={scheme!r} is invalid for this run: no candidate could be accounted")
@@ -317,10 +321,11 @@ def _account(plan: PrivatePlan, epsilon, delta, accountant, samples, seed, confi
     key = plan.scheme.event_key(plan)
     res = cache.get(key) if key is not None else None
     if res is None:
-        if plan.scheme.default_accountant == "monte_carlo":
+        name = accountant if accountant in plan.scheme.accountants else None  # else its default
+        if plan.scheme.check_accountant(name) == "monte_carlo":
             kw = dict(samples=samples, seed=seed, confidence=confidence, progress=False)
         else:
-            kw = dict(accountant=accountant)
+            kw = dict(accountant=name)
         res = calibrate(plan, epsilon=epsilon, delta=delta, **kw)
         if key is not None:
             cache[key] = res

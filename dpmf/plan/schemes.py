@@ -22,7 +22,8 @@ scheme                      what is accounted                                   
                             CᵀC ≥ 0; Monte Carlo over the mixture of
                             N(C·x_j/s, σ²I) against N(0, σ²I)
 ``epoch_balls_in_bins``     DP-SGD (C = I), a fresh uniform bin per example       1
-                            every epoch; Monte Carlo, epochs composed
+                            every epoch (random allocation), epochs composed;
+                            deterministic PLD bound by default, Monte Carlo too
 ==========================  ==================================================  =================
 
 Every scheme is a frozen dataclass that owns: which strategies it accepts (``check_strategy``,
@@ -61,6 +62,7 @@ from typing import ClassVar
 import numpy as np
 
 from dpmf._validation import check_choice, check_int, check_real
+from dpmf.accountants.calibration import ACCOUNTANTS
 from dpmf.accountants.events import (
     ComposedEvent,
     GaussianEvent,
@@ -202,7 +204,7 @@ class Scheme:
         """
         if accountant is None:
             return self.default_accountant
-        check_choice("accountant", accountant, ("pld", "rdp", "prv", "monte_carlo"))
+        check_choice("accountant", accountant, ACCOUNTANTS)
         if accountant not in self.accountants:
             raise ValueError(
                 f"accountant={accountant!r} is invalid for scheme={self.name!r}: use "
@@ -422,9 +424,11 @@ class CyclicPoisson(Scheme):
 
 
 class _Bins(Scheme):
-    """Common part of the balls-in-bins schemes: b = ⌈N/B⌉ bins, Monte Carlo accounting."""
+    """Common part of the balls-in-bins schemes: b = ⌈N/B⌉ bins, accounted by Monte Carlo
+    (certified at a confidence) or by the deterministic random-allocation bound
+    (``allocation_pld``, ``dpmf.accountants.allocation``; an upper bound)."""
 
-    accountants: ClassVar[tuple[str, ...]] = ("monte_carlo",)
+    accountants: ClassVar[tuple[str, ...]] = ("monte_carlo", "allocation_pld")
     epsilon_each_epoch: ClassVar[bool] = False
 
     def expected_batch_size(self, run):
@@ -482,6 +486,9 @@ class EpochBallsInBins(_Bins):
     name: ClassVar[str] = "epoch_balls_in_bins"
     summary: ClassVar[str] = "DP-SGD, bins redrawn every epoch"
     matrix_mechanism: ClassVar[bool] = False
+    # deterministic and seconds per calibration: the default, and cheap enough for every epoch
+    accountants: ClassVar[tuple[str, ...]] = ("allocation_pld", "monte_carlo")
+    epsilon_each_epoch: ClassVar[bool] = True
 
     def event(self, run, sigma):
         n, b = run.steps, run.steps_per_epoch

@@ -22,7 +22,7 @@ from dpmf.workloads.schedules import SCHEDULES
 __all__ = ["OPTIMIZERS", "ACCOUNTANTS", "DEFAULT_LR", "TrainConfig"]
 
 OPTIMIZERS = ("dp-sgd", "dp-adam", "dp-muon", "dp-muon-s", "dp-muon-bc")
-ACCOUNTANTS = ("pld", "rdp", "prv", "monte_carlo")
+ACCOUNTANTS = ("pld", "rdp", "prv", "monte_carlo", "allocation_pld")
 DEVICES = ("auto", "cpu", "cuda")
 # Base learning rates that work for the small CNN on Fashion-MNIST with ζ = 1 (the private
 # gradient is a mean of clipped gradients, so its norm is at most ≈ ζ): DP-SGD with momentum
