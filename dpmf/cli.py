@@ -238,6 +238,12 @@ _TRAIN_FLAGS = (
     ("--seed", int, "seed of the weights, batches and noise (keep it secret for a released model)"),
     ("--device", str, "auto|cpu|cuda (default auto: CUDA when available)"),
     ("--micro-batch-size", int, "per-example gradients held at once (gradient accumulation)"),
+    (
+        "--clipping",
+        str,
+        "per-example clipping: auto|vmap|ghost|bk (default auto: ghost norms with book-keeping "
+        "where every layer allows it, else torch.func vmap)",
+    ),
     ("--accountant", str, "pld|rdp|prv|monte_carlo (default: the scheme's)"),
     ("--samples", int, "Monte Carlo samples for the balls-in-bins schemes"),
     ("--eval-batch-size", int, "test batch size"),

@@ -134,7 +134,6 @@ class _Call:
     """One forward call of a recorded module at one evaluation point."""
 
     point: int
-    weight: float
     inputs: tuple
     grad: torch.Tensor | None = None
     params: dict | None = None  # generic modules: the parameter values this call used
@@ -223,7 +222,6 @@ class _Engine:
         self.stack: list[_Layer] = []
         self.owner_of: dict[int, _Layer] = {}
         self.point = 0
-        self.weight = 1.0
         self.mode = "record"  # "record", "probe" or "off"
         self.quiet = False  # the hooks' own operations are not the model's
         self.probe_dims: dict[int, set] = {}
@@ -273,9 +271,7 @@ class _Engine:
             if layer.kind == "generic" and (len(args) != 1 or not isinstance(args[0], torch.Tensor)):
                 layer.fallback = "it is called with other than one tensor"
                 return None
-            call = _Call(
-                self.point, self.weight, tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-            )
+            call = _Call(self.point, tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
             layer.calls.append(call)
             self.quiet = True
             try:
@@ -325,11 +321,12 @@ def _linear_form(layer: _Layer, call: _Call):
 
 
 def _cat_calls(layer, dtype):
-    """A, G over all calls (and evaluation points), tokens concatenated; G scaled by the weight."""
+    """A, G over all calls (and evaluation points), tokens concatenated (the output gradients
+    of a point already carry its weight: the backward was of Σ_j w_j Σ_i ℓ_ij)."""
     calls = [c for c in layer.calls if c.grad is not None]
     parts = [_linear_form(layer, c) for c in calls]
     a = torch.cat([a.to(dtype) for a, _ in parts], dim=2)
-    g = torch.cat([g.to(dtype) * c.weight for (_, g), c in zip(parts, calls, strict=True)], dim=2)
+    g = torch.cat([g.to(dtype) for _, g in parts], dim=2)
     return a, g
 
 
@@ -391,7 +388,7 @@ class _Handler:
                 if c.grad is None:
                     continue
                 i = c.inputs[0].reshape(c.inputs[0].shape[0], -1)
-                gg = c.grad.reshape(i.shape[0], -1, c.grad.shape[-1]).to(dtype) * c.weight
+                gg = c.grad.reshape(i.shape[0], -1, c.grad.shape[-1]).to(dtype)
                 if m.padding_idx is not None:
                     gg = gg * (i != m.padding_idx).unsqueeze(-1).to(dtype)
                 ids.append(i)
@@ -425,7 +422,7 @@ class _Handler:
         return out
 
     def _norm_grads(self, call, dtype):
-        m, x, g = self.layer.module, call.inputs[0].to(dtype), call.grad.to(dtype) * call.weight
+        m, x, g = self.layer.module, call.inputs[0].to(dtype), call.grad.to(dtype)
         b = x.shape[0]
         if isinstance(m, nn.GroupNorm):
             xhat = F.group_norm(x, m.num_groups, None, None, m.eps)
@@ -457,7 +454,7 @@ class _Handler:
             return (out * g.unsqueeze(0).to(out.dtype)).sum()
 
         gr = vmap(grad(inner), in_dims=(None, 0, 0), randomness="different")(
-            trainable, call.inputs[0], call.grad * call.weight
+            trainable, call.inputs[0], call.grad
         )
         return gr
 
@@ -578,8 +575,8 @@ def ghost_clipped_sum(
             return None
         engine.anchor = torch.zeros((), device=device, requires_grad=True)
         leaves, losses = [], []
-        for j, (weight, shift) in enumerate(points):
-            engine.point, engine.weight = j, weight
+        for j, (_, shift) in enumerate(points):
+            engine.point = j
             if shift is None:
                 values = {n: named[n] for n in names}
                 engine.owner_of = {id(named[q]): layer for layer in engine.layers for q, _ in layer.params}

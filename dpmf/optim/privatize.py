@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dpmf._validation import check_int, check_real
+from dpmf._validation import check_choice, check_int, check_real
 from dpmf.optim.clipping import check_per_example_safe, clipped_sum, trainable_parameters
+from dpmf.optim.ghost import CLIPPING_MODES
 from dpmf.optim.noise import CorrelatedNoise
 
 __all__ = ["AUTO_MICRO_BATCH_ENTRIES", "PrivateStep", "Privatizer"]
@@ -77,6 +78,11 @@ class Privatizer:
             max(8, ⌊2²⁴/d⌋) examples. Besides bounding memory, moderate micro-batches keep
             the per-example work in cache (on CPU, 3-block CNN, 256 examples: 1.08 s in one
             pass, 0.63 s in micro-batches of 64).
+        clipping: ``"auto"`` (default), ``"vmap"``, ``"ghost"`` or ``"bk"``: how the per-example
+            norms and the clipped sum are computed (``dpmf.optim.clipping.clipped_sum``; the
+            same sum up to rounding, the same sensitivity ζ). Under ``torch.autocast`` (bf16)
+            the norms and sums are taken in float32 and the noise is added in the parameters'
+            dtype.
 
     Raises:
         ValueError: any argument outside its range, a batch-coupled model, or a noise stream
@@ -95,8 +101,10 @@ class Privatizer:
         expected_batch_size: float,
         noise: CorrelatedNoise,
         micro_batch_size: int | None = None,
+        clipping: str = "auto",
     ):
         check_per_example_safe(model)
+        self.clipping = check_choice("clipping", clipping, CLIPPING_MODES)
         self.model = model
         self.loss_fn = loss_fn
         self.clip_norm = check_real("clip_norm", clip_norm, low=0.0, low_inclusive=False)
@@ -169,6 +177,7 @@ class Privatizer:
             step=t,
             example_ids=example_ids,
             points=points,
+            clipping=self.clipping,
         )
         z = self.noise.next()
         scale = self.noise_std

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 
 from dpmf._validation import check_choice, check_int, check_real
 from dpmf.mechanisms.factorizations import parse_factorization
+from dpmf.optim.ghost import CLIPPING_MODES
 from dpmf.train.data import DATASETS
 from dpmf.train.models import MODELS
 from dpmf.train.samplers import SCHEMES
@@ -74,6 +75,10 @@ class TrainConfig:
         seed: seeds the model's initial weights, the sampler and the noise.
         device: ``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``.
         micro_batch_size: per-example gradients held at once (None: the whole batch).
+        clipping: how per-example gradients are clipped and summed: ``auto`` (book-keeping
+            ghost clipping when every layer allows it, else ``vmap``), ``vmap``, ``ghost`` or
+            ``bk`` (``dpmf.optim.clipping.clipped_sum``). The same sum up to rounding, so not
+            part of the run's identity.
         accountant: ``pld``, ``rdp``, ``prv`` or ``monte_carlo``; None: the scheme's default
             (Monte Carlo for the balls-in-bins schemes, PLD otherwise).
         samples: Monte Carlo samples for balls-in-bins accounting (None: the accountant's default).
@@ -112,6 +117,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     micro_batch_size: int | None = None
+    clipping: str = "auto"
     accountant: str | None = None
     samples: int | None = None
     eval_batch_size: int = 1024
@@ -196,6 +202,7 @@ class TrainConfig:
             object.__setattr__(
                 self, "micro_batch_size", check_int("micro_batch_size", self.micro_batch_size, minimum=1)
             )
+        check_choice("clipping", self.clipping, CLIPPING_MODES)
         if self.accountant is not None:
             check_choice("accountant", self.accountant, ACCOUNTANTS)
         if self.samples is not None:
@@ -310,6 +317,6 @@ class TrainConfig:
         """The fields that define the run's trajectory (a resumed run must match them)."""
         d = self.to_dict()
         d["lr"] = self.base_lr
-        for k in ("device", "eval_batch_size", "epsilon_each_epoch", "data_dir"):
+        for k in ("device", "eval_batch_size", "epsilon_each_epoch", "data_dir", "clipping"):
             d.pop(k)
         return d

@@ -373,6 +373,7 @@ def train(
         expected_batch_size=sampler.expected_batch_size,
         noise=noise,
         micro_batch_size=config.micro_batch_size,
+        clipping=config.clipping,
     )
     optimizer = build_optimizer(config, model, log=log)
     # DiSK's prediction: per-example gradients at θ_t and θ_t + γ(θ_t − θ_{t−1}), combined
