@@ -42,9 +42,9 @@ class SeqMixed(nn.Module):
         super().__init__()
         self.emb = nn.Embedding(11, 8, padding_idx=0)
         self.ln = nn.LayerNorm(8)
-        self.lin = nn.Linear(8, 8)
-        self.rms = nn.RMSNorm(8)
-        self.down = nn.Linear(8, 3)
+        self.lin = nn.Linear(8, 16)  # T = 5: 5·(8 + 16) < 8·16, a ghost norm
+        self.rms = nn.RMSNorm(16)
+        self.down = nn.Linear(16, 3)  # 5·(16 + 3) > 16·3: instantiated
         self.scale = Scale(3)
 
     def forward(self, x):
@@ -58,17 +58,20 @@ class ConvMixed(nn.Module):
 
     def __init__(self):
         super().__init__()
+        # c1: T = 36 positions, d = 9, p = 2 per group: instantiated
         self.c1 = nn.Conv2d(2, 4, 3, padding="same", padding_mode="reflect", groups=2)
         self.gn = nn.GroupNorm(2, 4)
-        self.c2 = nn.Conv2d(4, 3, 3, stride=2, dilation=2, padding=1, bias=False)
-        self.c3 = nn.Conv1d(3, 2, 2, padding=1, stride=2)
-        self.head = nn.Linear(6, 3)
+        # c2: T = 4, d = 36, p = 8: 4·44 < 288, a ghost norm
+        self.c2 = nn.Conv2d(4, 8, 3, stride=2, dilation=2, padding=1, bias=False)
+        # c3: T = 2, d = 12, p = 4 per group: a ghost norm; c4: T = 3, d = 16, p = 3: instantiated
+        self.c3 = nn.Conv1d(8, 8, 3, padding=1, stride=3, groups=2)
+        self.c4 = nn.Conv1d(8, 3, 2, padding=1, stride=2, groups=1)
+        self.head = nn.Linear(25, 3)
 
     def forward(self, x):
         h = torch.tanh(self.gn(self.c1(x)))
-        h = torch.tanh(self.c2(h))  # (b, 3, 3, 3)
-        h = self.c3(h.flatten(2))  # (b, 2, 5)
-        return self.head(h.flatten(1)[:, :6])
+        h = torch.tanh(self.c2(h)).flatten(2)  # (b, 8, 4)
+        return self.head(torch.cat([self.c3(h).flatten(1), self.c4(h).flatten(1)], 1))
 
 
 class TwoCalls(nn.Module):

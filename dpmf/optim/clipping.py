@@ -268,6 +268,7 @@ def clipped_sum(
     example_ids: torch.Tensor | None = None,
     points=None,
     clipping: str = "auto",
+    micro_batch_entries: int | None = None,
 ) -> ClippedSum:
     """Σ_i clip_ζ(∇ℓ(θ; x_i)) over a logical batch, in micro-batches.
 
@@ -306,8 +307,8 @@ def clipped_sum(
         inputs: shape (B, …); B may be 0 (an empty Poisson batch) — the sum is then zero.
         targets: shape (B, …).
         clip_norm: ζ > 0.
-        micro_batch_size: the most examples processed at once; None processes the whole
-            batch at once.
+        micro_batch_size: the most examples processed at once, by every method; None: see
+            ``micro_batch_entries``.
         step: the training step, only to name it in an error.
         example_ids: shape (B,), dataset indices of the examples; kept in an error's
             ``example_ids`` attribute, never in its message.
@@ -316,6 +317,11 @@ def clipped_sum(
             Every method supports plans (ghost norms treat the points as further calls of
             each layer, so the cross terms between points are included).
         clipping: ``"auto"``, ``"vmap"``, ``"ghost"`` or ``"bk"``.
+        micro_batch_entries: with ``micro_batch_size=None``, the most per-example gradient
+            entries the vmap path holds at once: max(8, ⌊entries/d⌋) examples per micro-batch
+            (d trainable entries); ghost and book-keeping, whose memory is that of the
+            activations (plus b·p·d for the layers whose per-example gradient is
+            instantiated), take the whole batch. None: the whole batch for every method.
 
     Returns:
         ``ClippedSum`` with one summed tensor per trainable parameter.
@@ -329,9 +335,10 @@ def clipped_sum(
     clip_norm = check_real("clip_norm", clip_norm, low=0.0, low_inclusive=False)
     clipping = check_choice("clipping", clipping, CLIPPING_MODES)
     batch = int(inputs.shape[0])
-    if micro_batch_size is None:
-        micro_batch_size = max(batch, 1)
-    micro_batch_size = check_int("micro_batch_size", micro_batch_size, minimum=1)
+    if micro_batch_size is not None:
+        micro_batch_size = check_int("micro_batch_size", micro_batch_size, minimum=1)
+    if micro_batch_entries is not None:
+        micro_batch_entries = check_int("micro_batch_entries", micro_batch_entries, minimum=1)
     check_per_example_safe(model)
     if inputs.shape[0] != targets.shape[0]:
         raise ValueError(
@@ -340,19 +347,28 @@ def clipped_sum(
     named = trainable_parameters(model)
     names = [n for n, _ in named]
     plan = _check_points(points, named)
+    if micro_batch_size is None:
+        dim = sum(p.numel() for _, p in named)
+        whole = max(batch, 1)
+        vmap_micro = whole if micro_batch_entries is None else max(8, micro_batch_entries // dim)
+        micro_batch_size = whole
+    else:
+        vmap_micro = micro_batch_size
     sums = [torch.zeros_like(p, memory_format=torch.contiguous_format) for _, p in named]
     all_norms = []
     used = "vmap" if clipping in ("vmap", "auto") else clipping
     if clipping == "auto":
         used = "vmap" if _AUTO_VMAP.get(model, {}).get(_signature(inputs, names, model)) else "bk"
-    for start in range(0, batch, micro_batch_size):
-        stop = min(start + micro_batch_size, batch)
+    start = 0
+    while start < batch:
+        stop = min(start + (vmap_micro if used == "vmap" else micro_batch_size), batch)
         x, y = inputs[start:stop], targets[start:stop]
         if used != "vmap":
             got = _ghost_micro_batch(model, loss_fn, x, y, clip_norm, names, plan, used, clipping == "auto")
             if got is None:  # auto: a parameter needs the whole-model path; use it for all
                 _AUTO_VMAP.setdefault(model, {})[_signature(inputs, names, model)] = True
                 used = "vmap"
+                continue  # this micro-batch again, at the vmap path's size
             else:
                 norms, grads = got
                 if not bool(torch.isfinite(norms[0]).all()):
@@ -360,6 +376,7 @@ def clipped_sum(
                 for k, n in enumerate(names):
                     sums[k] += grads[n].to(sums[k].dtype)
                 all_norms.append(norms[0])
+                start = stop
                 continue
         grads = _vmap_gradients(model, loss_fn, x, y, plan, names)
         grads = [grads[n] for n in names]
@@ -380,6 +397,7 @@ def clipped_sum(
         for s, g in zip(sums, grads, strict=True):
             s += torch.tensordot(factors.to(g.dtype), g, dims=1)
         all_norms.append(norms)
+        start = stop
     norms = torch.cat(all_norms) if all_norms else torch.zeros(0, dtype=torch.float64)
     return ClippedSum(sums, norms, batch, clip_norm, used)
 

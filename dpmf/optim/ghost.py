@@ -288,6 +288,34 @@ class _Engine:
 # -- per-layer norms and sums ---------------------------------------------------------------
 
 
+def _conv_padded(m, x):
+    """The input padded as the convolution pads it (any padding mode, 'same' included)."""
+    k = len(m.kernel_size)
+    if isinstance(m.padding, str):
+        pads = [0] * (2 * k)
+        if m.padding == "same":  # PyTorch puts the odd element on the right / bottom
+            for i in range(k):
+                total = m.dilation[i] * (m.kernel_size[i] - 1)
+                j = 2 * (k - 1 - i)
+                pads[j], pads[j + 1] = total // 2, total - total // 2
+    else:
+        pads = [q for p in reversed(m.padding) for q in (p, p)]
+    if not any(pads):
+        return x
+    return F.pad(x, pads, mode="constant" if m.padding_mode == "zeros" else m.padding_mode)
+
+
+def _shape_of(layer: _Layer, call: _Call) -> tuple[int, int, int]:
+    """(T, d, p) of one call: tokens per example, inputs and outputs per group."""
+    m, g = layer.module, call.grad
+    if layer.kind == "linear":
+        return g[0].numel() // g.shape[-1], m.in_features, m.out_features
+    k = 1
+    for s in m.kernel_size:
+        k *= s
+    return g[0, 0].numel(), m.in_channels // m.groups * k, m.out_channels // m.groups
+
+
 def _linear_form(layer: _Layer, call: _Call):
     """(A, G) of one call as (b, groups, T, d), (b, groups, T, p)."""
     m, x, g = layer.module, call.inputs[0], call.grad
@@ -295,24 +323,12 @@ def _linear_form(layer: _Layer, call: _Call):
     if layer.kind == "linear":
         return x.reshape(b, 1, -1, x.shape[-1]), g.reshape(b, 1, -1, g.shape[-1])
     # convolution: unfold the (padded) input; one linear layer per group
-    one_d = isinstance(m, nn.Conv1d)
-    if one_d:
+    x = _conv_padded(m, x)
+    if isinstance(m, nn.Conv1d):
         x, g = x.unsqueeze(-2), g.unsqueeze(-2)
-    kernel = (1, *m.kernel_size) if one_d else m.kernel_size
-    stride = (1, *m.stride) if one_d else m.stride
-    dilation = (1, *m.dilation) if one_d else m.dilation
-    if isinstance(m.padding, str):
-        pads = [0] * (2 * len(m.kernel_size))
-        if m.padding == "same":
-            for k in range(len(m.kernel_size)):
-                total = m.dilation[k] * (m.kernel_size[k] - 1)
-                j = 2 * (len(m.kernel_size) - 1 - k)
-                pads[j], pads[j + 1] = total // 2, total - total // 2
+        kernel, stride, dilation = (1, *m.kernel_size), (1, *m.stride), (1, *m.dilation)
     else:
-        pads = [q for p in reversed(m.padding) for q in (p, p)]
-    if any(pads):
-        mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
-        x = F.pad(x.squeeze(-2), pads, mode=mode).unsqueeze(-2) if one_d else F.pad(x, pads, mode=mode)
+        kernel, stride, dilation = m.kernel_size, m.stride, m.dilation
     cols = F.unfold(x, kernel, dilation=dilation, stride=stride)  # (b, C_in·k, L)
     grp = m.groups
     a = cols.reshape(b, grp, -1, cols.shape[-1]).transpose(2, 3)  # (b, g, L, d)
@@ -320,14 +336,57 @@ def _linear_form(layer: _Layer, call: _Call):
     return a, gg
 
 
+def _conv_per_example(m, call, dtype) -> torch.Tensor:
+    """Per-example conv weight gradients, (b, *weight.shape), by one grouped convolution
+    backward with the examples as groups (no unfolded input is formed)."""
+    x, g = _conv_padded(m, call.inputs[0].to(dtype)), call.grad.to(dtype)
+    b = x.shape[0]
+    xi = x.reshape(1, b * x.shape[1], *x.shape[2:])
+    gi = g.reshape(1, b * g.shape[1], *g.shape[2:])
+    shape = (b * m.out_channels, m.in_channels // m.groups, *m.kernel_size)
+    w = torch.ops.aten.convolution_backward(
+        gi,
+        xi,
+        torch.empty(shape, dtype=dtype, device=x.device),
+        None,
+        list(m.stride),
+        [0] * len(m.kernel_size),
+        list(m.dilation),
+        False,
+        [0] * len(m.kernel_size),
+        b * m.groups,
+        [False, True, False],
+    )[1]
+    return w.reshape(b, *m.weight.shape)
+
+
 def _cat_calls(layer, dtype):
     """A, G over all calls (and evaluation points), tokens concatenated (the output gradients
     of a point already carry its weight: the backward was of Σ_j w_j Σ_i ℓ_ij)."""
     calls = [c for c in layer.calls if c.grad is not None]
     parts = [_linear_form(layer, c) for c in calls]
+    if len(parts) == 1:
+        return parts[0][0].to(dtype), parts[0][1].to(dtype)
     a = torch.cat([a.to(dtype) for a, _ in parts], dim=2)
     g = torch.cat([g.to(dtype) for _, g in parts], dim=2)
     return a, g
+
+
+def per_example_losses(loss_fn, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """ℓ_i = loss_fn(out[i:i+1], targets[i:i+1]) for every i, shape (b,).
+
+    ``F.cross_entropy`` and ``F.nll_loss`` on (b, classes) outputs and integer class targets
+    use ``reduction="none"`` (the same numbers, one kernel); any other loss is ``vmap``-ed.
+    """
+    if (
+        loss_fn in (F.cross_entropy, F.nll_loss)
+        and out.dim() == 2
+        and targets.dim() == 1
+        and not targets.is_floating_point()
+        and not bool((targets == -100).any())  # ignore_index: a mean over no element
+    ):
+        return loss_fn(out, targets, reduction="none")
+    return vmap(lambda o, t: loss_fn(o.unsqueeze(0), t.unsqueeze(0)))(out, targets)
 
 
 def _gram_sq(a, g):
@@ -367,18 +426,32 @@ class _Handler:
             }
         out = {}
         if kind in ("linear", "conv"):
-            a, g = _cat_calls(layer, dtype)
+            calls = [c for c in layer.calls if c.grad is not None]
+            shapes = [_shape_of(layer, c) for c in calls]
+            t, d, p = sum(s[0] for s in shapes), shapes[0][1], shapes[0][2]
+            # the mixed rule: ghost when its flops T²(d+p) are below those of instantiating, T·p·d
+            ghost = t == 1 or t * (d + p) < p * d
             if "weight" in params:
-                t, d, p = a.shape[2], a.shape[3], g.shape[3]
-                if t * (d + p) < p * d or t == 1:
+                if ghost:
+                    a, g = _cat_calls(layer, dtype)
                     out[params["weight"]] = _gram_sq(a, g)
                     self.stored["weight"] = ("ghost", a, g)
                 else:
-                    w = torch.einsum("bgtp,bgtd->bgpd", g, a)
-                    out[params["weight"]] = w.square().sum((1, 2, 3))
+                    if kind == "conv":
+                        w = sum(_conv_per_example(layer.module, c, dtype) for c in calls)
+                    else:
+                        w = sum(
+                            torch.einsum("bgtp,bgtd->bgpd", g.to(dtype), a.to(dtype))
+                            for a, g in (_linear_form(layer, c) for c in calls)
+                        )
+                    out[params["weight"]] = w.reshape(w.shape[0], -1).square().sum(1)
                     self.stored["weight"] = ("inst", w)
             if "bias" in params:
-                gb = g.sum(2).reshape(g.shape[0], -1)
+                b = calls[0].grad.shape[0]
+                if kind == "conv":
+                    gb = sum(c.grad.to(dtype).reshape(b, c.grad.shape[1], -1).sum(-1) for c in calls)
+                else:
+                    gb = sum(c.grad.to(dtype).reshape(b, -1, c.grad.shape[-1]).sum(1) for c in calls)
                 out[params["bias"]] = gb.square().sum(1)
                 self.stored["bias"] = ("inst", gb)
         elif kind == "embedding":
@@ -591,7 +664,7 @@ def ghost_clipped_sum(
                     out = functional_call(model, values, (inputs,))
             engine.stack.clear()
             engine.owner_of = {}
-            per = vmap(lambda o, t: loss_fn(o.unsqueeze(0), t.unsqueeze(0)))(out, targets)
+            per = per_example_losses(loss_fn, out, targets)
             losses.append(per)
             leaves.append(values)
         # every recorded tensor must have the examples along dim 0

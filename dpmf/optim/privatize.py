@@ -75,9 +75,10 @@ class Privatizer:
             trainable entries and its device/dtype the model's.
         micro_batch_size: the most per-example gradients held at once; None: as many as fit
             in ``AUTO_MICRO_BATCH_ENTRIES`` entries (2²⁴, 64 MiB at float32), at least 8:
-            max(8, ⌊2²⁴/d⌋) examples. Besides bounding memory, moderate micro-batches keep
-            the per-example work in cache (on CPU, 3-block CNN, 256 examples: 1.08 s in one
-            pass, 0.63 s in micro-batches of 64).
+            max(8, ⌊2²⁴/d⌋) examples on the vmap path, the whole batch under ghost and
+            book-keeping clipping (whose memory is that of the activations). Besides bounding
+            memory, moderate micro-batches keep the per-example work in cache (on CPU,
+            3-block CNN, 256 examples: 1.08 s in one pass, 0.63 s in micro-batches of 64).
         clipping: ``"auto"`` (default), ``"vmap"``, ``"ghost"`` or ``"bk"``: how the per-example
             norms and the clipped sum are computed (``dpmf.optim.clipping.clipped_sum``; the
             same sum up to rounding, the same sensitivity ζ). Under ``torch.autocast`` (bf16)
@@ -128,6 +129,7 @@ class Privatizer:
                 f"{p0.device}/{p0.dtype}: create the stream with the model's device and dtype"
             )
         self.noise = noise
+        self._micro_batch_given = micro_batch_size is not None
         self.micro_batch_size = micro_batch_size or max(8, AUTO_MICRO_BATCH_ENTRIES // dim)
 
     @property
@@ -173,7 +175,8 @@ class Privatizer:
             inputs,
             targets,
             clip_norm=self.clip_norm,
-            micro_batch_size=self.micro_batch_size,
+            micro_batch_size=self.micro_batch_size if self._micro_batch_given else None,
+            micro_batch_entries=AUTO_MICRO_BATCH_ENTRIES,
             step=t,
             example_ids=example_ids,
             points=points,
