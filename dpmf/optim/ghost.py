@@ -101,7 +101,8 @@ class _Capture(torch.autograd.Function):
     """Identity on a layer's output whose backward records the output gradient.
 
     The output is marked as modified in place, so the node sits on the tensor itself (no copy)
-    and a later in-place operation (``ReLU(inplace=True)``) sees it as its input. The second
+    and a later in-place operation (``ReLU(inplace=True)``) sees it as its input; a reshaped
+    view (Linear on 3-D inputs) gets the node on its base, then the same view again. The second
     input is a shared scalar ``anchor``: a backward asked only for the anchor's gradient reaches
     every recorded output and stops below the first one, computing no weight gradient.
     """
@@ -116,7 +117,8 @@ class _Capture(torch.autograd.Function):
     def backward(ctx, g):
         call = ctx.call
         if call.recording:
-            call.grad = g if call.grad is None else call.grad + g
+            h = g if call.shape is None else g.view(call.shape)
+            call.grad = h if call.grad is None else call.grad + h
         return g, g.new_zeros(()), None
 
 
@@ -138,6 +140,7 @@ class _Call:
     grad: torch.Tensor | None = None
     params: dict | None = None  # generic modules: the parameter values this call used
     recording: bool = True
+    shape: torch.Size | None = None  # the output's shape when the node sits on its base
 
 
 @dataclass(eq=False)
@@ -278,6 +281,13 @@ class _Engine:
                 if layer.kind == "generic":
                     call.params = {n: _get(module, n).detach() for n, _ in module.named_parameters()}
                     return _CaptureCopy.apply(out, self.anchor, call)
+                base = out._base
+                if base is not None and base.numel() == out.numel() and out.is_contiguous():
+                    # a reshaped view (Linear on 3-D inputs): the node on its base, so that no
+                    # in-place-on-a-view machinery (CopySlices) copies the output gradient
+                    if base.is_contiguous() and base.grad_fn is not None:
+                        call.shape = out.shape
+                        return _Capture.apply(base, self.anchor, call).view(out.shape)
                 return _Capture.apply(out, self.anchor, call)
             finally:
                 self.quiet = False
@@ -389,10 +399,30 @@ def per_example_losses(loss_fn, out: torch.Tensor, targets: torch.Tensor) -> tor
     return vmap(lambda o, t: loss_fn(o.unsqueeze(0), t.unsqueeze(0)))(out, targets)
 
 
+def _sq(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Σ x² along ``dim`` as the square of one fused norm (no squared temporary)."""
+    return torch.linalg.vector_norm(x, dim=dim).double().square()
+
+
+def _total(parts):
+    """The sum of an iterable of tensors without a leading 0 + (a copy of the first)."""
+    out = None
+    for p in parts:
+        out = p if out is None else out + p
+    return out
+
+
+def _linear_per_example(call, dtype) -> torch.Tensor:
+    """Per-example Linear weight gradients G_iᵀA_i, (b, p, d), by one batched GEMM."""
+    x, g = call.inputs[0].to(dtype), call.grad.to(dtype)
+    b = x.shape[0]
+    return torch.bmm(g.reshape(b, -1, g.shape[-1]).transpose(1, 2), x.reshape(b, -1, x.shape[-1]))
+
+
 def _gram_sq(a, g):
     """Σ_groups ⟨A Aᵀ, G Gᵀ⟩ per example, shape (b,)."""
     if a.shape[2] == 1:
-        return (a.square().sum(-1) * g.square().sum(-1)).sum((1, 2))
+        return (_sq(a, -1) * _sq(g, -1)).sum((1, 2))
     aa = a @ a.transpose(-1, -2)
     gg = g @ g.transpose(-1, -2)
     return (aa * gg).sum((1, 2, 3))
@@ -438,21 +468,18 @@ class _Handler:
                     self.stored["weight"] = ("ghost", a, g)
                 else:
                     if kind == "conv":
-                        w = sum(_conv_per_example(layer.module, c, dtype) for c in calls)
+                        w = _total(_conv_per_example(layer.module, c, dtype) for c in calls)
                     else:
-                        w = sum(
-                            torch.einsum("bgtp,bgtd->bgpd", g.to(dtype), a.to(dtype))
-                            for a, g in (_linear_form(layer, c) for c in calls)
-                        )
-                    out[params["weight"]] = w.reshape(w.shape[0], -1).square().sum(1)
+                        w = _total(_linear_per_example(c, dtype) for c in calls)
+                    out[params["weight"]] = _sq(w.reshape(w.shape[0], -1), 1)
                     self.stored["weight"] = ("inst", w)
             if "bias" in params:
                 b = calls[0].grad.shape[0]
                 if kind == "conv":
-                    gb = sum(c.grad.to(dtype).reshape(b, c.grad.shape[1], -1).sum(-1) for c in calls)
+                    gb = _total(c.grad.to(dtype).reshape(b, c.grad.shape[1], -1).sum(-1) for c in calls)
                 else:
-                    gb = sum(c.grad.to(dtype).reshape(b, -1, c.grad.shape[-1]).sum(1) for c in calls)
-                out[params["bias"]] = gb.square().sum(1)
+                    gb = _total(c.grad.to(dtype).reshape(b, -1, c.grad.shape[-1]).sum(1) for c in calls)
+                out[params["bias"]] = _sq(gb, 1)
                 self.stored["bias"] = ("inst", gb)
         elif kind == "embedding":
             m = layer.module
@@ -479,7 +506,7 @@ class _Handler:
                     sums[attr] = v if attr not in sums else sums[attr] + v
             for attr, q in params.items():
                 v = sums[attr]
-                out[q] = v.reshape(v.shape[0], -1).square().sum(1)
+                out[q] = _sq(v.reshape(v.shape[0], -1), 1)
                 self.stored[attr] = ("inst", v)
         else:  # generic: torch.func on the module alone
             sums = {}
@@ -490,7 +517,7 @@ class _Handler:
                     sums[attr] = v if attr not in sums else sums[attr] + v
             for attr, q in params.items():
                 v = sums[attr].to(dtype)
-                out[q] = v.reshape(v.shape[0], -1).square().sum(1)
+                out[q] = _sq(v.reshape(v.shape[0], -1), 1)
                 self.stored[attr] = ("inst", v)
         return out
 
