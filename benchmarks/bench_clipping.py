@@ -96,7 +96,7 @@ class Encoder(nn.Module):
         self.head = nn.Linear(DIM, classes)
 
     def forward(self, x):
-        positions = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
+        positions = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1).contiguous()
         h = self.tok(x) + self.pos(positions)
         for layer in self.layers:
             h = layer(h)

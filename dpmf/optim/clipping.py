@@ -354,7 +354,7 @@ def clipped_sum(
         micro_batch_size = whole
     else:
         vmap_micro = micro_batch_size
-    sums = [torch.zeros_like(p, memory_format=torch.contiguous_format) for _, p in named]
+    sums: list[torch.Tensor | None] = [None] * len(named)  # None until the first micro-batch
     all_norms = []
     used = "vmap" if clipping in ("vmap", "auto") else clipping
     if clipping == "auto":
@@ -374,32 +374,45 @@ def clipped_sum(
                 if not bool(torch.isfinite(norms[0]).all()):
                     _raise_non_finite(norms[1], norms[0], start, step, example_ids)
                 for k, n in enumerate(names):
-                    sums[k] += grads[n].to(sums[k].dtype)
+                    g = grads[n].to(named[k][1].dtype).reshape(named[k][1].shape)
+                    sums[k] = g.contiguous() if sums[k] is None else sums[k].add_(g)
                 all_norms.append(norms[0])
                 start = stop
                 continue
         grads = _vmap_gradients(model, loss_fn, x, y, plan, names)
         grads = [grads[n] for n in names]
-        sq = torch.zeros(stop - start, dtype=torch.float64, device=inputs.device)
-        bad = []
-        for n, g in zip(names, grads, strict=True):
-            flat = g.reshape(g.shape[0], -1)
-            part = torch.linalg.vector_norm(flat, dim=1)
-            if not bool(torch.isfinite(part).all()):  # overflow of a finite gradient, or NaN
-                part = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64)
-                if not bool(torch.isfinite(part).all()):
-                    bad.append(n)
-            sq += part.double() ** 2
-        norms = torch.sqrt(sq)
-        if not bool(torch.isfinite(norms).all()):
-            _raise_non_finite(bad, norms, start, step, example_ids)
-        factors = clip_factors(norms, clip_norm)
-        for s, g in zip(sums, grads, strict=True):
-            s += torch.tensordot(factors.to(g.dtype), g, dims=1)
-        all_norms.append(norms)
+        with torch.autocast(inputs.device.type, enabled=False):  # norms and sums not in bf16
+            _vmap_clip_into(sums, names, grads, clip_norm, start, step, example_ids, all_norms)
         start = stop
     norms = torch.cat(all_norms) if all_norms else torch.zeros(0, dtype=torch.float64)
+    sums = [
+        torch.zeros_like(p, memory_format=torch.contiguous_format) if t is None else t
+        for t, (_, p) in zip(sums, named, strict=True)
+    ]
     return ClippedSum(sums, norms, batch, clip_norm, used)
+
+
+def _vmap_clip_into(sums, names, grads, clip_norm, start, step, example_ids, all_norms) -> None:
+    """Norms of explicit per-example gradients, clip factors, and their weighted sums added to
+    ``sums`` (in place; None entries are set)."""
+    sq = torch.zeros(grads[0].shape[0], dtype=torch.float64, device=grads[0].device)
+    bad = []
+    for n, g in zip(names, grads, strict=True):
+        flat = g.reshape(g.shape[0], -1)
+        part = torch.linalg.vector_norm(flat, dim=1)
+        if not bool(torch.isfinite(part).all()):  # overflow of a finite gradient, or NaN
+            part = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64)
+            if not bool(torch.isfinite(part).all()):
+                bad.append(n)
+        sq += part.double() ** 2
+    norms = torch.sqrt(sq)
+    if not bool(torch.isfinite(norms).all()):
+        _raise_non_finite(bad, norms, start, step, example_ids)
+    factors = clip_factors(norms, clip_norm)
+    for k, g in enumerate(grads):
+        t = torch.tensordot(factors.to(g.dtype), g, dims=1)
+        sums[k] = t if sums[k] is None else sums[k].add_(t)
+    all_norms.append(norms)
 
 
 # auto mode: (model → input signatures) for which a parameter needed the whole-model path
