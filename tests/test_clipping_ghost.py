@@ -319,3 +319,38 @@ def test_unknown_clipping_is_refused_by_name():
             noise=identity_noise(23, seed=0, steps=2),
             clipping="ghosts",
         )
+
+
+def test_train_config_and_cli_take_the_clipping_mode(tmp_path, capsys):
+    from dpmf.cli import main
+    from dpmf.train.config import TrainConfig
+
+    assert TrainConfig().clipping == "auto" and "clipping" not in TrainConfig().run_identity()
+    with pytest.raises(ValueError, match="clipping='fast' is invalid: must be one of auto, vmap, ghost, bk"):
+        TrainConfig(clipping="fast")
+    args = ["train", "--dataset", "digits", "--epochs", "1", "--no-progress", "--out", str(tmp_path / "o")]
+    assert main([*args, "--clipping", "fast"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "clipping='fast' is invalid" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_a_training_run_is_the_same_with_book_keeping_and_with_vmap(tmp_path):
+    from dpmf.train.config import TrainConfig
+    from dpmf.train.run import train
+
+    weights = {}
+    for method in ("bk", "vmap"):
+        config = TrainConfig(
+            dataset="digits",
+            epochs=1,
+            batch_size=512,
+            noise_multiplier=1.0,
+            epsilon=None,
+            clipping=method,
+            epsilon_each_epoch=False,
+            device="cpu",
+        )
+        out = train(config, str(tmp_path / method), progress=False, log=lambda *a: None)
+        weights[method] = torch.cat([p.detach().flatten() for p in out.model.parameters()])
+    torch.testing.assert_close(weights["bk"], weights["vmap"], rtol=1e-4, atol=1e-5)
