@@ -99,6 +99,20 @@ class Functional(nn.Module):
         return F.linear(h, self.b.weight) + self.b(h)
 
 
+class Tied(nn.Module):
+    """An embedding whose weight is also the output layer's (tied weights)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 4)
+        self.mix = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 11)
+        self.out.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.mix(self.emb(x)))).mean(1)
+
+
 class Attention(nn.Module):
     """nn.MultiheadAttention (uses its out_proj weight functionally): whole-model torch.func."""
 
@@ -113,6 +127,8 @@ class Attention(nn.Module):
 
 def inputs_for(name, b, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
+    if name == "tied":
+        return torch.randint(0, 11, (b, 3), generator=g), torch.randn(b, 11, generator=g, dtype=dtype)
     if name == "seq":
         x = torch.randint(0, 11, (b, 5), generator=g)
         x[0, :3] = 4  # repeated tokens in one example
@@ -132,6 +148,7 @@ MODELS = {
     "twocalls": TwoCalls,
     "functional": Functional,
     "attention": Attention,
+    "tied": Tied,
     "linear": lambda: nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)),
 }
 
@@ -178,7 +195,7 @@ def test_clipped_sum_and_norms_equal_explicit_per_example_gradients(name, method
     torch.testing.assert_close(flat(out.grads), ref, rtol=rtol, atol=rtol * float(ref.abs().max()))
     # the auto choice: book-keeping unless a parameter needs the whole-model torch.func path
     if method == "auto":
-        assert out.method == ("vmap" if name in ("functional", "attention") else "bk")
+        assert out.method == ("vmap" if name in ("functional", "attention", "tied") else "bk")
     else:
         assert out.method == method
 

@@ -679,7 +679,9 @@ def ghost_clipped_sum(
             engine.point = j
             if shift is None:
                 values = {n: named[n] for n in names}
-                engine.owner_of = {id(named[q]): layer for layer in engine.layers for q, _ in layer.params}
+                engine.owner_of = {
+                    id(getattr(layer.module, a)): layer for layer in engine.layers for _, a in layer.params
+                }
                 with _Watch(engine):
                     out = model(inputs)
             else:
