@@ -200,6 +200,40 @@ def test_clipped_sum_and_norms_equal_explicit_per_example_gradients(name, method
         assert out.method == method
 
 
+def test_explicit_ghost_warns_once_naming_what_falls_back():
+    model = build("attention", torch.float64)
+    x, y = inputs_for("attention", 4, torch.float64)
+    with pytest.warns(
+        UserWarning,
+        match=r"clipping='bk'.*attn: its output is not one tensor; "
+        r"attn.out_proj: a trainable parameter is used outside",
+    ):
+        clipped_sum(model, sum_loss, x, y, clip_norm=1.0, clipping="bk")
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        clipped_sum(model, sum_loss, x, y, clip_norm=1.0, clipping="bk")
+    assert not any("clipping='bk'" in str(w.message) for w in caught)  # not a second time
+
+
+@pytest.mark.parametrize("tokens", [5, 40])  # ghost norm, and the sparse per-example gradient
+def test_embedding_norms_with_repeated_tokens_and_padding(tokens):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(7, 3, padding_idx=1), nn.Flatten(), nn.Linear(3 * tokens, 2)).double()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 7, (5, tokens), generator=g)
+    x[0] = 3  # one token repeated throughout an example
+    y = torch.randn(5, 2, generator=g, dtype=torch.float64)
+    per = explicit(model, x, y)
+    zeta = float(per.norm(dim=1).median())
+    ref_norms, ref = clipped_reference(per, zeta)
+    for method in ("bk", "ghost"):
+        out = clipped_sum(model, sum_loss, x, y, clip_norm=zeta, clipping=method)
+        torch.testing.assert_close(out.norms, ref_norms, rtol=1e-10, atol=0)
+        torch.testing.assert_close(flat(out.grads), ref, rtol=1e-10, atol=1e-12)
+
+
 def test_layer_kinds_name_the_closed_forms_and_the_fallbacks():
     kinds = ghost_layer_kinds(SeqMixed())
     assert kinds == {

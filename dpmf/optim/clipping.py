@@ -26,6 +26,7 @@ it there; ``route_parameters`` refuses it for a matrix rule).
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -417,6 +418,8 @@ def _vmap_clip_into(sums, names, grads, clip_norm, start, step, example_ids, all
 
 # auto mode: (model → input signatures) for which a parameter needed the whole-model path
 _AUTO_VMAP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# explicit ghost/bk: (model → module names) already warned about
+_WARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _signature(inputs, names, model):
@@ -443,6 +446,17 @@ def _ghost_micro_batch(model, loss_fn, x, y, clip_norm, names, plan, method, aut
     )
     if res is None:
         return None
+    if res.fallback:
+        warned = _WARNED.setdefault(model, set())
+        news = {k: v for k, v in res.fallback.items() if k not in warned}
+        if news:
+            warned.update(news)
+            detail = "; ".join(f"{k}: {v}" for k, v in news.items())
+            warnings.warn(
+                f"clipping={method!r}: the parameters of these modules take the slower whole-model "
+                f"torch.func path ({detail}); clipping='auto' would use it for the whole model",
+                stacklevel=4,
+            )
     bad = [n for n in names if not bool(torch.isfinite(res.sq_by_param[n]).all())]
     return (res.norms, bad), res.grads
 

@@ -419,6 +419,22 @@ def _linear_per_example(call, dtype) -> torch.Tensor:
     return torch.bmm(g.reshape(b, -1, g.shape[-1]).transpose(1, 2), x.reshape(b, -1, x.shape[-1]))
 
 
+# Up to this many tokens per example an embedding's norm is a ghost norm (T² pairs); beyond, its
+# sparse per-example gradient (a sort of the b·T (example, token) keys and one index_add).
+_EMBEDDING_GHOST_TOKENS = 16
+
+
+def _embedding_sq_sparse(ids: torch.Tensor, g: torch.Tensor, vocab: int) -> torch.Tensor:
+    """‖Σ_t e_{x_t} G_i[t]‖² per example from the rows of its sparse gradient, shape (b,)."""
+    b, t, d = g.shape
+    keys = (ids + vocab * torch.arange(b, device=ids.device).unsqueeze(1)).reshape(-1)
+    rows, inverse = torch.unique(keys, return_inverse=True)
+    summed = torch.zeros(rows.shape[0], d, dtype=g.dtype, device=g.device)
+    summed.index_add_(0, inverse, g.reshape(-1, d))
+    sq = torch.zeros(b, dtype=torch.float64, device=g.device)
+    return sq.index_add_(0, rows // vocab, _sq(summed, 1))
+
+
 def _gram_sq(a, g):
     """Σ_groups ⟨A Aᵀ, G Gᵀ⟩ per example, shape (b,)."""
     if a.shape[2] == 1:
@@ -494,8 +510,11 @@ class _Handler:
                 ids.append(i)
                 gs.append(gg)
             i, gg = torch.cat(ids, 1), torch.cat(gs, 1)
-            same = (i.unsqueeze(2) == i.unsqueeze(1)).to(dtype)
-            out[params["weight"]] = ((gg @ gg.transpose(1, 2)) * same).sum((1, 2))
+            if i.shape[1] <= _EMBEDDING_GHOST_TOKENS:  # ghost: Σ_{t,u} [x_t = x_u]⟨G_t, G_u⟩
+                same = (i.unsqueeze(2) == i.unsqueeze(1)).to(dtype)
+                out[params["weight"]] = ((gg @ gg.transpose(1, 2)) * same).sum((1, 2)).double()
+            else:  # the sparse per-example gradient: one row per distinct (example, token)
+                out[params["weight"]] = _embedding_sq_sparse(i, gg, m.num_embeddings)
             self.stored["weight"] = ("embedding", i, gg)
         elif kind == "norm":
             sums = {}
@@ -605,8 +624,8 @@ class GhostResult:
 _PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _probe(model, engine, inputs, plan) -> set[str]:
-    """Names of modules whose recorded tensors' dim 0 does not follow the batch (one-example pass)."""
+def _probe(model, engine, inputs, plan) -> dict[str, str]:
+    """Module name → why its recorded tensors do not follow the batch (a one-example pass)."""
     key = (tuple(inputs.shape[1:]), inputs.dtype, tuple(sorted(engine.trainable)), model.training)
     cache = _PROBED.setdefault(model, {})
     if key in cache:
@@ -620,7 +639,13 @@ def _probe(model, engine, inputs, plan) -> set[str]:
     finally:
         engine.mode = "record"
         engine.stack.clear()
-    bad = {layer.name for layer in engine.layers if engine.probe_dims.get(id(layer), {1}) != {1}}
+    bad = {}
+    for layer in engine.layers:
+        dims = engine.probe_dims.get(id(layer), {1})
+        if "not one tensor" in dims:
+            bad[layer.name] = "its output is not one tensor"
+        elif dims != {1}:
+            bad[layer.name] = "its dim 0 does not follow the examples"
     cache[key] = bad
     return bad
 
@@ -667,10 +692,10 @@ def ghost_clipped_sum(
     autocast_on = torch.is_autocast_enabled(device.type)
     with torch.enable_grad(), _Engine(model, names) as engine:
         if b > 1:
-            for name in _probe(model, engine, inputs, plan):
-                for layer in engine.layers:
-                    if layer.name == name and layer.fallback is None:
-                        layer.fallback = "its dim 0 does not follow the examples"
+            bad = _probe(model, engine, inputs, plan)
+            for layer in engine.layers:
+                if layer.name in bad and layer.fallback is None:
+                    layer.fallback = bad[layer.name]
         if not allow_fallback and any(layer.fallback for layer in engine.layers):
             return None
         engine.anchor = torch.zeros((), device=device, requires_grad=True)
