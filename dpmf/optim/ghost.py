@@ -14,7 +14,8 @@ shapes — ghost when T²(d + p) < T·p·d, else the per-example gradient is ins
 Convolutional Neural Networks with Differential Privacy", NeurIPS 2022, §3.2, written there as
 2T² < pd; here with the flop counts of both sides). Convolutions are the same layer on the
 unfolded input (T = output positions, d = C_in/groups·kernel), one such layer per group;
-embeddings have ‖Σ_t e_{x_t}G_i[t]‖² = Σ_{t,u} [x_t = x_u]⟨G_i[t], G_i[u]⟩; the affine
+embeddings have ‖Σ_t e_{x_t}G_i[t]‖² = Σ_{t,u} [x_t = x_u]⟨G_i[t], G_i[u]⟩ (beyond 16 tokens
+per example, the norm of the sparse per-example gradient, one row per distinct token); the affine
 parameters of LayerNorm, GroupNorm and RMSNorm have cheap per-example gradients (Σ_t G∘x̂ and
 Σ_t G) that are instantiated.
 
@@ -40,6 +41,15 @@ time (a ``TorchFunctionMode`` watches which parameters each operation reads, and
 probe pass checks that every recorded tensor's leading dimension follows the batch), never
 assumed, because a missed use would make a per-example norm too small: the clipping bound —
 the sensitivity the noise is calibrated to — would silently fail.
+
+The probe is one forward of the first example under ``torch.no_grad`` (the random state is
+restored afterwards), once per model, input shape and set of trainable parameters; a module
+that changes its own state in the forward sees it once more.
+
+Mixed precision: under ``torch.autocast`` the recorded activations and output gradients are in
+the low precision; every norm, Gram matrix and sum here is computed in float32 (float64 for a
+float64 model, and for a layer whose float32 squares overflow) with autocast disabled, and the
+per-layer squared norms are combined in float64.
 
 Assumptions, as for any per-example method: the examples do not interact in the forward
 (``check_per_example_safe`` refuses BatchNorm), and each layer sees the examples in the
@@ -677,10 +687,17 @@ def ghost_clipped_sum(
             path (the caller then uses that path for every parameter).
 
     Returns:
-        ``GhostResult``, or None (only with ``allow_fallback=False``).
+        ``GhostResult``, or None (only with ``allow_fallback=False``). When a norm is not
+        finite (NaN/inf in a gradient) its ``grads`` is empty and nothing was summed; the
+        caller raises (``sq_by_param`` names the parameters).
 
     Raises:
         ValueError: ``method`` is not "ghost" or "bk".
+
+    Cost: one forward and one backward that computes activation gradients only, plus per layer
+    O(b·T²·(d + p)) (ghost) or O(b·T·p·d) (instantiated) for the norms; "bk" then one GEMM per
+    layer, "ghost" a second backward. Memory: the activations and output gradients of the
+    recorded layers, plus b·p·d for each instantiated layer.
     """
     if method not in ("ghost", "bk"):
         raise ValueError(f"method={method!r} is invalid: must be 'ghost' or 'bk'")
