@@ -15,9 +15,10 @@ the faster one is the baseline. Times are medians over interleaved rounds (every
 per round), so a load on the machine hits all of them alike.
 
 ``--memory`` adds the peak memory of the wide-MLP step at batch 1024, non-private and dpmf,
-each in a fresh subprocess: the rise of the resident set's high-water mark
-(``resource.getrusage(...).ru_maxrss``) during one step, above the resident set measured just
-before it (model, optimizer, data and noise stream already built).
+each in a fresh subprocess: the rise of the resident set's high-water mark (``VmHWM`` of
+``/proc/self/status``, reset through ``/proc/self/clear_refs`` just before the step; Linux)
+during one step, above the resident set just before it (model, optimizer, data and noise
+stream already built).
 
 ``--load`` repeats the timing with a background load: a second process doing a 512×512
 numpy matmul loop on one BLAS thread (stopped at the end, and after ``--load-seconds`` at the
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -228,19 +228,23 @@ def time_models(models, batch, repeat, with_vmap, label=""):
     return results
 
 
-def _rss_kb() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def memory_child(method, batch):
     """One step in this fresh process; prints the peak rise of the resident set, in MB."""
     x, y = make_batch("mlp", batch)
     fn = nonprivate("mlp", x, y, 4) if method == "non-private" else dpmf_step("mlp", x, y, 4)
-    before = _rss_kb()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets the high-water mark VmHWM to the current resident set
+    before = _status_kb("VmRSS")
     fn()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(f"{(peak - before) / 1024:.1f}")
+    print(f"{(_status_kb('VmHWM') - before) / 1024:.1f}")
 
 
 def measure_memory(batch, threads):
@@ -250,7 +254,7 @@ def measure_memory(batch, threads):
         cmd += ["--threads", str(threads)]
         res = subprocess.run(cmd, capture_output=True, text=True, check=True)
         out[method] = float(res.stdout.strip().splitlines()[-1])
-    print(f"memory: wide MLP step at batch {batch} (peak rise of ru_maxrss in a fresh process)")
+    print(f"memory: wide MLP step at batch {batch} (rise of VmHWM during one step, fresh process)")
     for k, v in out.items():
         print(f"  {k:<14} {v:8.1f} MB")
     print(f"  ratio dpmf / non-private = {out['dpmf'] / out['non-private']:.3f}")
