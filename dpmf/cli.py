@@ -325,6 +325,12 @@ _TRAIN_FLAGS = (
     ("--seed", int, "seed of the weights, batches and noise (keep it secret for a released model)"),
     ("--device", str, "auto|cpu|cuda (default auto: CUDA when available)"),
     ("--micro-batch-size", int, "per-example gradients held at once (gradient accumulation)"),
+    (
+        "--clipping",
+        str,
+        "per-example clipping: auto|vmap|ghost|bk (default auto: ghost norms with book-keeping "
+        "where every layer allows it, else torch.func vmap)",
+    ),
     ("--accountant", str, "pld|rdp|prv|monte_carlo (default: the scheme's)"),
     ("--samples", int, "Monte Carlo samples for the balls-in-bins schemes"),
     ("--eval-batch-size", int, "test batch size"),
@@ -354,7 +360,7 @@ def _add_train(sub):
     for flag, kind, text in _TRAIN_FLAGS:
         p.add_argument(flag, type=kind, default=None, help=text)
     p.add_argument("--no-epsilon-each-epoch", action="store_true", help="account ε only for the whole run")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--threads", type=int, default=None, help="threads of torch and of the BLAS/OpenMP pools")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
@@ -382,9 +388,9 @@ def _run_train(args) -> int:
     if args.threads is not None:
         if args.threads < 1:
             raise UsageError(f"--threads={args.threads} is invalid: must be >= 1")
-        import torch
+        from dpmf.optim.threads import limit_threads
 
-        torch.set_num_threads(args.threads)
+        limit_threads(args.threads)  # torch's pools and the BLAS/OpenMP ones
     from dpmf.train.run import train
 
     try:

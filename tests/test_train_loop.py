@@ -154,8 +154,9 @@ def test_nan_example_stops_at_its_step_with_finite_weights(digits, tmp_path):
     tr = make_trainer(bad, tmp_path, scheme="fixed_order")
     probe = make_sampler("fixed_order", len(bad), 128, tr.total_steps, seed=tr.sampler.seed)
     step = next(t for t in range(tr.total_steps) if 5 in probe.next())
-    with pytest.raises(NonFiniteGradientError, match=rf"step {step}\b.*examples \[5\]"):
+    with pytest.raises(NonFiniteGradientError, match=rf"step {step}\b") as info:
         tr.run()
+    assert info.value.example_ids == [5] and "[5]" not in str(info.value)
     assert all(torch.isfinite(p).all() for p in tr.model.parameters())
     assert tr.privatizer.noise.step == step  # the failed step did not consume noise
 

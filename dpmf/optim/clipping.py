@@ -26,6 +26,8 @@ it there; ``route_parameters`` refuses it for a matrix rule).
 from __future__ import annotations
 
 import math
+import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,7 +35,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from dpmf._validation import check_int, check_real
+from dpmf._validation import check_choice, check_int, check_real
+from dpmf.optim.ghost import CLIPPING_MODES, ghost_clipped_sum
 
 __all__ = [
     "NonFiniteGradientError",
@@ -47,7 +50,25 @@ __all__ = [
 
 
 class NonFiniteGradientError(FloatingPointError):
-    """A per-example gradient holds NaN or ±inf; raised before any parameter is changed."""
+    """A per-example gradient holds NaN or ±inf; raised before any parameter is changed.
+
+    The message names the step and the parameters, never the examples: batch membership is
+    secret under sampling amplification, and messages end up in logs. The examples are kept as
+    attributes for the user who debugs on their own machine.
+
+    Attributes:
+        step: the training step, or None.
+        positions: positions in the logical batch of the failing examples (list of int).
+        example_ids: their dataset indices (list of int), or None when they were not given.
+        parameters: names of the parameters with non-finite entries.
+    """
+
+    def __init__(self, message: str, *, step=None, positions=(), example_ids=None, parameters=()):
+        super().__init__(message)
+        self.step = step
+        self.positions = list(positions)
+        self.example_ids = None if example_ids is None else list(example_ids)
+        self.parameters = list(parameters)
 
 
 @dataclass(frozen=True, eq=False)
@@ -60,12 +81,14 @@ class ClippedSum:
         norms: the unclipped global ℓ2 norms ‖g_i‖₂, shape (B,), float64.
         batch_size: B, the realised number of examples.
         clip_norm: ζ.
+        method: the clipping method that computed it (``"vmap"``, ``"ghost"`` or ``"bk"``).
     """
 
     grads: list[torch.Tensor]
     norms: torch.Tensor
     batch_size: int
     clip_norm: float
+    method: str = "vmap"
 
     @property
     def clipped_fraction(self) -> float:
@@ -160,29 +183,36 @@ def per_example_gradients(
             f"inputs and targets are invalid: batch sizes differ ({inputs.shape[0]} vs {targets.shape[0]})"
         )
     named = trainable_parameters(model)
-    names = [n for n, _ in named]
-    params = {n: p.detach() for n, p in named}
-    frozen = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
+    plan = _check_points(points, named)
+    grads = _vmap_gradients(model, loss_fn, inputs, targets, plan, [n for n, _ in named])
+    return [grads[n] for n, _ in named]
+
+
+def _vmap_gradients(model, loss_fn, inputs, targets, plan, wanted) -> dict[str, torch.Tensor]:
+    """Per-example gradients of the trainable parameters named in ``wanted`` (the others are
+    held fixed), by ``vmap(grad(·))`` of the whole model; ``plan`` already validated."""
+    named = trainable_parameters(model)
+    wanted_set = set(wanted)
+    params = {n: p.detach() for n, p in named if n in wanted_set}
+    fixed = {n: p.detach() for n, p in model.named_parameters() if n not in wanted_set}
     buffers = {n: b for n, b in model.named_buffers()}
 
-    plan = _check_points(points, named)
-
-    def loss_at(p, x, y):
-        out = functional_call(model, (p, frozen, buffers), (x.unsqueeze(0),))
+    def loss_at(p, x, y, shift):
+        at = p if shift is None else {n: p[n] + shift[n] for n in p}
+        rest = fixed if shift is None else {n: v + shift[n] if n in shift else v for n, v in fixed.items()}
+        out = functional_call(model, (at, rest, buffers), (x.unsqueeze(0),))
         return loss_fn(out, y.unsqueeze(0))
 
     def loss_of_one(p, x, y):
         if plan is None:
-            return loss_at(p, x, y)
+            return loss_at(p, x, y, None)
         # Σ_j w_j ℓ(θ + s_j): its gradient in θ is the plan's per-example vector.
         total = 0.0
         for weight, shift in plan:
-            at = p if shift is None else {n: p[n] + shift[n] for n in p}
-            total = total + weight * loss_at(at, x, y)
+            total = total + weight * loss_at(p, x, y, shift)
         return total
 
-    grads = vmap(grad(loss_of_one), in_dims=(None, 0, 0), randomness="different")(params, inputs, targets)
-    return [grads[n] for n in names]
+    return vmap(grad(loss_of_one), in_dims=(None, 0, 0), randomness="different")(params, inputs, targets)
 
 
 def _check_points(points, named) -> list[tuple[float, dict | None]] | None:
@@ -238,77 +268,214 @@ def clipped_sum(
     step: int | None = None,
     example_ids: torch.Tensor | None = None,
     points=None,
+    clipping: str = "auto",
+    micro_batch_entries: int | None = None,
 ) -> ClippedSum:
     """Σ_i clip_ζ(∇ℓ(θ; x_i)) over a logical batch, in micro-batches.
 
-    The norm of each per-example gradient is global over all trainable parameters: per-tensor
-    norms in the gradient's dtype, recomputed in float64 when they overflow (so a finite
-    gradient never has an infinite norm), combined in float64.
+    The norm of each per-example gradient is global over all trainable parameters (float64
+    sums of per-parameter squared norms; a per-parameter norm that overflows its dtype is
+    recomputed in float64, so a finite gradient never has an infinite norm).
+
+    Clipping methods (``clipping``), all giving the same sum up to rounding:
+
+    - ``"vmap"``: per-example gradients of every parameter by ``vmap(grad(·))``
+      (``per_example_gradients``); memory O(micro_batch_size·d).
+    - ``"ghost"``: per-example norms by ghost norms (``dpmf.optim.ghost``) from one forward and
+      one backward that computes no weight gradient, then a second backward of Σ_i c_i·ℓ_i.
+    - ``"bk"``: the same norms, then the sum Σ_i c_i·g_i by book-keeping from the recorded
+      activations and output gradients, without a second backward.
+    - ``"auto"``: ``"bk"`` when every trainable parameter has a ghost norm or a per-module
+      ``torch.func`` gradient, else ``"vmap"`` (decided on the first micro-batch of a model and
+      input shape, then remembered).
+
+    Under ``"ghost"``/``"bk"`` the parameters of modules without a closed form take the
+    ``torch.func`` path (per module, or for the whole model; ``dpmf.optim.ghost``), so every
+    model works, more slowly when much of it falls back.
+
+    Mixed precision: called under ``torch.autocast`` (bf16 on CPU or GPU, fp16 on GPU), the
+    forward and the backward run in the low precision; the recorded activations and output
+    gradients are cast to float32 before any norm or sum, the norms are combined in float64
+    and the sums are in the parameters' dtype (the noise is then added to them in that dtype
+    by ``Privatizer``). The clipping bound is exact for the vectors whose norms are taken, so
+    the sensitivity is ζ whatever the precision; what the low precision changes is the
+    gradient itself (rounding of activations and output gradients, ≈ 3 significant digits for
+    bf16). fp16 has no loss scaling here: output gradients below 6·10⁻⁸ flush to zero, so
+    prefer bf16.
 
     Args:
         model, loss_fn: as in ``per_example_gradients``.
         inputs: shape (B, …); B may be 0 (an empty Poisson batch) — the sum is then zero.
         targets: shape (B, …).
         clip_norm: ζ > 0.
-        micro_batch_size: the most examples whose gradients are held at once (memory
-            O(micro_batch_size·d)); None processes the whole batch at once.
+        micro_batch_size: the most examples processed at once, by every method; None: see
+            ``micro_batch_entries``.
         step: the training step, only to name it in an error.
-        example_ids: shape (B,), dataset indices of the examples, only to name them in an error.
+        example_ids: shape (B,), dataset indices of the examples; kept in an error's
+            ``example_ids`` attribute, never in its message.
         points: an evaluation plan (``per_example_gradients``): each example's combined vector
             Σ_j w_j·∇ℓ(θ + s_j; x_i) is what is clipped to ζ, so the sensitivity stays ζ.
+            Every method supports plans (ghost norms treat the points as further calls of
+            each layer, so the cross terms between points are included).
+        clipping: ``"auto"``, ``"vmap"``, ``"ghost"`` or ``"bk"``.
+        micro_batch_entries: with ``micro_batch_size=None``, the most per-example gradient
+            entries the vmap path holds at once: max(8, ⌊entries/d⌋) examples per micro-batch
+            (d trainable entries); ghost and book-keeping, whose memory is that of the
+            activations (plus b·p·d for the layers whose per-example gradient is
+            instantiated), take the whole batch. None: the whole batch for every method.
 
     Returns:
         ``ClippedSum`` with one summed tensor per trainable parameter.
 
     Raises:
-        ValueError: ζ ≤ 0, micro_batch_size < 1, a batch-coupled model.
-        NonFiniteGradientError: a per-example gradient has NaN/inf entries (naming the step,
-            the examples and the parameters); nothing is summed or returned.
+        ValueError: ζ ≤ 0, micro_batch_size < 1, an unknown clipping method, a
+            batch-coupled model.
+        NonFiniteGradientError: a per-example gradient has NaN/inf entries (naming the step
+            and the parameters; the examples only as attributes); nothing is returned.
     """
     clip_norm = check_real("clip_norm", clip_norm, low=0.0, low_inclusive=False)
+    clipping = check_choice("clipping", clipping, CLIPPING_MODES)
     batch = int(inputs.shape[0])
-    if micro_batch_size is None:
-        micro_batch_size = max(batch, 1)
-    micro_batch_size = check_int("micro_batch_size", micro_batch_size, minimum=1)
+    if micro_batch_size is not None:
+        micro_batch_size = check_int("micro_batch_size", micro_batch_size, minimum=1)
+    if micro_batch_entries is not None:
+        micro_batch_entries = check_int("micro_batch_entries", micro_batch_entries, minimum=1)
     check_per_example_safe(model)
+    if inputs.shape[0] != targets.shape[0]:
+        raise ValueError(
+            f"inputs and targets are invalid: batch sizes differ ({inputs.shape[0]} vs {targets.shape[0]})"
+        )
     named = trainable_parameters(model)
-    sums = [torch.zeros_like(p, memory_format=torch.contiguous_format) for _, p in named]
+    names = [n for n, _ in named]
+    plan = _check_points(points, named)
+    if micro_batch_size is None:
+        dim = sum(p.numel() for _, p in named)
+        whole = max(batch, 1)
+        vmap_micro = whole if micro_batch_entries is None else max(8, micro_batch_entries // dim)
+        micro_batch_size = whole
+    else:
+        vmap_micro = micro_batch_size
+    sums: list[torch.Tensor | None] = [None] * len(named)  # None until the first micro-batch
     all_norms = []
-    for start in range(0, batch, micro_batch_size):
-        stop = min(start + micro_batch_size, batch)
-        grads = per_example_gradients(model, loss_fn, inputs[start:stop], targets[start:stop], points=points)
-        sq = torch.zeros(stop - start, dtype=torch.float64, device=inputs.device)
-        for g in grads:
-            flat = g.reshape(g.shape[0], -1)
-            part = torch.linalg.vector_norm(flat, dim=1)
-            if not bool(torch.isfinite(part).all()):  # overflow of a finite gradient, or NaN
-                part = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64)
-            sq += part.double() ** 2
-        norms = torch.sqrt(sq)
-        if not bool(torch.isfinite(norms).all()):
-            _raise_non_finite(named, grads, norms, start, step, example_ids)
-        factors = clip_factors(norms, clip_norm)
-        for s, g in zip(sums, grads, strict=True):
-            s += torch.tensordot(factors.to(g.dtype), g, dims=1)
-        all_norms.append(norms)
+    used = "vmap" if clipping in ("vmap", "auto") else clipping
+    if clipping == "auto":
+        used = "vmap" if _AUTO_VMAP.get(model, {}).get(_signature(inputs, names, model)) else "bk"
+    start = 0
+    while start < batch:
+        stop = min(start + (vmap_micro if used == "vmap" else micro_batch_size), batch)
+        x, y = inputs[start:stop], targets[start:stop]
+        if used != "vmap":
+            got = _ghost_micro_batch(model, loss_fn, x, y, clip_norm, names, plan, used, clipping == "auto")
+            if got is None:  # auto: a parameter needs the whole-model path; use it for all
+                _AUTO_VMAP.setdefault(model, {})[_signature(inputs, names, model)] = True
+                used = "vmap"
+                continue  # this micro-batch again, at the vmap path's size
+            else:
+                norms, grads = got
+                if not bool(torch.isfinite(norms[0]).all()):
+                    _raise_non_finite(norms[1], norms[0], start, step, example_ids)
+                for k, n in enumerate(names):
+                    g = grads[n].to(named[k][1].dtype).reshape(named[k][1].shape)
+                    sums[k] = g.contiguous() if sums[k] is None else sums[k].add_(g)
+                all_norms.append(norms[0])
+                start = stop
+                continue
+        grads = _vmap_gradients(model, loss_fn, x, y, plan, names)
+        grads = [grads[n] for n in names]
+        with torch.autocast(inputs.device.type, enabled=False):  # norms and sums not in bf16
+            _vmap_clip_into(sums, names, grads, clip_norm, start, step, example_ids, all_norms)
+        start = stop
     norms = torch.cat(all_norms) if all_norms else torch.zeros(0, dtype=torch.float64)
-    return ClippedSum(sums, norms, batch, clip_norm)
-
-
-def _raise_non_finite(named, grads, norms, offset, step, example_ids):
-    bad_rows = torch.nonzero(~torch.isfinite(norms)).flatten()
-    positions = (bad_rows + offset).tolist()
-    ids = positions if example_ids is None else example_ids[bad_rows + offset].tolist()
-    bad_params = [
-        n for (n, _), g in zip(named, grads, strict=True) if not bool(torch.isfinite(g[bad_rows]).all())
+    sums = [
+        torch.zeros_like(p, memory_format=torch.contiguous_format) if t is None else t
+        for t, (_, p) in zip(sums, named, strict=True)
     ]
+    return ClippedSum(sums, norms, batch, clip_norm, used)
+
+
+def _vmap_clip_into(sums, names, grads, clip_norm, start, step, example_ids, all_norms) -> None:
+    """Norms of explicit per-example gradients, clip factors, and their weighted sums added to
+    ``sums`` (in place; None entries are set)."""
+    sq = torch.zeros(grads[0].shape[0], dtype=torch.float64, device=grads[0].device)
+    bad = []
+    for n, g in zip(names, grads, strict=True):
+        flat = g.reshape(g.shape[0], -1)
+        part = torch.linalg.vector_norm(flat, dim=1)
+        if not bool(torch.isfinite(part).all()):  # overflow of a finite gradient, or NaN
+            part = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64)
+            if not bool(torch.isfinite(part).all()):
+                bad.append(n)
+        sq += part.double() ** 2
+    norms = torch.sqrt(sq)
+    if not bool(torch.isfinite(norms).all()):
+        _raise_non_finite(bad, norms, start, step, example_ids)
+    factors = clip_factors(norms, clip_norm)
+    for k, g in enumerate(grads):
+        t = torch.tensordot(factors.to(g.dtype), g, dims=1)
+        sums[k] = t if sums[k] is None else sums[k].add_(t)
+    all_norms.append(norms)
+
+
+# auto mode: (model → input signatures) for which a parameter needed the whole-model path
+_AUTO_VMAP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# explicit ghost/bk: (model → module names) already warned about
+_WARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _signature(inputs, names, model):
+    return (tuple(inputs.shape[1:]), inputs.dtype, tuple(names), model.training)
+
+
+def _ghost_micro_batch(model, loss_fn, x, y, clip_norm, names, plan, method, auto):
+    """((norms, non-finite parameter names), grads) by ghost norms, or None (auto fallback)."""
+
+    def subset(wanted):
+        return _vmap_gradients(model, loss_fn, x, y, plan, wanted)
+
+    res = ghost_clipped_sum(
+        model,
+        loss_fn,
+        x,
+        y,
+        clip_norm=clip_norm,
+        names=names,
+        plan=plan,
+        method=method,
+        subset_gradients=subset,
+        allow_fallback=not auto,
+    )
+    if res is None:
+        return None
+    if res.fallback:
+        warned = _WARNED.setdefault(model, set())
+        news = {k: v for k, v in res.fallback.items() if k not in warned}
+        if news:
+            warned.update(news)
+            detail = "; ".join(f"{k}: {v}" for k, v in news.items())
+            warnings.warn(
+                f"clipping={method!r}: the parameters of these modules take the slower whole-model "
+                f"torch.func path ({detail}); clipping='auto' would use it for the whole model",
+                stacklevel=4,
+            )
+    bad = [n for n in names if not bool(torch.isfinite(res.sq_by_param[n]).all())]
+    return (res.norms, bad), res.grads
+
+
+def _raise_non_finite(bad_params, norms, offset, step, example_ids):
+    bad_rows = torch.nonzero(~torch.isfinite(norms)).flatten().cpu()
+    positions = (bad_rows + offset).tolist()
+    ids = None if example_ids is None else example_ids[bad_rows + offset].tolist()
     where = "" if step is None else f" at step {step}"
-    label = "batch positions" if example_ids is None else "examples"
     raise NonFiniteGradientError(
-        f"non-finite per-example gradient{where}: {label} {_short(ids)} have NaN or inf entries "
+        f"non-finite per-example gradient{where}: examples of the batch have NaN or inf entries "
         f"in parameters {_short(bad_params)} (or a norm overflow). The parameters were not "
         "updated. Check the inputs for NaN/inf, lower the learning rate, or use a numerically "
-        "stable loss."
+        "stable loss. The examples are not named here (batch membership is secret); they are "
+        "in this error's example_ids and positions attributes.",
+        step=step,
+        positions=positions,
+        example_ids=ids,
+        parameters=bad_params,
     )
 
 

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dpmf._validation import check_int, check_real
+from dpmf._validation import check_choice, check_int, check_real
 from dpmf.optim.clipping import check_per_example_safe, clipped_sum, trainable_parameters
+from dpmf.optim.ghost import CLIPPING_MODES
 from dpmf.optim.noise import CorrelatedNoise
 
 __all__ = ["AUTO_MICRO_BATCH_ENTRIES", "PrivateStep", "Privatizer"]
@@ -78,9 +79,15 @@ class Privatizer:
             trainable entries and its device/dtype the model's.
         micro_batch_size: the most per-example gradients held at once; None: as many as fit
             in ``AUTO_MICRO_BATCH_ENTRIES`` entries (2²⁴, 64 MiB at float32), at least 8:
-            max(8, ⌊2²⁴/d⌋) examples. Besides bounding memory, moderate micro-batches keep
-            the per-example work in cache (on CPU, 3-block CNN, 256 examples: 1.08 s in one
-            pass, 0.63 s in micro-batches of 64).
+            max(8, ⌊2²⁴/d⌋) examples on the vmap path, the whole batch under ghost and
+            book-keeping clipping (whose memory is that of the activations). Besides bounding
+            memory, moderate micro-batches keep the per-example work in cache (on CPU,
+            3-block CNN, 256 examples: 1.08 s in one pass, 0.63 s in micro-batches of 64).
+        clipping: ``"auto"`` (default), ``"vmap"``, ``"ghost"`` or ``"bk"``: how the per-example
+            norms and the clipped sum are computed (``dpmf.optim.clipping.clipped_sum``; the
+            same sum up to rounding, the same sensitivity ζ). Under ``torch.autocast`` (bf16)
+            the norms and sums are taken in float32 and the noise is added in the parameters'
+            dtype.
 
     Raises:
         ValueError: any argument outside its range, a batch-coupled model, a noise stream
@@ -101,8 +108,10 @@ class Privatizer:
         sensitivity: float | None = None,
         expected_batch_size: float | None = None,
         micro_batch_size: int | None = None,
+        clipping: str = "auto",
     ):
         check_per_example_safe(model)
+        self.clipping = check_choice("clipping", clipping, CLIPPING_MODES)
         if plan is not None:
             given = [
                 k
@@ -157,6 +166,7 @@ class Privatizer:
                 f"{p0.device}/{p0.dtype}: create the stream with the model's device and dtype"
             )
         self.noise = noise
+        self._micro_batch_given = micro_batch_size is not None
         self.micro_batch_size = micro_batch_size or max(8, AUTO_MICRO_BATCH_ENTRIES // dim)
 
     @property
@@ -250,10 +260,12 @@ class Privatizer:
             inputs,
             targets,
             clip_norm=self.clip_norm,
-            micro_batch_size=self.micro_batch_size,
+            micro_batch_size=self.micro_batch_size if self._micro_batch_given else None,
+            micro_batch_entries=AUTO_MICRO_BATCH_ENTRIES,
             step=t,
             example_ids=example_ids,
             points=points,
+            clipping=self.clipping,
         )
         z = self.noise.next()
         scale = self.noise_std
@@ -261,7 +273,7 @@ class Privatizer:
         written = []
         for (_, p), s in zip(trainable_parameters(self.model), summed.grads, strict=True):
             k = p.numel()
-            g = s.add(z[offset : offset + k].view_as(p), alpha=scale).div_(self.expected_batch_size)
+            g = s.add_(z[offset : offset + k].view_as(p), alpha=scale).div_(self.expected_batch_size)
             offset += k
             p.grad = g
             written.append((p, g, g._version))

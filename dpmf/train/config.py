@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 
 from dpmf._validation import check_choice, check_int, check_real
 from dpmf.mechanisms.registry import parse_factorization
+from dpmf.optim.ghost import CLIPPING_MODES
 from dpmf.plan.schemes import SCHEMES, Poisson, scheme_names
 from dpmf.train.data import DATASETS
 from dpmf.train.models import MODELS
@@ -77,6 +78,10 @@ class TrainConfig:
             to whoever knows it: use it for reproducible experiments, not for released models.
         device: ``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``.
         micro_batch_size: per-example gradients held at once (None: the whole batch).
+        clipping: how per-example gradients are clipped and summed: ``auto`` (book-keeping
+            ghost clipping when every layer allows it, else ``vmap``), ``vmap``, ``ghost`` or
+            ``bk`` (``dpmf.optim.clipping.clipped_sum``). The same sum up to rounding, so not
+            part of the run's identity.
         accountant: ``pld``, ``rdp``, ``prv`` or ``monte_carlo``; None: the scheme's default
             (Monte Carlo for the balls-in-bins schemes, PLD otherwise).
         samples: Monte Carlo samples for balls-in-bins accounting (None: the accountant's default).
@@ -119,6 +124,7 @@ class TrainConfig:
     seed: int | None = None
     device: str = "auto"
     micro_batch_size: int | None = None
+    clipping: str = "auto"
     accountant: str | None = None
     samples: int | None = None
     eval_batch_size: int = 1024
@@ -205,6 +211,7 @@ class TrainConfig:
             object.__setattr__(
                 self, "micro_batch_size", check_int("micro_batch_size", self.micro_batch_size, minimum=1)
             )
+        check_choice("clipping", self.clipping, CLIPPING_MODES)
         if self.accountant is not None:
             check_choice("accountant", self.accountant, ACCOUNTANTS)
         if self.samples is not None:
@@ -322,6 +329,6 @@ class TrainConfig:
         """The fields that define the run's trajectory (a resumed run must match them)."""
         d = self.to_dict()
         d["lr"] = self.base_lr
-        for k in ("device", "eval_batch_size", "epsilon_each_epoch", "data_dir", "log_every"):
+        for k in ("device", "eval_batch_size", "epsilon_each_epoch", "data_dir", "log_every", "clipping"):
             d.pop(k)
         return d

@@ -384,6 +384,7 @@ def make_private(
     seed: int | None = None,
     max_bands: int = 64,
     micro_batch_size: int | None = None,
+    clipping: str = "auto",
     num_workers: int = 0,
     collate_fn=None,
     progress: bool = False,
@@ -415,6 +416,9 @@ def make_private(
             entropy; a given seed makes the noise predictable to whoever knows it.
         max_bands: the memory budget of ``factorization="auto"``.
         micro_batch_size: per-example gradients held at once (None: automatic).
+        clipping: how per-example norms and the clipped sum are computed: ``"auto"`` (ghost
+            norms / book-keeping where the layers allow, else ``torch.func``), ``"vmap"``,
+            ``"ghost"`` or ``"bk"`` (``dpmf.optim.clipping.clipped_sum``).
         num_workers: DataLoader worker processes.
         collate_fn: collate function for non-empty batches (default ``default_collate``).
         progress: progress bars of pick and the Monte Carlo accountant.
@@ -497,7 +501,13 @@ def make_private(
     dim = sum(p.numel() for _, p in trainable_parameters(module))
     noise = plan.noise(dim, sub_seed(master, 2), device=p0.device, dtype=p0.dtype)
     privatizer = Privatizer(
-        module, loss_fn, plan=plan, clip_norm=clip_norm, noise=noise, micro_batch_size=micro_batch_size
+        module,
+        loss_fn,
+        plan=plan,
+        clip_norm=clip_norm,
+        noise=noise,
+        micro_batch_size=micro_batch_size,
+        clipping=clipping,
     )
     sampler = plan.sampler(sub_seed(master, 1))
     loader = DataLoader(

@@ -339,6 +339,7 @@ def train(
         clip_norm=config.clip_norm,
         noise=noise,
         micro_batch_size=config.micro_batch_size,
+        clipping=config.clipping,
     )
     optimizer = build_optimizer(config, model, log=log, seed=seed)
     privatizer.bind(optimizer)
