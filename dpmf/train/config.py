@@ -148,8 +148,14 @@ class TrainConfig:
                     "factorization='auto' is invalid with noise_multiplier: the choice needs a target epsilon"
                 )
         else:
-            parse_factorization(self.factorization)
+            name, _ = parse_factorization(self.factorization)
             check_choice("scheme", self.scheme, scheme_names())
+            if name != "identity" and not SCHEMES[self.scheme].matrix_mechanism:
+                raise ValueError(
+                    f"factorization={self.factorization!r} is invalid for scheme={self.scheme!r}: it "
+                    "accounts DP-SGD (C = I) only; use cyclic_poisson, balls_in_bins, fixed_order or "
+                    "single_release for a matrix mechanism"
+                )
         object.__setattr__(self, "epochs", check_int("epochs", self.epochs, minimum=1))
         object.__setattr__(self, "batch_size", check_int("batch_size", self.batch_size, minimum=1))
         if (self.epsilon is None) == (self.noise_multiplier is None):
