@@ -83,7 +83,7 @@ def through_make_private(name, x, y, steps):
     )
 
     def step():
-        private.backward(x, target=y)
+        private.backward(x, target=y, return_loss=False)
         private.optimizer.step()
         private.optimizer.zero_grad(set_to_none=True)
 

@@ -200,7 +200,7 @@ class PrivateTraining:
         """Private steps taken so far (empty batches included)."""
         return self.privatizer.step
 
-    def backward(self, *inputs, target) -> float:
+    def backward(self, *inputs, target, return_loss: bool = True) -> float | None:
         """The private gradient of one batch into ``p.grad``: per-example gradients, clipping to
         ζ, sum, the step's correlated noise σ·ζ·s·(C⁻¹Z)_t, division by the expected batch size
         B̄; also sets the learning rate η·χ_t of the plan's schedule.
@@ -209,9 +209,12 @@ class PrivateTraining:
             inputs: the model's inputs for the batch (one tensor, several tensors, or one dict
                 passed as keyword arguments), batched along dimension 0 (size 0: noise only).
             target: the targets, batched along dimension 0.
+            return_loss: compute the batch's mean loss for logging (one more forward pass
+                without gradients, about a third of a non-private step); False skips it.
 
         Returns:
-            The mean loss of the batch (0.0 for an empty batch), for logging.
+            The mean loss of the batch (0.0 for an empty batch; a non-private statistic of the
+            batch: log it only where the batch may be seen), or None with ``return_loss=False``.
 
         Raises:
             RuntimeError: every step of the plan was taken.
@@ -235,9 +238,11 @@ class PrivateTraining:
         for group, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
             group["lr"] = base * chi
         self.privatizer.privatize(x, target)
+        if not return_loss:
+            return None
         if x.shape[0] == 0:
             return 0.0
-        with torch.no_grad():
+        with torch.no_grad():  # still at θ_t: the optimizer has not stepped yet
             return float(self.privatizer.loss_fn(self.model(x), target))
 
     def privacy(self, delta: float | None = None):
