@@ -40,7 +40,13 @@ a concave function whose gradient is the constraint residual ⟨S_c, X(Λ)⟩ �
 maximized by Newton's method with conjugate gradients: with LᵀWL = Q diag(μ²) Qᵀ and
 E = L⁻ᵀQ, differentiating XΛX = W gives dX = −E [G ∘ (Eᵀ dΛ E)] Eᵀ, G_ab = μ_aμ_b/(μ_a+μ_b),
 so a Hessian-vector product costs four n×n matrix products. Each Newton step costs one
-symmetric eigendecomposition (an SVD of A·L near convergence, for accuracy). The duality gap
+symmetric eigendecomposition (an SVD of A·L near convergence, for accuracy). Two safeguards keep
+the ascent going when the min_sep cutting planes outnumber the directions Λ can move in (tiny n)
+or the multipliers span many orders (steep learning-rate decays): a step whose line search fails
+and that is far larger than the multipliers is recomputed with Levenberg–Marquardt damping (the
+Hessian is singular there), and a multiplier shrinks by at most a factor 100 per step instead of
+being projected to 0 (several zeroed at once leave Λ singular, where X(Λ) and the gradient blow
+up). The Newton steps are truncated (at most 20 conjugate-gradient steps). The duality gap
 certifies the result: the dual value is a lower bound on the optimal error, the returned
 factorization (normalized to be exactly feasible) an upper bound.
 
@@ -405,6 +411,7 @@ def _newton_direction(
 _WILD_STEP = 10.0  # a direction larger than this times max|y| is damped when its line search fails
 _MIN_DAMPING, _MAX_DAMPING = 1e-6, 1e8
 _BOUNDARY_FRACTION = 0.01
+_CG_MAXITER = 20  # truncated Newton: conjugate-gradient steps per Newton step
 # min_sep cutting planes: planes added per round (× n), the residual of intermediate solves
 # (at most _CUT_ROUND_TOL, else this ratio times the largest violation), and the multiplier
 # (relative to the largest) below which a plane that is not nearly tight is dropped
@@ -458,7 +465,7 @@ def _maximize_dual(
         eps = min(1e-3 * float(np.max(pt.y[cons.inequality])), res) if np.any(cons.inequality) else 0.0
         free = _free_mask(cons, pt, eps)
         rtol = min(0.1, np.sqrt(res))
-        d, n_cg = _newton_direction(cons, pt, free, rtol=rtol, maxiter=200, damping=damping)
+        d, n_cg = _newton_direction(cons, pt, free, rtol=rtol, maxiter=_CG_MAXITER, damping=damping)
         cg_total += n_cg
         iterations += 1
         slope = float(pt.grad @ d)
