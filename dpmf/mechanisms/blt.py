@@ -542,7 +542,10 @@ def optimize_blt(
         ValueError: bad buffers, objective, iteration counts; max_se with a non-Toeplitz
             workload; n incompatible with the participation.
 
-    Cost: O(n log n) per objective evaluation for Toeplitz workloads, O(n²) for A·diag(χ).
+    Cost per objective evaluation: O(n·d²) for MeanSE of A₁·diag(χ) (``blt_frobenius_sq``;
+    the sensitivity from the strategy's coefficients, O(n·(d + k))), O(n log n) for other
+    Toeplitz workloads; O(n log n) also where the secular map is ill-conditioned (an output
+    scale near 0) and the power-series reciprocal is used.
     """
     t0 = time.perf_counter()
     if not isinstance(workload, Workload):
