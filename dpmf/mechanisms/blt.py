@@ -544,8 +544,9 @@ def optimize_blt(
 
     Cost per objective evaluation: O(n·d²) for MeanSE of A₁·diag(χ) (``blt_frobenius_sq``;
     the sensitivity from the strategy's coefficients, O(n·(d + k))), O(n log n) for other
-    Toeplitz workloads; O(n log n) also where the secular map is ill-conditioned (an output
-    scale near 0) and the power-series reciprocal is used.
+    Toeplitz workloads. Where the secular map is ill-conditioned (an output scale near 0, as
+    at the starts that add a buffer) the power-series reciprocal is used, at its former cost
+    (O(n²) for the error of A₁·diag(χ) in the strategy parametrization).
     """
     t0 = time.perf_counter()
     if not isinstance(workload, Workload):
