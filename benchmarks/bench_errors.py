@@ -1,9 +1,12 @@
-"""MaxSE/MeanSE speed and memory of the structured evaluation, one core.
+"""MaxSE/MeanSE and lower-bound speed and memory of the structured evaluation, one core.
 
 Targets: lr_aware and sqrt_prefix on exponential A_χ at n = 16384 in < 10 s and < 500 MB peak;
-the prefix-sum square root at n = 10⁶ in < 5 s. The baseline, measured in the same run, is the
-dense computation (B = A·C⁻¹ as n×n arrays, row norms) at a size it can afford; the ratio is
-dense time / structured time at the same n.
+the prefix-sum square root at n = 10⁶ in < 5 s; the error curves of ``dpmf curves`` with the
+nuclear-norm lower bound at n = 16384 (exponential, sqrt_prefix and lr_aware) in < 5 s and at
+n = 10⁵ (constant, sqrt_prefix) in < 30 s. The baselines, measured in the same run, are the
+dense computation (B = A·C⁻¹ as n×n arrays, row norms) at a size it can afford, and for the
+bound the former method (the 2n×2n Golub–Kahan tridiagonal eigenvalues, O(n²)) at n = 4096;
+the ratios are baseline time / structured time at the same n.
 
 Usage: python benchmarks/bench_errors.py [--quick]
 """
@@ -26,8 +29,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import median_seconds, peak_mb  # noqa: E402
 
-from dpmf.mechanisms import evaluate, factorize  # noqa: E402
+from dpmf.mechanisms import evaluate, factorize, nuclear_norm  # noqa: E402
+from dpmf.mechanisms.sweeps import error_curves  # noqa: E402
 from dpmf.workloads import Schedule, from_schedule, prefix_sum  # noqa: E402
+
+
+def golub_kahan_nuclear_norm(workload):
+    """The former bound: Σ 1/σ_i(A⁻¹) from the 2n×2n Golub–Kahan matrix (LAPACK MRRR)."""
+    from scipy.linalg import eigh_tridiagonal
+
+    n = workload.n
+    inv_diag = 1.0 / (workload.coeffs[0] * workload.scale)
+    off = np.empty(2 * n - 1)
+    off[0::2] = inv_diag
+    off[1::2] = -inv_diag[1:]
+    ev = eigh_tridiagonal(np.zeros(2 * n), off, eigvals_only=True)
+    return float(np.sum(1.0 / np.abs(ev[n:])))
 
 
 def structured(workload, spec):
@@ -74,6 +91,28 @@ def main():
             f"{spec + ' exp. A_chi MaxSE+MeanSE':<44} {n_big:>8} {t:>9.3f} {mem:>9.1f} {'':>11}"
             f"   MaxSE={mx:.4f} MeanSE={mn:.4f}"
         )
+
+    w_gk = from_schedule(Schedule("exponential", 0.1), 1024 if args.quick else 4096)
+    t_gk = median_seconds(partial(golub_kahan_nuclear_norm, w_gk), 1)
+    t_q = median_seconds(partial(nuclear_norm, w_gk), repeat)
+    rel = abs(nuclear_norm(w_gk) / golub_kahan_nuclear_norm(w_gk) - 1.0)
+    print(
+        f"{'nuclear norm, exp. A_chi (quadrature)':<44} {w_gk.n:>8} {t_q:>9.3f} {'':>9} {t_gk / t_q:>11.1f}"
+        f"   relative difference to Golub-Kahan {rel:.1e}"
+    )
+    curve_cases = [
+        (
+            "curves exp. sqrt_prefix,lr_aware + bound",
+            Schedule("exponential", 0.1),
+            n_big,
+            ["sqrt_prefix", "lr_aware"],
+        ),
+        ("curves constant sqrt_prefix + bound", Schedule("constant", 1.0), n_million // 10, ["sqrt_prefix"]),
+    ]
+    for label, sched, n, facts in curve_cases:
+        t = median_seconds(partial(error_curves, sched, [n], facts), repeat)
+        t_nb = median_seconds(partial(error_curves, sched, [n], facts, with_lower_bound=False), repeat)
+        print(f"{label:<44} {n:>8} {t:>9.3f} {'':>9} {'':>11}   without the bound {t_nb:.3f} s")
 
     w = prefix_sum(n_million)
     t = median_seconds(lambda: evaluate(factorize(w, "sqrt_prefix"), with_lower_bound=False), repeat)

@@ -142,6 +142,11 @@ def _add_curves(sub):
     )
     p.add_argument("--out", required=True, help="output folder")
     _add_figure_flags(p)
+    p.add_argument(
+        "--no-lower-bound",
+        action="store_true",
+        help="skip the nuclear-norm lower bound (the lower_bound column is then left empty)",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
@@ -157,7 +162,14 @@ def _run_curves(args) -> int:
     ns = _csv_list(args.n, int)
     facts = _csv_list(args.factorizations)
     participation = _participation(args)
-    rows = error_curves(schedule, ns, facts, participation, progress=not args.no_progress)
+    rows = error_curves(
+        schedule,
+        ns,
+        facts,
+        participation,
+        progress=not args.no_progress,
+        with_lower_bound=not args.no_lower_bound,
+    )
     out = Path(args.out)
     csv_path = atomic_write_csv(out / "curves.csv", CURVE_COLUMNS, [r.as_tuple() for r in rows])
     fig_path = plot_curves(rows, out / f"curves.{args.format}", dpi=args.dpi)
@@ -172,9 +184,9 @@ def _print_curves(rows) -> None:
     for r in rows:
         label = r.factorization if r.bands is None else f"{r.factorization}:{r.bands}"
         flag = "" if r.sensitivity_exact else " (sens upper bound)"
+        bound = "" if r.lower_bound is None else f"{r.lower_bound:.4f}"
         print(
-            f"{r.n:>6} {label:<20} {r.sensitivity:>9.4f} {r.max_se:>9.4f} {r.mean_se:>9.4f} "
-            f"{r.lower_bound:>9.4f}{flag}"
+            f"{r.n:>6} {label:<20} {r.sensitivity:>9.4f} {r.max_se:>9.4f} {r.mean_se:>9.4f} {bound:>9}{flag}"
         )
 
 

@@ -158,11 +158,12 @@ def figure_curves(rows: Sequence, *, title: str | None = None):
         for label in labels:
             pts = sorted((r.n, getattr(r, metric)) for r in rows if _label(r) == label)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=label)
-        lb = sorted({(r.n, r.lower_bound) for r in rows})
-        ax.plot([p[0] for p in lb], [p[1] for p in lb], "k--", label=lb_label)
+        lb = sorted({(r.n, r.lower_bound) for r in rows if r.lower_bound is not None})
+        if lb:  # none with --no-lower-bound
+            ax.plot([p[0] for p in lb], [p[1] for p in lb], "k--", label=lb_label)
         _steps_x(ax, ns)
         ax.set_yscale("log")
-        _readable_log_y(ax, [getattr(r, metric) for r in rows] + [r.lower_bound for r in rows])
+        _readable_log_y(ax, [getattr(r, metric) for r in rows] + [p[1] for p in lb])
         ax.set_xlabel("n (steps)")
         ax.set_ylabel(f"{name} (units of σ·ζ)")
         ax.set_title(name)

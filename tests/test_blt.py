@@ -23,7 +23,7 @@ from dpmf.mechanisms import (
 )
 from dpmf.mechanisms.blt import blt_factorization
 from dpmf.mechanisms.toeplitz import is_nonincreasing_nonnegative
-from dpmf.workloads import lr_scheduled, prefix_sum, schedule
+from dpmf.workloads import Schedule, lr_scheduled, prefix_sum, schedule
 
 THETA = np.array([0.3, 0.8, 0.97])
 OMEGA = np.array([-0.35, -0.05, -0.004])
@@ -195,3 +195,115 @@ def test_invalid_input():
         blt_noise(THETA, OMEGA, np.zeros((0, 2)))
     with pytest.raises(ValueError, match="objective"):
         blt_prefix_error(THETA, OMEGA, 10, "rmse")
+
+
+# --- the closed-form objective -------------------------------------------------------------
+
+
+def _fd(f, x, eps=1e-6):
+    return np.array([(f(x + eps * e) - f(x - eps * e)) / (2 * eps) for e in np.eye(x.shape[0])])
+
+
+@pytest.mark.parametrize("sched", ["constant", "exponential", "cosine"])
+def test_blt_frobenius_sq_equals_dense_and_series_evaluation(sched):
+    """‖A₁·diag(χ)·BLT(θ, ω)‖_F² from the recursions against B formed densely and against the
+    O(n) power-series objective; gradients against central differences."""
+    from dpmf.mechanisms.blt import blt_frobenius_sq
+    from dpmf.mechanisms.toeplitz_objective import frobenius_sq
+    from dpmf.workloads import from_schedule
+
+    theta, omega = np.array([0.2, 0.9, 0.995]), np.array([0.3, -0.2, 0.01])
+    for n in (1, 2, 3, 40, 257):
+        w = from_schedule(Schedule(sched, 0.05), n)
+        g = blt_coefficients(theta, omega, n)
+        value, g_theta, g_omega = blt_frobenius_sq(theta, omega, w.scale)
+        B = w.dense() @ toeplitz(g, np.zeros(n))
+        assert value == pytest.approx(np.sum(B**2), rel=1e-12)
+        assert value == pytest.approx(frobenius_sq(w, g)[0], rel=1e-12)
+        if n > 2:
+            ft = _fd(lambda t, chi=w.scale: blt_frobenius_sq(t, omega, chi)[0], theta)
+            fo = _fd(lambda o, chi=w.scale: blt_frobenius_sq(theta, o, chi)[0], omega)
+            np.testing.assert_allclose(g_theta, ft, rtol=1e-5, atol=1e-6 * np.max(np.abs(ft)))
+            np.testing.assert_allclose(g_omega, fo, rtol=1e-6)
+
+
+def test_blt_frobenius_sq_rejects_bad_input():
+    from dpmf.mechanisms.blt import blt_frobenius_sq
+
+    with pytest.raises(ValueError, match="theta"):
+        blt_frobenius_sq([-0.5], [0.1], np.ones(4))
+    with pytest.raises(ValueError, match="chi"):
+        blt_frobenius_sq([0.5], [0.1], [1.0, 0.0])
+
+
+def test_secular_inverse_and_its_vector_jacobian_product():
+    """θ̂, ω̂ from the secular equation equal ``blt_inverse_parameters``; the VJP equals central
+    differences of that map (real and complex-paired inverses)."""
+    from dpmf.mechanisms.blt import _inverse_vjp
+
+    for theta, omega in ((THETA, OMEGA), (np.array([0.5, 0.9]), np.array([0.4, 0.3]))):
+        lam, om_hat, vjp = _inverse_vjp(theta, omega)
+        if np.all(lam.imag == 0):
+            th_ref, om_ref = blt_inverse_parameters(theta, omega)
+            order = np.argsort(lam.real)
+            np.testing.assert_allclose(lam.real[order], th_ref, rtol=1e-12)
+            np.testing.assert_allclose(om_hat.real[order], om_ref, rtol=1e-10)
+        # the inverse's coefficients are the power-series reciprocal
+        k = np.arange(30)
+        c = np.concatenate([[1.0], np.real((om_hat[:, None] * lam[:, None] ** k[None, :]).sum(0))])
+        np.testing.assert_allclose(c, inverse_coefficients(blt_coefficients(theta, omega, 31)), atol=1e-13)
+        a, b = np.array([0.3, -1.0]), np.array([2.0, 0.5])
+        a, b = np.resize(a, lam.shape), np.resize(b, lam.shape)
+
+        def f(t, o, a=a, b=b):
+            lm, oh, _ = _inverse_vjp(t, o)
+            order = np.lexsort((lm.imag, lm.real))
+            return float(np.real(np.sum(a * lm[order] + b * oh[order])))
+
+        order = np.lexsort((lam.imag, lam.real))
+        inv_order = np.empty_like(order)
+        inv_order[order] = np.arange(order.shape[0])
+        g_t, g_o = vjp(a[inv_order], b[inv_order])
+        np.testing.assert_allclose(np.real(g_t), _fd(lambda t, o=omega: f(t, o), theta), rtol=1e-6, atol=1e-8)
+        np.testing.assert_allclose(np.real(g_o), _fd(lambda o, t=theta: f(t, o), omega), rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("param", ["noise", "strategy"])
+@pytest.mark.parametrize(
+    "participation", [Participation.single(), Participation.separated(8, 4), Participation.fixed_epochs(8, 4)]
+)
+def test_optimizer_objective_equals_dense_sensitivity_and_error(param, participation):
+    """log(sens² · ‖B‖_F²) of the optimizer at its starting points against C, C⁻¹ and B formed
+    densely; its gradient against central differences."""
+    from dpmf.mechanisms.blt import _objective, _starting_points, _unpack
+
+    n, d = 32, 3
+    w = lr_scheduled(Schedule("exponential", 0.1).values(n))
+    fun = _objective(w, participation, "mean_se", d, param)
+    checked = gradients = 0
+    for x in _starting_points(w, participation, d, 3, param):
+        out = fun(x)
+        if out is None:
+            continue
+        th, om = _unpack(x, d)
+        g = blt_coefficients(th, om, n)
+        T = toeplitz(g, np.zeros(n))
+        C, Ci = (np.linalg.inv(T), T) if param == "noise" else (T, np.linalg.inv(T))
+        s = sensitivity(C, participation).value
+        e2 = np.sum((w.dense() @ Ci) ** 2)
+        assert out[0] == pytest.approx(np.log(s**2 * e2), abs=1e-10)
+        checked += 1
+        if all(fun(x + 1e-7 * e) is not None and fun(x - 1e-7 * e) is not None for e in np.eye(2 * d)):
+            fd = _fd(lambda z: fun(z)[0], x, eps=1e-7)
+            np.testing.assert_allclose(out[1], fd, rtol=1e-4, atol=1e-6)
+            gradients += 1
+    assert checked >= 1 and (gradients >= 1 or participation.kind == "min_sep")
+
+
+def test_optimum_unchanged_on_a_learning_rate_workload():
+    """The values the O(n²) power-series objective reached (before the closed forms)."""
+    w = lr_scheduled(Schedule("exponential", 0.1).values(64))
+    assert optimize_blt(w, 2).value == pytest.approx(1.3409103041177235, rel=1e-9)
+    assert optimize_blt(w, 1, Participation.separated(16, 4)).value == pytest.approx(
+        2.978838507406279, rel=1e-9
+    )

@@ -87,3 +87,38 @@ def test_random_factorizations_respect_bound():
         B = A @ np.linalg.inv(C)
         s = sensitivity(C, part)
         assert s.value * np.linalg.norm(B) / math.sqrt(n) >= lb
+
+
+def _golub_kahan_nuclear_norm(w):
+    """The former method, re-derived: ‖A‖_* = Σ 1/σ_i(A⁻¹), σ_i(A⁻¹) the positive eigenvalues
+    of the 2n×2n Golub–Kahan matrix of the bidiagonal A⁻¹ (LAPACK MRRR)."""
+    from scipy.linalg import eigh_tridiagonal
+
+    n = w.n
+    inv_diag = 1.0 / (w.coeffs[0] * w.scale)
+    off = np.empty(2 * n - 1)
+    off[0::2] = inv_diag
+    off[1::2] = -inv_diag[1:]
+    ev = eigh_tridiagonal(np.zeros(2 * n), off, eigvals_only=True)
+    return float(np.sum(1.0 / np.abs(ev[n:])))
+
+
+@pytest.mark.parametrize("sched", SCHEDULES)
+def test_quadrature_matches_golub_kahan_eigenvalues_to_1e_10(sched):
+    for n, beta in ((2, 0.5), (3, 1e-3), (257, 0.1), (4096, 0.1), (4096, 1e-4)):
+        w = from_schedule(Schedule(sched, beta), n)
+        assert nuclear_norm(w) == pytest.approx(_golub_kahan_nuclear_norm(w), rel=1e-10)
+
+
+def test_quadrature_matches_the_prefix_sum_closed_form_and_scales():
+    """A constant column scale d goes through the quadrature when the coefficients are not 1."""
+    from dpmf.mechanisms.bounds import _bidiagonal_inverse_nuclear_norm
+
+    for n in (1, 2, 10, 3000):
+        k = np.arange(1, n + 1)
+        ref = np.sum(1.0 / (2.0 * np.sin((2 * k - 1) * np.pi / (2 * (2 * n + 1)))))
+        assert _bidiagonal_inverse_nuclear_norm(np.full(n, 2.5)) == pytest.approx(2.5 * ref, rel=1e-12)
+    rng = np.random.default_rng(3)
+    d = np.exp(rng.normal(size=300) * 3.0)  # condition number ~1e8
+    A = np.tril(np.ones((300, 300))) * d[None, :]
+    assert _bidiagonal_inverse_nuclear_norm(d) == pytest.approx(svdvals(A).sum(), rel=1e-11)

@@ -195,3 +195,13 @@ def test_console_entry_point(tmp_path):
     )
     assert "wrote" in out.stdout
     assert np.isfinite(float(read_csv(tmp_path / "curves.csv")[0]["max_se"]))
+
+
+def test_curves_without_lower_bound_leaves_the_column_empty(tmp_path, capsys):
+    args = ["curves", "--schedule", "exponential", "--n", "64", "--factorizations", "lr_aware"]
+    rc = main([*args, "--out", str(tmp_path), "--no-progress", "--no-lower-bound"])
+    assert rc == 0
+    (row,) = read_csv(tmp_path / "curves.csv")
+    assert row["lower_bound"] == ""
+    assert round(float(row["mean_se"]), 4) == 1.4146
+    assert "0.9282" not in capsys.readouterr().out

@@ -206,3 +206,18 @@ def test_parse():
     assert parse_factorization("sqrt") == ("sqrt", None)
     with pytest.raises(TypeError):
         factorize(np.eye(3), "sqrt")
+
+
+@pytest.mark.parametrize("sched", ["exponential", "cosine", "polynomial"])
+@pytest.mark.parametrize(
+    "spec", ["sqrt_prefix", "lr_aware", "bisr:3", "bsr:5", "lr_bisr:7", "sqrt_prefix_scaled"]
+)
+def test_structured_row_norms_equal_dense_rows(sched, spec):
+    """The banded running-row recursion and the geometric-schedule Toeplitz path against B = A·C⁻¹."""
+    from dpmf.mechanisms import b_row_norms
+
+    for n in (1, 2, 9, 200):
+        w = from_schedule(Schedule(sched, 0.05), n)
+        f = factorize(w, spec)
+        dense = np.linalg.norm(w.dense() @ np.linalg.inv(f.C.dense()), axis=1)
+        np.testing.assert_allclose(b_row_norms(f), dense, rtol=1e-11)

@@ -27,6 +27,19 @@ Closed forms (checked on the conditions under which they hold):
 * error for the prefix-sum workload (``blt_prefix_error``): B = A₁·C⁻¹ = Toep(h) with
   h_t = β − Σ_i γ_i θ_i^t, γ_i = ω_i/(1 − θ_i), β = 1 + Σγ_i, so Σ_t h_t² (MaxSE², the last row)
   and Σ_t (n−t) h_t² (n·MeanSE²) are geometric sums in O(d²), for any n.
+* error for A = A₁·diag(χ), any schedule (``blt_frobenius_sq``): column j of B = A·Toep(g)
+  has entries s_j(t) = χ_j + Σ_i ω_i u_{ij}(t), u_{ij}(t) = Σ_{j<l≤t} χ_l θ_i^{l−j−1}, and
+  ‖B‖_F² = Σ_j (n−j)χ_j² + 2Σ_i ω_i P_i + Σ_{ii'} ω_iω_{i'} R_{ii'} with
+  P_i = Σ_j χ_j U_i(j), U_i(j) = Σ_{t≥j} u_{ij}(t) = Σ_{l>j} (n−l)χ_l θ_i^{l−j−1}, and
+  R_{ii'} = Σ_{m≥1} [(n−m)χ_m² + χ_m(θ_iU_i(m) + θ_{i'}U_{i'}(m))]·G(θ_iθ_{i'}, m), from the
+  recursion u_{ij} = χ_{j+1} + θ_i u_{i,j+1}. The U_i are first-order linear recursions
+  (``scipy.signal.lfilter``), so value and gradient cost O(n·d²) in a fixed number of
+  vectorized passes, with no n×n (or n-long Python) loop.
+* the inverse's parameters as a differentiable map: 1/θ̂_k are the zeros of the BLT's power
+  series, i.e. θ̂_k solves the secular equation F(λ) = 1 + Σ_i ω_i/(λ − θ_i) = 0, and ω̂_k =
+  1/F′(θ̂_k) (the residue of 1/F); implicit differentiation gives the vector–Jacobian product
+  in O(d²) (``_inverse_vjp``). The optimizer uses it to evaluate each parametrization's
+  error and sensitivity from the closed forms of the other matrix.
 
 Optimization (``optimize_blt``): minimize MeanSE (or MaxSE for Toeplitz workloads) under the
 participation by L-BFGS on (logit θ, ω), in two parametrizations — C = BLT(θ̂, ω̂) (the
@@ -49,6 +62,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.signal import lfilter
 
 from dpmf._validation import check_choice, check_int, check_vector
 from dpmf.mechanisms._lbfgs import minimize_lbfgs
@@ -57,7 +71,11 @@ from dpmf.mechanisms.factorizations import Factorization
 from dpmf.mechanisms.participation import Participation
 from dpmf.mechanisms.streaming import BLTLayout, NoiseLayout
 from dpmf.mechanisms.structured import ScaledToeplitz
-from dpmf.mechanisms.toeplitz import inverse_coefficients, inverse_sqrt_coefficients
+from dpmf.mechanisms.toeplitz import (
+    inverse_coefficients,
+    inverse_sqrt_coefficients,
+    is_nonincreasing_nonnegative,
+)
 from dpmf.mechanisms.toeplitz_objective import (
     closed_form_valid,
     frobenius_sq,
@@ -76,6 +94,7 @@ __all__ = [
     "blt_noise",
     "blt_sensitivity",
     "blt_prefix_error",
+    "blt_frobenius_sq",
     "optimize_blt",
     "BLT_MAX_BUFFERS",
 ]
@@ -239,6 +258,151 @@ def blt_prefix_error(theta, omega, n: int, objective: str = "max_se") -> float:
     return math.sqrt(max(total, 0.0) / n)
 
 
+def blt_frobenius_sq(theta, omega, chi) -> tuple[float, np.ndarray, np.ndarray]:
+    """‖A₁·diag(χ)·BLT(θ, ω)‖_F² and its gradients in θ and ω (module docstring).
+
+    n·MeanSE² at unit sensitivity of the learning-rate workload A_χ = A₁·diag(χ) (the prefix
+    sum for χ = 1) with the noise correlation C⁻¹ = BLT(θ, ω).
+
+    Args:
+        theta: decays in (0, 1), shape (d,).
+        omega: output scales, shape (d,).
+        chi: the schedule χ, shape (n,), entries > 0.
+
+    Returns:
+        (value, ∂/∂θ of shape (d,), ∂/∂ω of shape (d,)).
+
+    Raises:
+        ValueError: invalid θ, ω (see ``blt_coefficients``), a decay outside (0, 1), or χ
+            empty, non-finite or with an entry ≤ 0.
+
+    Cost: O(n·d²) time, O(n·d) memory, for any χ.
+    """
+    theta, omega = _check_parameters(theta, omega)
+    if np.any(theta <= 0.0):
+        raise ValueError(f"theta is invalid: decays must be in (0, 1), got {theta.tolist()}")
+    chi = check_vector("chi", chi, positive=True)
+    return _frobenius_sq(theta, omega, chi)
+
+
+def _frobenius_sq(theta: np.ndarray, omega: np.ndarray, chi: np.ndarray):
+    n, d = chi.shape[0], theta.shape[0]
+    value = float(np.sum(np.arange(n, 0, -1) * chi * chi))
+    if n == 1:
+        return value, np.zeros(d), np.zeros(d)
+    # U_i(j) by the recursion U_i(j) = (n−j−1)χ_{j+1} + θ_i U_i(j+1), run from j = n−1 down
+    # (in reversed time r = n−1−j it is lfilter's x_r + θ y_{r−1}), and ∂U_i/∂θ_i likewise
+    drive = np.zeros(n)
+    drive[1:] = np.arange(1, n) * chi[::-1][: n - 1]
+    U = np.empty((d, n))
+    dU = np.empty((d, n))
+    for i in range(d):
+        rev = lfilter([1.0], [1.0, -theta[i]], drive)
+        lagged = np.zeros(n)
+        lagged[1:] = rev[:-1]
+        U[i] = rev[::-1]
+        dU[i] = lfilter([1.0], [1.0, -theta[i]], lagged)[::-1]
+    P, dP = U @ chi, dU @ chi
+    V, dV = U[:, 1:] * chi[None, 1:], dU[:, 1:] * chi[None, 1:]  # m = 1..n−1
+    base = np.arange(n - 1, 0, -1) * chi[1:] ** 2
+    u = np.arange(1, n - 1, dtype=np.float64)
+    powers = _powers(theta, n - 1)
+    R = np.empty((d, d))
+    dR = np.empty((d, d))  # dR[k, i] = ∂R_{ki}/∂θ_k with θ_i held
+    for k in range(d):  # pairs (k, i ≥ k) at once
+        q_pow = powers[k][None, :] * powers[k:]  # q^u, u = 0..n−2, q = θ_kθ_i
+        G = np.cumsum(q_pow, axis=1)  # G(q, m) = Σ_{u<m} q^u, m = 1..n−1
+        dG = np.zeros_like(G)
+        np.cumsum(u[None, :] * q_pow[:, :-1], axis=1, out=dG[:, 1:])  # ∂G/∂q
+        f = base[None, :] + theta[k] * V[k][None, :] + theta[k:, None] * V[k:]
+        fdG = np.einsum("ij,ij->i", f, dG)
+        R[k, k:] = R[k:, k] = np.einsum("ij,ij->i", f, G)
+        dR[k, k:] = np.einsum("ij,j->i", G, V[k] + theta[k] * dV[k]) + theta[k:] * fdG
+        dR[k:, k] = np.einsum("ij,ij->i", G, V[k:] + theta[k:, None] * dV[k:]) + theta[k] * fdG
+    value += 2.0 * float(omega @ P) + float(omega @ R @ omega)
+    grad_omega = 2.0 * P + 2.0 * (R @ omega)
+    grad_theta = 2.0 * omega * (dP + dR @ omega)
+    return value, grad_theta, grad_omega
+
+
+_SECULAR_GAP = 1e-7
+
+
+def _inverse_vjp(theta: np.ndarray, omega: np.ndarray):
+    """(θ̂, ω̂) of BLT(θ, ω)⁻¹ from the secular equation (module docstring), possibly complex,
+    and the vector–Jacobian product (ā, b̄) ↦ (∂/∂θ, ∂/∂ω) of Σ_k ā_kθ̂_k + b̄_kω̂_k; None when
+    the map is ill-conditioned there (a decay of the inverse within 1e-7 of another or of a
+    decay θ_i, as when some ω_i = 0)."""
+    d = theta.shape[0]
+    lam = np.linalg.eigvals(np.diag(theta) - np.outer(np.ones(d), omega)).astype(np.complex128)
+    scale = max(1.0, float(np.max(np.abs(lam))))
+    gaps = np.abs(lam[:, None] - theta[None, :])
+    if np.min(gaps) <= _SECULAR_GAP * scale:
+        return None
+    if d > 1:
+        sep = np.abs(lam[:, None] - lam[None, :]) + np.eye(d) * scale
+        if np.min(sep) <= _SECULAR_GAP * scale:
+            return None
+    R = 1.0 / (lam[:, None] - theta[None, :])  # R_ki = 1/(θ̂_k − θ_i)
+    R2, R3 = R * R, R * R * R
+    omega_hat = -1.0 / (R2 @ omega)  # 1/F′(θ̂_k), F′(λ) = −Σ ω_i/(λ − θ_i)²
+    if not (np.all(np.isfinite(omega_hat)) and np.all(np.isfinite(lam))):
+        return None
+
+    def vjp(a: np.ndarray, b: np.ndarray):
+        beta = b * omega_hat**2
+        a_t = a - 2.0 * beta * (R3 @ omega)
+        coef = -a_t * omega_hat
+        g_theta = omega * (coef @ R2 + 2.0 * (beta @ R3))
+        g_omega = coef @ R + beta @ R2
+        return g_theta, g_omega
+
+    return lam, omega_hat, vjp
+
+
+_TINY_LOG = -700.0  # log of a power below which it is set to 0 (e^{−700} ≈ 1e-304)
+
+
+def _powers(theta: np.ndarray, count: int) -> np.ndarray:
+    """θ_i^k for k = 0..count−1, shape (d, count), by a running product (relative error
+    O(k·ε), no exponentials); powers below 1e-304 are 0 (subnormal numbers would slow every
+    later operation on the array a hundredfold)."""
+    d = theta.shape[0]
+    out = np.zeros((d, count), dtype=theta.dtype)
+    if count == 0:
+        return out
+    with np.errstate(divide="ignore"):
+        logs = np.log(np.abs(theta))
+    for i in range(d):
+        m = count if logs[i] >= 0 else int(min(count, max(1, np.floor(_TINY_LOG / logs[i]))))
+        out[i, 0] = 1.0
+        if m > 1:
+            np.cumprod(np.full(m - 1, theta[i]), out=out[i, 1:m])
+    return out
+
+
+def _coefficients_and_chain(theta: np.ndarray, omega: np.ndarray, n: int):
+    """The (real) coefficients 1, Σ_i ω_iθ_i^{k−1} of BLT(θ, ω), for real or conjugate-paired
+    complex parameters, and the map ∂f/∂coefficients ↦ (∂f/∂θ, ∂f/∂ω) (complex for complex
+    parameters)."""
+    if np.iscomplexobj(theta) or np.iscomplexobj(omega):
+        if np.all(theta.imag == 0) and np.all(np.imag(omega) == 0):
+            theta, omega = theta.real.copy(), np.real(omega).copy()
+        else:
+            theta, omega = theta.astype(np.complex128), omega.astype(np.complex128)
+    powers = _powers(theta, n - 1)  # θ_i^{k−1}, k = 1..n−1
+    coeffs = np.empty(n)
+    coeffs[0] = 1.0
+    coeffs[1:] = np.real(np.einsum("i,ij->j", omega, powers))  # (a vector–matrix BLAS call stalls)
+    k = np.arange(1, n - 1, dtype=np.float64)
+
+    def chain(grad: np.ndarray):
+        gk = grad[1:]
+        return omega * (powers[:, : n - 2] @ (k * gk[1:])), powers @ gk
+
+    return coeffs, chain
+
+
 @dataclass(frozen=True, eq=False)
 class BufferedToeplitz(ScaledToeplitz):
     """A lower-triangular Toeplitz matrix that is a BLT: coefficients 1, Σω_iθ_i^{k−1}.
@@ -386,7 +550,11 @@ def optimize_blt(
         ValueError: bad buffers, objective, iteration counts; max_se with a non-Toeplitz
             workload; n incompatible with the participation.
 
-    Cost: O(n log n) per objective evaluation for Toeplitz workloads, O(n²) for A·diag(χ).
+    Cost per objective evaluation: O(n·d²) for MeanSE of A₁·diag(χ) (``blt_frobenius_sq``;
+    the sensitivity from the strategy's coefficients, O(n·(d + k))), O(n log n) for other
+    Toeplitz workloads. Where the secular map is ill-conditioned (an output scale near 0, as
+    at the starts that add a buffer) the power-series reciprocal is used, at its former cost
+    (O(n²) for the error of A₁·diag(χ) in the strategy parametrization).
     """
     t0 = time.perf_counter()
     if not isinstance(workload, Workload):
@@ -501,6 +669,17 @@ _MAX_OUTPUT_SCALE = 10.0
 _MIN_DECAY_GAP = 1e-6
 
 
+def _inside_with_margin(c: np.ndarray, participation: Participation) -> bool:
+    """``closed_form_valid`` with half its round-off tolerance (5e-13·max|c|)."""
+    n = c.shape[0]
+    k = participation.participations(n)
+    if participation.kind == "single" or k == 1:
+        return True
+    if participation.kind == "fixed_epochs":
+        return bool(np.all(c >= -5e-13 * float(np.max(np.abs(c)))))
+    return is_nonincreasing_nonnegative(c, rtol=5e-13)
+
+
 def _well_conditioned(theta: np.ndarray, omega: np.ndarray) -> bool:
     """Noise parameters the streaming generator can run in low precision: decays in (0, 1)
     that are distinct (relative gap of 1 − θ at least 1e-6) and output scales |ω| ≤ 10 (two
@@ -531,56 +710,112 @@ def _unpack(x: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
 def _objective(workload, participation, objective, d, param):
     """x = (logit θ, ω) ↦ (log(sens² · error²), gradient), None outside the closed-form region
     (or where C blows up). ``param`` says which matrix is BLT(θ, ω): ``noise`` (C⁻¹) or
-    ``strategy`` (C); the other is its power-series reciprocal."""
+    ``strategy`` (C).
+
+    Each matrix's coefficients come from its own BLT parameters, the other's parameters from
+    the secular equation (``_inverse_vjp``), and gradients flow back through its
+    vector–Jacobian product; where that map is ill-conditioned (an output scale near 0) the
+    other matrix is the power-series reciprocal instead. The error of A₁·diag(χ) (MeanSE) is
+    ``blt_frobenius_sq``, O(n·d²); other workloads use the Toeplitz objectives of
+    ``toeplitz_objective`` on the noise coefficients."""
     n = workload.n
-    ks = np.arange(n - 1, dtype=np.float64)
+    a = np.asarray(workload.coeffs)
+    closed_error = objective == "mean_se" and bool(np.all(a == a[0]))
+    chi = workload.scale
+    a0_sq = float(a[0] * a[0])
+
+    def error(theta_n, omega_n):
+        """error² and its gradient in the noise parameters (θ, ω)."""
+        if closed_error:
+            e2, gt, go = _frobenius_sq(theta_n, omega_n, chi)
+            return a0_sq * e2, a0_sq * gt, a0_sq * go
+        g, chain = _coefficients_and_chain(theta_n, omega_n, n)
+        e2, ge = frobenius_sq(workload, g) if objective == "mean_se" else last_row_sq(workload, g)
+        gt, go = chain(ge)
+        return e2, gt, go
 
     def fun(x):
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             theta, omega = _unpack(x, d)
             if np.any(theta >= 1.0) or np.any(theta <= 0.0):
                 return None
-            if param == "strategy" and not _real_inverse(theta, omega):
-                return None
-            if param == "noise" and not _well_conditioned(theta, omega):
-                return None
-            powers = np.exp(ks[None, :] * np.log(theta)[:, None])  # θ_i^{k−1}, k = 1..n−1
-            u = np.empty(n)
-            u[0] = 1.0
-            u[1:] = omega @ powers
-            if not np.all(np.isfinite(u)):
-                return None
-            try:
-                v = inverse_coefficients(u)
-            except ValueError:
-                return None
-            if not np.all(np.isfinite(v)):
-                return None
-            g, c = (u, v) if param == "noise" else (v, u)
-            if not closed_form_valid(c, participation):
-                return None
-            s2, gs_c = sensitivity_sq(c, participation)
-            if objective == "mean_se":
-                e2, ge_g = frobenius_sq(workload, g)
+            if param == "strategy":
+                if not _real_inverse(theta, omega):
+                    return None
+                out = _strategy_terms(theta, omega)
             else:
-                e2, ge_g = last_row_sq(workload, g)
-            if not (np.isfinite(s2) and np.isfinite(e2)) or s2 <= 0 or e2 <= 0:
+                if not _well_conditioned(theta, omega):
+                    return None
+                out = _noise_terms(theta, omega)
+            if out is None:
                 return None
-            if param == "noise":
-                G = reciprocal_gradient(gs_c, c, n) / s2 + ge_g / e2  # ∂f/∂g
-            else:
-                G = gs_c / s2 + reciprocal_gradient(ge_g, g, n) / e2  # ∂f/∂c
-            Gk = G[1:]
-            grad_omega = powers @ Gk
-            # ∂u_k/∂θ_i = ω_i (k−1) θ_i^{k−2}
-            dpow = np.zeros_like(powers)
-            dpow[:, 1:] = ks[None, 1:] * powers[:, :-1]
-            grad_theta = omega * (dpow @ Gk)
-            grad = np.concatenate([grad_theta * theta * (1.0 - theta), grad_omega])
-            value = float(np.log(s2) + np.log(e2))
+            value, grad_theta, grad_omega = out
+            grad = np.concatenate([np.real(grad_theta) * theta * (1.0 - theta), np.real(grad_omega)])
         if not np.isfinite(value) or not np.all(np.isfinite(grad)):
             return None
         return value, grad
+
+    def sens(c, series=False):
+        # coefficients from the parameters differ from the power series that evaluate() uses
+        # by round-off: test them with half the tolerance, so that an optimum on the region's
+        # boundary stays inside it for the power series too
+        if not np.all(np.isfinite(c)) or not closed_form_valid(c, participation):
+            return None
+        if not series and not _inside_with_margin(c, participation):
+            return None
+        s2, gs = sensitivity_sq(c, participation)
+        return (s2, gs) if np.isfinite(s2) and s2 > 0 else None
+
+    def _noise_terms(theta, omega):
+        e2, ge_t, ge_o = error(theta, omega)
+        if not np.isfinite(e2) or e2 <= 0:
+            return None
+        inv = _inverse_vjp(theta, omega)
+        if inv is not None:
+            th_c, om_c, vjp = inv
+            c, chain_c = _coefficients_and_chain(th_c, om_c, n)
+            out = sens(c)
+            if out is None:
+                return None
+            s2, gs = out
+            gt, go = vjp(*chain_c(gs))
+        else:  # power-series reciprocal
+            u, chain_u = _coefficients_and_chain(theta, omega, n)
+            try:
+                c = inverse_coefficients(u)
+            except ValueError:
+                return None
+            out = sens(c, series=True)
+            if out is None:
+                return None
+            s2, gs = out
+            gt, go = chain_u(reciprocal_gradient(gs, c, n))
+        value = float(np.log(s2) + np.log(e2))
+        return value, gt / s2 + ge_t / e2, go / s2 + ge_o / e2
+
+    def _strategy_terms(theta, omega):
+        c, chain_c = _coefficients_and_chain(theta, omega, n)
+        out = sens(c)
+        if out is None:
+            return None
+        s2, gs = out
+        gs_t, gs_o = chain_c(gs)
+        inv = _inverse_vjp(theta, omega)
+        if inv is not None and np.all(np.abs(np.imag(inv[0])) == 0) and np.all(np.real(inv[0]) > 0):
+            th_n, om_n, vjp = inv
+            e2, ge_t, ge_o = error(np.real(th_n), np.real(om_n))
+            ge_t, ge_o = vjp(ge_t.astype(np.complex128), ge_o.astype(np.complex128))
+        else:  # power-series reciprocal
+            try:
+                g = inverse_coefficients(c)
+            except ValueError:
+                return None
+            e2, ge = frobenius_sq(workload, g) if objective == "mean_se" else last_row_sq(workload, g)
+            ge_t, ge_o = chain_c(reciprocal_gradient(ge, g, n))
+        if not np.isfinite(e2) or e2 <= 0:
+            return None
+        value = float(np.log(s2) + np.log(e2))
+        return value, gs_t / s2 + ge_t / e2, gs_o / s2 + ge_o / e2
 
     return fun
 

@@ -40,7 +40,13 @@ a concave function whose gradient is the constraint residual ⟨S_c, X(Λ)⟩ �
 maximized by Newton's method with conjugate gradients: with LᵀWL = Q diag(μ²) Qᵀ and
 E = L⁻ᵀQ, differentiating XΛX = W gives dX = −E [G ∘ (Eᵀ dΛ E)] Eᵀ, G_ab = μ_aμ_b/(μ_a+μ_b),
 so a Hessian-vector product costs four n×n matrix products. Each Newton step costs one
-symmetric eigendecomposition (an SVD of A·L near convergence, for accuracy). The duality gap
+symmetric eigendecomposition (an SVD of A·L near convergence, for accuracy). Two safeguards keep
+the ascent going when the min_sep cutting planes outnumber the directions Λ can move in (tiny n)
+or the multipliers span many orders (steep learning-rate decays): a step whose line search fails
+and that is far larger than the multipliers is recomputed with Levenberg–Marquardt damping (the
+Hessian is singular there), and a multiplier shrinks by at most a factor 100 per step instead of
+being projected to 0 (several zeroed at once leave Λ singular, where X(Λ) and the gradient blow
+up). The Newton steps are truncated (at most 20 conjugate-gradient steps). The duality gap
 certifies the result: the dual value is a lower bound on the optimal error, the returned
 factorization (normalized to be exactly feasible) an upper bound.
 
@@ -337,15 +343,26 @@ def _free_mask(cons: _Constraints, pt: _DualPoint, eps: float) -> np.ndarray:
 
 
 def _residual(cons: _Constraints, pt: _DualPoint) -> float:
-    """KKT residual of the dual: |grad| for free variables, max(grad, 0) at the bound."""
+    """KKT residual of the dual: |grad| for free variables, max(grad, 0) at the bound (a
+    multiplier below 1e-12 of the largest counts as at the bound: they approach it
+    geometrically, see ``_BOUNDARY_FRACTION``)."""
     r = np.abs(pt.grad)
-    at_bound = cons.inequality & (pt.y <= 0.0)
+    top = float(np.max(pt.y[cons.inequality])) if np.any(cons.inequality) else 0.0
+    at_bound = cons.inequality & (pt.y <= _AT_BOUND * top)
     r[at_bound] = np.maximum(pt.grad[at_bound], 0.0)
     return float(np.max(r)) if r.size else 0.0
 
 
-def _newton_direction(cons: _Constraints, pt: _DualPoint, free: np.ndarray, rtol: float, maxiter: int):
-    """Solve (−∇²g) d = ∇g on the free variables by preconditioned conjugate gradients."""
+def _newton_direction(
+    cons: _Constraints, pt: _DualPoint, free: np.ndarray, rtol: float, maxiter: int, damping: float = 0.0
+):
+    """Solve (−∇²g + ν·D) d = ∇g on the free variables by preconditioned conjugate gradients,
+    D the Jacobi diagonal of −∇²g and ν = ``damping`` (Levenberg–Marquardt; ν = 0 is Newton).
+
+    With more cutting planes than directions in which Λ can move (min_sep: the planes of the
+    sets sharing a support), −∇²g is singular, the undamped system has no bounded solution, and
+    conjugate gradients return a step of 1e30 that no line search can shorten; the damped
+    system is positive definite."""
     mu, R = pt.mu, pt.R
     G = np.outer(mu, mu) / (mu[:, None] + mu[None, :])
     R2 = R * R
@@ -355,15 +372,27 @@ def _newton_direction(cons: _Constraints, pt: _DualPoint, free: np.ndarray, rtol
     idx = np.flatnonzero(free)
     count = [0]
 
+    # with many sparse atoms (cutting planes), go through the n×n matrices: Rᵀdiag(β)R =
+    # Eᵀ Λ_β E with Λ_β = Σ β_l w_l w_lᵀ, and r_lᵀ Z r_l = w_lᵀ (E Z Eᵀ) w_l: O(n³ + L·k·n) per
+    # product instead of O(L·n²)
+    through_n = cons.atoms is not None and cons.atoms.shape[0] > R.shape[1]
+    E, W_atoms = pt.E, cons.atoms
+
     def hess(u_free):
         count[0] += 1
         u = np.zeros(cons.m)
         u[idx] = u_free
         beta = cons.alpha * u[cons.owner]
-        Y = R.T @ (beta[:, None] * R)
-        Z = G * Y
-        t = np.sum((R @ Z) * R, axis=1)
-        return cons.collect(t)[idx]
+        if through_n:
+            lam_beta = (W_atoms.T @ sparse.diags(beta) @ W_atoms).toarray()
+            Z = G * (E.T @ lam_beta @ E)
+            M = E @ Z @ E.T
+            t = np.asarray(W_atoms.multiply(W_atoms @ M).sum(axis=1)).ravel()
+        else:
+            Y = R.T @ (beta[:, None] * R)
+            Z = G * Y
+            t = np.sum((R @ Z) * R, axis=1)
+        return cons.collect(t)[idx] + damping * precond[idx] * u_free
 
     k = idx.shape[0]
     op = LinearOperator((k, k), matvec=hess, dtype=np.float64)
@@ -377,6 +406,21 @@ def _newton_direction(cons: _Constraints, pt: _DualPoint, free: np.ndarray, rtol
         if np.all(np.isfinite(d_free)) and float(d_free @ pt.grad[idx]) > 0:
             d[idx] = d_free
     return d, count[0]
+
+
+_WILD_STEP = 10.0  # a direction larger than this times max|y| is damped when its line search fails
+_MIN_DAMPING, _MAX_DAMPING = 1e-6, 1e8
+_BOUNDARY_FRACTION = 0.01
+_CG_MAXITER = 20  # truncated Newton: conjugate-gradient steps per Newton step
+# min_sep cutting planes: planes added per round (× n), the residual of intermediate solves
+# (at most _CUT_ROUND_TOL, else this ratio times the largest violation), and the multiplier
+# (relative to the largest) below which a plane that is not nearly tight is dropped
+_CUTS_PER_ROUND = 4
+_NEARLY_TIGHT = 0.99
+_CUT_ROUND_TOL = 1e-3
+_CUT_TOL_RATIO = 0.1
+_KEEP = 1e-9
+_AT_BOUND = 1e-12
 
 
 @dataclass
@@ -415,21 +459,26 @@ def _maximize_dual(
         if scaled is not None and scaled.value > pt.value:
             pt = scaled
     iterations = cg_total = stalls = 0
+    damping = 0.0
     res = _residual(cons, pt)
     while iterations < max_iterations and res > tol and stalls < 2:
         eps = min(1e-3 * float(np.max(pt.y[cons.inequality])), res) if np.any(cons.inequality) else 0.0
         free = _free_mask(cons, pt, eps)
         rtol = min(0.1, np.sqrt(res))
-        d, n_cg = _newton_direction(cons, pt, free, rtol=rtol, maxiter=200)
+        d, n_cg = _newton_direction(cons, pt, free, rtol=rtol, maxiter=_CG_MAXITER, damping=damping)
         cg_total += n_cg
         iterations += 1
         slope = float(pt.grad @ d)
         if slope <= 1e-14 * abs(pt.value):
             break  # the predicted increase is below the round-off of g: numerically optimal
+        # multipliers shrink at most to a fraction of their value per step (fraction to the
+        # boundary): projecting several to 0 at once can leave Λ singular along the columns
+        # they alone covered, where X(Λ) and the gradient blow up and the ascent stalls
+        floor = _BOUNDARY_FRACTION * pt.y[cons.inequality]
         step, accepted = 1.0, None
         for _ in range(12):
             y_new = pt.y + step * d
-            y_new[cons.inequality] = np.maximum(y_new[cons.inequality], 0.0)
+            y_new[cons.inequality] = np.maximum(y_new[cons.inequality], floor)
             cand = _evaluate_dual(F, W, cons, y_new, precise)
             if cand is not None and cand.value >= pt.value + 1e-4 * step * max(slope, 0.0):
                 if cand.value > pt.value or _residual(cons, cand) < res:
@@ -437,12 +486,20 @@ def _maximize_dual(
                     break
             step *= 0.5
         if accepted is None:
+            # a step far beyond the multipliers' scale comes from a (nearly) singular Hessian:
+            # damp it; otherwise it is the round-off of the eigendecomposition: use SVDs
+            y_scale = max(float(np.max(np.abs(pt.y))), 1e-300)
+            if float(np.max(np.abs(d))) > _WILD_STEP * y_scale and damping < _MAX_DAMPING:
+                damping = max(_MIN_DAMPING, 100.0 * damping)
+                continue
             if precise:
                 break
-            precise = True  # round-off of the eigendecomposition: continue with SVDs
+            precise = True
             pt = _evaluate_dual(F, W, cons, pt.y, precise) or pt
             res = _residual(cons, pt)
             continue
+        if damping and step == 1.0:
+            damping = 0.0 if damping <= _MIN_DAMPING else damping / 10.0
         stalls = stalls + 1 if accepted.value - pt.value <= 1e-14 * abs(pt.value) else 0
         pt = accepted
         res = _residual(cons, pt)
@@ -663,7 +720,7 @@ class _Solver:
         self.callback = callback
         self.iterations = self.cg_iterations = self.outer_iterations = 0
 
-    def solve(self, F, cons, y0, max_iterations=None):
+    def solve(self, F, cons, y0, max_iterations=None, tol=None):
         W = F.T @ F
         if y0 is None:
             y0 = _initial_multipliers(cons, W)
@@ -672,7 +729,7 @@ class _Solver:
             W,
             cons,
             y0,
-            tol=self._INNER_TOL,
+            tol=self._INNER_TOL if tol is None else tol,
             max_iterations=max_iterations or self.max_iterations,
             callback=self.callback,
         )
@@ -683,33 +740,50 @@ class _Solver:
     def solve_with_cuts(self, F, cons, y0, max_iterations=None):
         """Solve on ``cons``; for min_sep add the violated (π, u) until none is left.
 
+        Intermediate rounds are solved to a residual proportional to the largest violation
+        left (an accurate dual for planes that are about to change is wasted work); the last
+        round, when the separation finds nothing new, to the full tolerance. Between rounds
+        the singletons, the planes with positive multipliers and the nearly tight ones are
+        kept (dropping those makes the separation add them back, round after round).
+
         Returns (run, constraints, max constraint value of the primal X over every admissible
         (π, u)): the squared sensitivity of the unnormalized X."""
-        run = self.solve(F, cons, y0, max_iterations)
         if self.kind != "min_sep":
+            run = self.solve(F, cons, y0, max_iterations)
             return run, cons, _max_constraint(run.point, cons)
         n = F.shape[1]
         rounds = 0
+        tol = _CUT_ROUND_TOL
+        run = self.solve(F, cons, y0, max_iterations, tol)
         while True:
-            found, best = _most_violated(_primal(run.point), self.b, self.k, 1.0 + 1e-9, limit=max(n, 16))
+            # planes violated by less than the current ones (the solve's residual) are not news
+            threshold = 1.0 + max(1e-9, run.residual)
+            found, best = _most_violated(
+                _primal(run.point), self.b, self.k, threshold, limit=_CUTS_PER_ROUND * n
+            )
             old_sets = _sets_of(cons)
             known = {_key(idx, u) for idx, u in old_sets}
             new = [(idx, u) for _, idx, u in found if _key(idx, u) not in known]
             rounds += 1
+            if not new and tol > self._INNER_TOL:
+                tol = self._INNER_TOL  # polish on the final planes, then separate again
+                run = self.solve(F, cons, run.point.y, max_iterations, tol)
+                continue
             if not new or rounds >= self.max_outer:
                 self.outer_iterations += rounds
                 return run, cons, best
-            # keep the singletons and the constraints that carry weight or are nearly tight
+            tol = max(self._INNER_TOL, min(_CUT_ROUND_TOL, _CUT_TOL_RATIO * (best - 1.0)))
+            top = float(np.max(run.point.y))
             values = run.point.grad + 1.0
             keep = [
                 c
                 for c, (idx, _) in enumerate(old_sets)
-                if len(idx) == 1 or run.point.y[c] > 0 or values[c] > 0.99
+                if len(idx) == 1 or run.point.y[c] > _KEEP * top or values[c] > _NEARLY_TIGHT
             ]
             sets = [old_sets[c] for c in keep] + new
             y = np.concatenate([run.point.y[keep], np.zeros(len(new))])
             cons = _rank_one_constraints(n, sets, cons.label)
-            run = self.solve(F, cons, y, max_iterations)
+            run = self.solve(F, cons, y, max_iterations, tol)
 
     def mean_se(self, cons, y0):
         run, cons, _ = self.solve_with_cuts(self.A, cons, y0)

@@ -62,17 +62,46 @@ def b_row_norms(factorization: Factorization) -> np.ndarray:
 def _prefix_rows(w: np.ndarray, g: np.ndarray, v: np.ndarray) -> np.ndarray:
     """Row norms of A₁·diag(w)·Toep(g)·diag(v), g of bandwidth p = len(g).
 
-    Row i = row i−1 + w_i·(g_{i−j} v_j)_j; the running row is one vector of length n."""
+    When w is geometric (w_i = w_0ρ^i, the exponential schedule), diag(w)·Toep(g) =
+    w_0·Toep(ρ^k g_k)·diag(ρ^j) and B is Toeplitz up to a column scale: O(n log n).
+    Otherwise row i = row i−1 + w_i·(g_{i−j} v_j)_j changes only the p columns of the band;
+    the columns left of it keep their values and enter as one running sum of squares:
+    O(n·p) time, O(n) memory, element-wise numpy only (no BLAS calls, whose thread pools
+    stall a loop of small calls when the cores are shared)."""
     n, p = w.shape[0], g.shape[0]
+    rho = _geometric_ratio(w)
+    if rho is not None:
+        gk = np.zeros(n)
+        gk[:p] = g * rho ** np.arange(p)
+        b2 = (w[0] * np.cumsum(gk)) ** 2  # first column of A₁·Toep(ρ^k g_k), squared
+        u2 = (v * rho ** np.arange(n)) ** 2
+        return np.sqrt(np.maximum(fftconvolve(b2, u2)[:n], 0.0))
     g_rev = g[::-1]
     row = np.zeros(n)
     out = np.empty(n)
+    frozen = 0.0  # Σ_{j < i−p+1} row_j²: columns no later row changes
     for i in range(n):
-        lo = max(0, i - p + 1)
-        row[lo : i + 1] += w[i] * g_rev[p - (i + 1 - lo) :] * v[lo : i + 1]
-        seg = row[: i + 1]
-        out[i] = np.sqrt(seg @ seg)
+        lo = i - p + 1
+        if lo > 0:
+            frozen += row[lo - 1] * row[lo - 1]
+        else:
+            lo = 0
+        seg = row[lo : i + 1]
+        seg += w[i] * g_rev[p - (i + 1 - lo) :] * v[lo : i + 1]
+        out[i] = np.sqrt(frozen + np.einsum("i,i->", seg, seg))
     return out
+
+
+def _geometric_ratio(w: np.ndarray) -> float | None:
+    """ρ when w_i = w_0·ρ^i to 1e-13 (relative) for every i, else None."""
+    n = w.shape[0]
+    if n < 3:
+        return None
+    rho = float(np.exp(np.log(w[-1] / w[0]) / (n - 1)))
+    fit = w[0] * np.exp(np.arange(n) * np.log(rho))
+    if np.max(np.abs(fit - w) / w) > 1e-13:
+        return None
+    return rho
 
 
 def max_se(factorization: Factorization, sens: float | Sensitivity) -> float:

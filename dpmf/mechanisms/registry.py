@@ -252,8 +252,8 @@ def factorize(
             optimized, or unknown options.
         ValueError: unknown name or invalid parameter (``parse_factorization``), invalid
             options (raised by the optimizer), or a ``dense`` solve that stopped more than
-            ``DENSE_MAX_GAP`` (relative) above its certified lower bound (seen for steep
-            learning-rate decays under min_sep participation).
+            ``DENSE_MAX_GAP`` (relative) above its certified lower bound (a guard: the solver
+            reaches its gap on every case tested, min_sep with steep decays included).
     """
     if not isinstance(workload, Workload):
         raise TypeError(f"workload={workload!r} is invalid: must be a dpmf.workloads.Workload")

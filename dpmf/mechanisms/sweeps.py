@@ -23,7 +23,9 @@ __all__ = ["CurveRow", "error_curves", "GainGrid", "gain_grid", "CURVE_COLUMNS"]
 
 @dataclass(frozen=True)
 class CurveRow:
-    """One (n, factorization) point of an error curve; the fields are the CSV columns."""
+    """One (n, factorization) point of an error curve; the fields are the CSV columns.
+
+    ``lower_bound`` is None when it was not computed (written as an empty CSV field)."""
 
     schedule: str
     beta: float
@@ -37,7 +39,7 @@ class CurveRow:
     sensitivity_exact: bool
     max_se: float
     mean_se: float
-    lower_bound: float
+    lower_bound: float | None
 
     def as_tuple(self) -> tuple:
         return tuple("" if v is None else v for v in asdict(self).values())
@@ -60,6 +62,7 @@ def error_curves(
     participation: Participation | None = None,
     *,
     progress: bool = False,
+    with_lower_bound: bool = True,
 ) -> list[CurveRow]:
     """Sensitivity, MaxSE, MeanSE and the lower bound of each factorization of A_χ for each n.
 
@@ -69,6 +72,8 @@ def error_curves(
         factorizations: names as accepted by ``factorize`` (``"bisr:16"``, …).
         participation: default single.
         progress: show a tqdm progress bar.
+        with_lower_bound: compute ``dpmf.mechanisms.lower_bound`` (O(n) memory, about 150
+            vectorized passes over n; see ``nuclear_norm``); False leaves it None.
 
     Returns:
         One ``CurveRow`` per (n, factorization), n-major.
@@ -88,7 +93,7 @@ def error_curves(
     bar = tqdm(total=len(ns) * len(specs), disable=not progress, desc="curves", unit="point")
     for n in ns:
         workload = from_schedule(schedule, n)
-        lb = lower_bound(workload, participation)
+        lb = lower_bound(workload, participation) if with_lower_bound else None
         for name, p in specs:
             f = factorize(workload, name, p, participation=participation)  # used by optimized ones
             e = evaluate(f, participation, with_lower_bound=False)
