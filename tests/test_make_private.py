@@ -418,3 +418,42 @@ def test_learning_rate_schedule_multiplies_the_base_rate(digits):
         private.optimizer.step()
     assert np.allclose(lrs, 0.2 * 0.1 ** (np.arange(5) / 4))
     assert isinstance(nn.Module, type)
+
+
+class _KeywordModel(nn.Module):
+    """model(pixels=…, scale=…): an MLP that takes its inputs by keyword."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, pixels, scale):
+        return self.inner(pixels * scale.unsqueeze(-1).unsqueeze(-1).unsqueeze(-1))
+
+
+def test_dict_inputs_give_the_private_gradient_of_model_kwargs(digits):
+    ds = TensorDataset(digits.train_x[:64], digits.train_y[:64])
+    grads = []
+    for as_dict in (False, True):
+        inner = _model(digits, seed=5)
+        model = _KeywordModel(inner) if as_dict else inner
+        private = dpmf.make_private(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            ds,
+            loss_fn=F.cross_entropy,
+            batch_size=16,
+            steps=1,
+            noise_multiplier=1.0,
+            target_delta=1e-5,
+            factorization="identity",
+            scheme="fixed_order",
+            seed=9,
+        )
+        x, y = next(iter(private.data_loader))
+        batch = {"pixels": x, "scale": torch.ones(x.shape[0])} if as_dict else x
+        loss = private.backward(batch, target=y)
+        assert loss == pytest.approx(float(F.cross_entropy(inner(x), y).detach()), rel=1e-6)
+        grads.append([p.grad.clone() for p in inner.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

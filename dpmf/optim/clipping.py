@@ -200,7 +200,7 @@ def _vmap_gradients(model, loss_fn, inputs, targets, plan, wanted) -> dict[str, 
     def loss_at(p, x, y, shift):
         at = p if shift is None else {n: p[n] + shift[n] for n in p}
         rest = fixed if shift is None else {n: v + shift[n] if n in shift else v for n, v in fixed.items()}
-        out = functional_call(model, (at, rest, buffers), (x.unsqueeze(0),))
+        out = _call(model, (at, rest, buffers), x)
         return loss_fn(out, y.unsqueeze(0))
 
     def loss_of_one(p, x, y):
@@ -335,15 +335,30 @@ def clipped_sum(
     """
     clip_norm = check_real("clip_norm", clip_norm, low=0.0, low_inclusive=False)
     clipping = check_choice("clipping", clipping, CLIPPING_MODES)
-    batch = int(inputs.shape[0])
+    if not isinstance(inputs, torch.Tensor):  # a tuple (model(*x)) or dict (model(**x)) of tensors
+        leaves = _leaves(inputs)
+        if clipping in ("ghost", "bk"):
+            raise ValueError(
+                f"clipping={clipping!r} is invalid with tuple or dict inputs: ghost norms need one input "
+                "tensor; use clipping='auto' or 'vmap' (torch.func per-example gradients)"
+            )
+        clipping = "vmap"
+        first = leaves[0]
+        if any(t.shape[0] != first.shape[0] for t in leaves):
+            raise ValueError("inputs are invalid: the tensors of a tuple/dict batch differ in dimension 0")
+        batch = int(first.shape[0])
+        device = first.device
+    else:
+        batch = int(inputs.shape[0])
+        device = inputs.device
     if micro_batch_size is not None:
         micro_batch_size = check_int("micro_batch_size", micro_batch_size, minimum=1)
     if micro_batch_entries is not None:
         micro_batch_entries = check_int("micro_batch_entries", micro_batch_entries, minimum=1)
     check_per_example_safe(model)
-    if inputs.shape[0] != targets.shape[0]:
+    if batch != targets.shape[0]:
         raise ValueError(
-            f"inputs and targets are invalid: batch sizes differ ({inputs.shape[0]} vs {targets.shape[0]})"
+            f"inputs and targets are invalid: batch sizes differ ({batch} vs {targets.shape[0]})"
         )
     named = trainable_parameters(model)
     names = [n for n, _ in named]
@@ -363,7 +378,7 @@ def clipped_sum(
     start = 0
     while start < batch:
         stop = min(start + (vmap_micro if used == "vmap" else micro_batch_size), batch)
-        x, y = inputs[start:stop], targets[start:stop]
+        x, y = _slice(inputs, start, stop), targets[start:stop]
         if used != "vmap":
             got = _ghost_micro_batch(model, loss_fn, x, y, clip_norm, names, plan, used, clipping == "auto")
             if got is None:  # auto: a parameter needs the whole-model path; use it for all
@@ -382,7 +397,7 @@ def clipped_sum(
                 continue
         grads = _vmap_gradients(model, loss_fn, x, y, plan, names)
         grads = [grads[n] for n in names]
-        with torch.autocast(inputs.device.type, enabled=False):  # norms and sums not in bf16
+        with torch.autocast(device.type, enabled=False):  # norms and sums not in bf16
             _vmap_clip_into(sums, names, grads, clip_norm, start, step, example_ids, all_norms)
         start = stop
     norms = torch.cat(all_norms) if all_norms else torch.zeros(0, dtype=torch.float64)
@@ -391,6 +406,55 @@ def clipped_sum(
         for t, (_, p) in zip(sums, named, strict=True)
     ]
     return ClippedSum(sums, norms, batch, clip_norm, used)
+
+
+def _leaves(tree) -> list[torch.Tensor]:
+    """The tensors of a tensor, or a (nested) tuple/list/dict of tensors, in order.
+
+    Raises:
+        TypeError: anything else, or no tensor at all.
+    """
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        out = [t for v in tree.values() for t in _leaves(v)]
+    elif isinstance(tree, list | tuple):
+        out = [t for v in tree for t in _leaves(v)]
+    else:
+        raise TypeError(
+            f"inputs are invalid: expected tensors, tuples or dicts of tensors, got {type(tree).__name__}"
+        )
+    if not out:
+        raise TypeError("inputs are invalid: the tuple/dict holds no tensor")
+    return out
+
+
+def _slice(tree, start: int, stop: int):
+    """``tree`` with every tensor sliced to examples [start, stop) along dimension 0."""
+    if isinstance(tree, torch.Tensor):
+        return tree[start:stop]
+    if isinstance(tree, dict):
+        return {k: _slice(v, start, stop) for k, v in tree.items()}
+    return type(tree)(_slice(v, start, stop) for v in tree)
+
+
+def _call(model, params, x):
+    """``model`` at ``params`` on one example's input ``x`` (tensor: model(x); tuple: model(*x);
+    dict: model(**x)), each tensor given a batch dimension of 1."""
+    one = _map_tensors(lambda t: t.unsqueeze(0), x)
+    if isinstance(one, dict):
+        return functional_call(model, params, (), one)
+    if isinstance(one, tuple | list):
+        return functional_call(model, params, tuple(one))
+    return functional_call(model, params, (one,))
+
+
+def _map_tensors(fn, tree):
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {k: _map_tensors(fn, v) for k, v in tree.items()}
+    return type(tree)(_map_tensors(fn, v) for v in tree)
 
 
 def _vmap_clip_into(sums, names, grads, clip_norm, start, step, example_ids, all_norms) -> None:

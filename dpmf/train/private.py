@@ -226,24 +226,27 @@ class PrivateTraining:
                 f"the plan's {self.plan.steps} steps were all taken: its accounting covers only those "
                 "(make a new plan for a longer run)"
             )
-        if len(inputs) != 1:
-            raise ValueError(f"inputs are invalid: give one input tensor or dict, got {len(inputs)}")
-        x = inputs[0]
-        if isinstance(x, dict):
+        if not inputs:
             raise ValueError(
-                "inputs are invalid: dict inputs need per-example gradients of model(**batch), "
-                "which this version does not compute; pass a tensor"
+                "inputs are invalid: give the model's input (a tensor, several tensors or a dict)"
             )
+        x = inputs[0] if len(inputs) == 1 else tuple(inputs)  # several tensors: model(*inputs)
         chi = float(self._multipliers[t])
         for group, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
             group["lr"] = base * chi
         self.privatizer.privatize(x, target)
         if not return_loss:
             return None
-        if x.shape[0] == 0:
+        if target.shape[0] == 0:
             return 0.0
         with torch.no_grad():  # still at θ_t: the optimizer has not stepped yet
-            return float(self.privatizer.loss_fn(self.model(x), target))
+            if isinstance(x, dict):
+                out = self.model(**x)
+            elif isinstance(x, tuple):
+                out = self.model(*x)
+            else:
+                out = self.model(x)
+            return float(self.privatizer.loss_fn(out, target))
 
     def privacy(self, delta: float | None = None):
         """The ``PrivacyResult`` of the steps taken so far (``PrivatePlan.epsilon_after``).
