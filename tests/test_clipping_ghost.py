@@ -401,6 +401,7 @@ def test_a_training_run_is_the_same_with_book_keeping_and_with_vmap(tmp_path):
             clipping=method,
             epsilon_each_epoch=False,
             device="cpu",
+            seed=0,
         )
         out = train(config, str(tmp_path / method), progress=False, log=lambda *a: None)
         weights[method] = torch.cat([p.detach().flatten() for p in out.model.parameters()])

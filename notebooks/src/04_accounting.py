@@ -34,7 +34,8 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from IPython.display import Markdown, display
 
-from dpmf.accountants import account, build_event, calibrate, check_run, samples_needed
+from dpmf import PrivatePlan
+from dpmf.accountants import account, calibrate, samples_needed
 from dpmf.mechanisms import factorize
 from dpmf.workloads import prefix_sum
 
@@ -73,8 +74,8 @@ def mc_options(acc):
 rows = []
 for label, scheme, fact, acc in cases:
     # the normalization s of this scheme (no accounting needed); DP-SGD runs at σ = SIGMA itself
-    _, info = build_event(check_run(scheme, N, B, steps, fact), 1.0)
-    sigma = SIGMA if fact is None else TAU / info["sensitivity"]
+    s = PrivatePlan(N, B, steps=steps, scheme=scheme, strategy=fact or "identity").sensitivity
+    sigma = SIGMA if fact is None else TAU / s
     r = account(
         scheme, noise_multiplier=sigma, factorization=fact, accountant=acc, **common, **mc_options(acc)
     )
