@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+from plan_helpers import build_event, check_run
 from scipy.signal import fftconvolve
 from scipy.stats import beta, binom, norm
 
@@ -21,20 +22,7 @@ from dpmf.accountants import (
 from dpmf.accountants.montecarlo import delta_means
 from dpmf.mechanisms import Factorization, factorize
 from dpmf.mechanisms.structured import DenseLowerTriangular
-from dpmf.plan import PrivatePlan
 from dpmf.workloads import prefix_sum
-
-
-def check_run(scheme, dataset_size, batch_size, steps, factorization=None):
-    """The run's plan (C = I without a factorization)."""
-    strategy = "identity" if factorization is None else factorization
-    return PrivatePlan(dataset_size, batch_size, steps=steps, scheme=scheme, strategy=strategy)
-
-
-def build_event(plan, sigma):
-    """The plan's privacy event at σ and its sensitivity."""
-    return plan.event(sigma), {"sensitivity": plan.sensitivity}
-
 
 # ---------------------------------------------------------------------------------------------
 # Independent truth for C = I: one epoch of balls-and-bins with b bins at noise σ.

@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 import pytest
+from plan_helpers import build_event, check_run
 from scipy import integrate
 from scipy.stats import norm
 
@@ -30,19 +31,7 @@ from dpmf.accountants.allocation import (
 )
 from dpmf.accountants.montecarlo import kl_bernoulli, sample_privacy_losses
 from dpmf.mechanisms import factorize
-from dpmf.plan import PrivatePlan
 from dpmf.workloads import prefix_sum
-
-
-def check_run(scheme, dataset_size, batch_size, steps, factorization=None):
-    """The run's plan (C = I without a factorization)."""
-    strategy = "identity" if factorization is None else factorization
-    return PrivatePlan(dataset_size, batch_size, steps=steps, scheme=scheme, strategy=strategy)
-
-
-def build_event(plan, sigma):
-    """The plan's privacy event at σ and its sensitivity."""
-    return plan.event(sigma), {"sensitivity": plan.sensitivity}
 
 ACC = AllocationPLDAccountant()
 
