@@ -203,17 +203,13 @@ def max_steps(
     """
     from dpmf.plan.accounting import max_steps as _max_steps
 
-    base = _plan(
-        scheme, dataset_size, batch_size, None if _is_plan(scheme) else 1, None, min_sep, schedule=schedule
-    )
+    base, strategy = _search_base(scheme, dataset_size, batch_size, min_sep, schedule, factorization)
     return _max_steps(
         base,
         noise_multiplier=noise_multiplier,
         epsilon=epsilon,
         delta=delta,
-        strategy=factorization
-        if factorization is not None
-        else ("identity" if not _is_plan(scheme) else None),
+        strategy=strategy,
         accountant=accountant,
         samples=samples,
         seed=seed,
@@ -256,15 +252,7 @@ def max_batch_size(
 
     if (steps is None) == (epochs is None):
         raise ValueError("steps/epochs is invalid: give exactly one of steps or epochs")
-    base = _plan(
-        scheme,
-        dataset_size,
-        None if _is_plan(scheme) else 1,
-        None if _is_plan(scheme) else 1,
-        None,
-        min_sep,
-        schedule=schedule,
-    )
+    base, strategy = _search_base(scheme, dataset_size, None, min_sep, schedule, factorization)
     return _max_batch_size(
         base,
         noise_multiplier=noise_multiplier,
@@ -272,9 +260,7 @@ def max_batch_size(
         delta=delta,
         steps=steps,
         epochs=epochs,
-        strategy=factorization
-        if factorization is not None
-        else ("identity" if not _is_plan(scheme) else None),
+        strategy=strategy,
         accountant=accountant,
         samples=samples,
         seed=seed,
@@ -283,10 +269,19 @@ def max_batch_size(
     )
 
 
-def _is_plan(obj) -> bool:
+def _search_base(scheme, dataset_size, batch_size, min_sep, schedule, factorization):
+    """The plan a steps/batch-size search starts from (its steps, and its batch size when
+    ``batch_size`` is None, are placeholders the search replaces), and the strategy to rebuild
+    for every candidate (None: the given plan's own)."""
     from dpmf.plan.plan import PrivatePlan
 
-    return isinstance(obj, PrivatePlan)
+    if isinstance(scheme, PrivatePlan):
+        base = _plan(scheme, dataset_size, batch_size, None, None, min_sep, schedule=schedule)
+        return base, factorization
+    base = _plan(
+        scheme, dataset_size, 1 if batch_size is None else batch_size, 1, None, min_sep, schedule=schedule
+    )
+    return base, "identity" if factorization is None else factorization
 
 
 def account_segments(
