@@ -35,6 +35,14 @@ stream is a function of ``seed`` and the checkpointable state is the step counte
 buffers. Output is in the requested dtype; raw noise, recursions and buffers use that dtype,
 except for float16/bfloat16 models, whose noise is computed in float32 and rounded at the end.
 
+Raw noise keyed by coordinate (``ChunkedKeys``): for a run spread over processes, z_t is
+instead drawn in chunks of at most ``CHUNK_ENTRIES`` entries, chunk c of parameter j from a
+generator seeded by (seed, t, j, c). The global noise is then a function of those keys alone,
+whatever the number of processes and however the parameters are split between them: a
+generator built for a subset of the parameters (``ChunkedKeys.owned``) produces exactly those
+parameters' coordinates of the full stream, with state for them only (the recursions act
+coordinate by coordinate). The single-stream keys stay the default in one process.
+
 Sources: the streaming forms of banded and BLT strategies — Kalinin & Lampert, "Banded Square
 Root Matrix Factorization for Differentially Private Model Training" (NeurIPS 2024) for BSR;
 Kalinin et al., "Back to Square Roots" (2025) for BISR; Dvijotham, McMahan, Pillutla, Steinke
@@ -47,6 +55,7 @@ past noise from seeds.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -61,6 +70,8 @@ from dpmf.mechanisms.streaming import (
 )
 
 __all__ = [
+    "CHUNK_ENTRIES",
+    "ChunkedKeys",
     "NOISE_MODES",
     "STREAMS",
     "noise_stream",
@@ -77,10 +88,74 @@ __all__ = [
 _SEED_MASK = (1 << 63) - 1
 
 
-def step_seed(seed: int, step: int) -> int:
-    """The 63-bit seed of the raw noise z_step of a stream with ``seed`` (SeedSequence mix)."""
-    state = np.random.SeedSequence([int(seed), int(step)]).generate_state(1, dtype=np.uint64)
+CHUNK_ENTRIES = 1 << 16
+
+
+def step_seed(seed: int, step: int, *key: int) -> int:
+    """The 63-bit seed of the raw noise z_step of a stream with ``seed`` (SeedSequence mix);
+    extra ``key`` integers (parameter, chunk) select one chunk of a ``ChunkedKeys`` stream."""
+    entropy = [int(seed), int(step), *(int(k) for k in key)]
+    state = np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)
     return int(state[0]) & _SEED_MASK
+
+
+@dataclass(frozen=True)
+class ChunkedKeys:
+    """Raw noise keyed by (seed, step, parameter, chunk) instead of (seed, step).
+
+    Coordinate i of parameter j at step t is entry i mod ``chunk`` of the ``chunk``-sized block
+    ⌊i/chunk⌋ drawn from a generator seeded by ``step_seed(seed, t, j, ⌊i/chunk⌋)``. A
+    generator with these keys covers the parameters ``owned`` (in increasing order), their
+    coordinates concatenated: d = Σ_{j∈owned} sizes[j].
+
+    Attributes:
+        sizes: the number of entries of every noised parameter of the model, in the model's
+            order (shape (P,), each ≥ 1).
+        owned: the indices of the parameters this generator covers (sorted, distinct; may be
+            empty: a process that owns nothing still counts steps). None: all of them.
+        chunk: entries per chunk (≥ 1); part of the stream's identity.
+
+    Raises:
+        ValueError: a size < 1, an owned index out of range or repeated, chunk < 1.
+    """
+
+    sizes: tuple[int, ...]
+    owned: tuple[int, ...] | None = None
+    chunk: int = CHUNK_ENTRIES
+
+    def __post_init__(self):
+        sizes = tuple(check_int(f"sizes[{j}]", s, minimum=1) for j, s in enumerate(self.sizes))
+        if not sizes:
+            raise ValueError("sizes is invalid: at least one parameter is needed")
+        owned = tuple(range(len(sizes))) if self.owned is None else tuple(int(j) for j in self.owned)
+        if list(owned) != sorted(set(owned)) or any(not 0 <= j < len(sizes) for j in owned):
+            raise ValueError(
+                f"owned={self.owned!r} is invalid: must be distinct increasing indices in [0, {len(sizes)})"
+            )
+        object.__setattr__(self, "sizes", sizes)
+        object.__setattr__(self, "owned", owned)
+        object.__setattr__(self, "chunk", check_int("chunk", self.chunk, minimum=1))
+
+    @property
+    def dim(self) -> int:
+        """d: the number of coordinates covered (Σ over the owned parameters' sizes)."""
+        return sum(self.sizes[j] for j in self.owned)
+
+    def offsets(self) -> dict[int, tuple[int, int]]:
+        """Owned parameter j → (start, stop) of its coordinates in the generator's vector."""
+        out, start = {}, 0
+        for j in self.owned:
+            out[j] = (start, start + self.sizes[j])
+            start += self.sizes[j]
+        return out
+
+    def restricted(self, owned) -> ChunkedKeys:
+        """The same keys for another subset of the parameters."""
+        return ChunkedKeys(self.sizes, tuple(sorted(owned)), self.chunk)
+
+    def describe(self) -> dict:
+        """Plain data identifying the keying (what a checkpoint must match)."""
+        return {"keys": "chunked", "chunk": self.chunk, "sizes": list(self.sizes), "owned": list(self.owned)}
 
 
 class CorrelatedNoise(ABC):
@@ -95,12 +170,22 @@ class CorrelatedNoise(ABC):
         seed: integer seed of the raw noise stream.
         steps: n, the number of steps the strategy covers; ``next()`` refuses step n+1.
         device, dtype: where and in which precision the noise is produced.
+        keys: None (default): one raw stream keyed by (seed, step); a ``ChunkedKeys``: raw
+            noise keyed by (seed, step, parameter, chunk), for the owned parameters only
+            (then ``dim`` must equal ``keys.dim``, and may be 0).
     """
 
     kind = "correlated"
 
-    def __init__(self, dim: int, *, seed: int, steps: int, device=None, dtype=torch.float32):
-        self.dim = check_int("dim", dim, minimum=1)
+    def __init__(self, dim: int, *, seed: int, steps: int, device=None, dtype=torch.float32, keys=None):
+        if keys is not None and not isinstance(keys, ChunkedKeys):
+            raise TypeError(f"keys={keys!r} is invalid: must be None or a ChunkedKeys")
+        self.keys = keys
+        self.dim = check_int("dim", dim, minimum=1 if keys is None else 0)
+        if keys is not None and self.dim != keys.dim:
+            raise ValueError(
+                f"dim={dim} is invalid: the keys cover {keys.dim} coordinates of the owned parameters"
+            )
         self.seed = check_int("seed", seed, minimum=0)
         self.steps = check_int("steps", steps, minimum=1)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -114,9 +199,20 @@ class CorrelatedNoise(ABC):
 
     # -- raw noise ------------------------------------------------------------------------
     def raw_noise(self, step: int) -> torch.Tensor:
-        """z_step ~ N(0, I_d), regenerated exactly from (seed, step). Shape (d,)."""
-        self._gen.manual_seed(step_seed(self.seed, step))
-        return torch.randn(self.dim, generator=self._gen, device=self.device, dtype=self.work_dtype)
+        """z_step ~ N(0, I_d), regenerated exactly from (seed, step) — or, with ``ChunkedKeys``,
+        chunk by chunk from (seed, step, parameter, chunk). Shape (d,)."""
+        kw = {"generator": self._gen, "device": self.device, "dtype": self.work_dtype}
+        if self.keys is None:
+            self._gen.manual_seed(step_seed(self.seed, step))
+            return torch.randn(self.dim, **kw)
+        out = torch.empty(self.dim, device=self.device, dtype=self.work_dtype)
+        chunk = self.keys.chunk
+        for j, (start, stop) in self.keys.offsets().items():
+            for c, a in enumerate(range(start, stop, chunk)):
+                b = min(a + chunk, stop)
+                self._gen.manual_seed(step_seed(self.seed, step, j, c))
+                out[a:b] = torch.randn(b - a, **kw)
+        return out
 
     # -- streaming ------------------------------------------------------------------------
     def next(self) -> torch.Tensor:
@@ -160,7 +256,10 @@ class CorrelatedNoise(ABC):
 
     def fingerprint(self) -> dict:
         """What must match for a checkpoint to be loaded into this generator."""
-        return {"kind": self.kind, "dim": self.dim, "seed": self.seed, "steps": self.steps}
+        out = {"kind": self.kind, "dim": self.dim, "seed": self.seed, "steps": self.steps}
+        if self.keys is not None:
+            out.update(self.keys.describe())
+        return out
 
     def state_dict(self) -> dict:
         """The step counter, the fingerprint and copies of the buffers (on CPU)."""
@@ -189,8 +288,70 @@ class CorrelatedNoise(ABC):
         if tensors:
             raise ValueError(f"noise state is invalid: unexpected tensors {sorted(tensors)}")
 
+    def parameter_state(self) -> dict:
+        """The state split by parameter, to move it between processes (``ChunkedKeys`` only):
+        ``{"step", "fingerprint" (without ``owned``/``dim``), "parameters": {j: {name: tensor
+        (…, sizes[j]) on CPU}}}``; every held tensor's last axis runs over the coordinates.
+
+        Raises:
+            ValueError: the generator has single-stream keys.
+        """
+        offsets = self._chunked_offsets("parameter_state")
+        tensors = self._state_tensors()
+        return {
+            "step": self.step,
+            "fingerprint": _shared_fingerprint(self.fingerprint()),
+            "parameters": {
+                j: {k: v[..., a:b].detach().cpu().clone() for k, v in tensors.items()}
+                for j, (a, b) in offsets.items()
+            },
+        }
+
+    def load_parameter_state(self, states) -> None:
+        """Restore the owned parameters' state from ``parameter_state()`` results of any split
+        (e.g. one per process of a run with another number of processes).
+
+        Raises:
+            ValueError: another generator (kind, seed, steps, coefficients, sizes), steps that
+                disagree, or an owned parameter missing from ``states``.
+        """
+        offsets = self._chunked_offsets("load_parameter_state")
+        states = list(states)
+        mine = _shared_fingerprint(self.fingerprint())
+        merged: dict = {}
+        steps = set()
+        for st in states:
+            if st.get("fingerprint") != mine:
+                raise ValueError(
+                    f"noise state is invalid for this generator: saved {st.get('fingerprint')}, "
+                    f"generator is {mine}"
+                )
+            steps.add(int(st["step"]))
+            merged.update(st["parameters"])
+        if len(steps) != 1:
+            raise ValueError(f"noise states are inconsistent: saved at different steps {sorted(steps)}")
+        missing = [j for j in offsets if j not in merged]
+        if missing:
+            raise ValueError(f"noise state is incomplete: no saved state for parameters {missing}")
+        step = check_int("step", steps.pop(), minimum=0, maximum=self.steps)
+        tensors = self._state_tensors()
+        for j, (a, b) in offsets.items():
+            for k, v in tensors.items():
+                v[..., a:b].copy_(merged[j][k].to(self.device, self.work_dtype))
+        self.step = step
+
+    def _chunked_offsets(self, what: str) -> dict:
+        if self.keys is None:
+            raise ValueError(f"{what} is invalid for single-stream noise: build the stream with ChunkedKeys")
+        return self.keys.offsets()
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(dim={self.dim}, steps={self.steps}, step={self.step})"
+
+
+def _shared_fingerprint(fp: dict) -> dict:
+    """A fingerprint without what differs between the processes of one run."""
+    return {k: v for k, v in fp.items() if k not in ("owned", "dim")}
 
 
 def _scales(row_scale, col_scale, n: int) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -249,8 +410,9 @@ class ToeplitzInverseNoise(CorrelatedNoise):
         mode: str = "buffer",
         device=None,
         dtype=torch.float32,
+        keys=None,
     ):
-        super().__init__(dim, seed=seed, steps=steps, device=device, dtype=dtype)
+        super().__init__(dim, seed=seed, steps=steps, device=device, dtype=dtype, keys=keys)
         g = check_vector("coeffs", coeffs)
         nz = np.flatnonzero(g)
         if g[0] == 0:
@@ -352,8 +514,9 @@ class BandedSqrtNoise(CorrelatedNoise):
         col_scale=None,
         device=None,
         dtype=torch.float32,
+        keys=None,
     ):
-        super().__init__(dim, seed=seed, steps=steps, device=device, dtype=dtype)
+        super().__init__(dim, seed=seed, steps=steps, device=device, dtype=dtype, keys=keys)
         c = check_vector("coeffs", coeffs)
         if c[0] == 0:
             raise ValueError("coeffs is invalid: coeffs[0] must be non-zero (invertible C)")
@@ -436,8 +599,9 @@ class BLTNoise(CorrelatedNoise):
         col_scale=None,
         device=None,
         dtype=torch.float32,
+        keys=None,
     ):
-        super().__init__(dim, seed=seed, steps=steps, device=device, dtype=dtype)
+        super().__init__(dim, seed=seed, steps=steps, device=device, dtype=dtype, keys=keys)
         self.omega = check_vector("omega", omega)
         self.theta = check_vector("theta", theta, length=self.omega.shape[0])
         self.buffers = int(self.omega.shape[0])
@@ -495,7 +659,7 @@ class DenseInverseNoise(CorrelatedNoise):
 
     kind = "dense_inverse"
 
-    def __init__(self, matrix, dim: int, *, seed: int, device=None, dtype=torch.float32):
+    def __init__(self, matrix, dim: int, *, seed: int, device=None, dtype=torch.float32, keys=None):
         m = np.asarray(matrix, dtype=np.float64)
         if m.ndim != 2 or m.shape[0] != m.shape[1] or m.shape[0] < 1:
             raise ValueError(f"matrix is invalid: must be square n×n, got shape {m.shape}")
@@ -503,7 +667,7 @@ class DenseInverseNoise(CorrelatedNoise):
             raise ValueError("matrix is invalid: contains NaN or infinite entries")
         if np.any(np.triu(m, 1) != 0):
             raise ValueError("matrix is invalid: must be lower-triangular")
-        super().__init__(dim, seed=seed, steps=m.shape[0], device=device, dtype=dtype)
+        super().__init__(dim, seed=seed, steps=m.shape[0], device=device, dtype=dtype, keys=keys)
         self.matrix = m
 
     @property
@@ -524,9 +688,12 @@ class DenseInverseNoise(CorrelatedNoise):
         return y
 
 
-def noise_stream(layout, dim: int, *, seed: int, device=None, dtype=torch.float32) -> CorrelatedNoise:
+def noise_stream(
+    layout, dim: int, *, seed: int, device=None, dtype=torch.float32, keys=None
+) -> CorrelatedNoise:
     """The generator of a strategy's ``NoiseLayout`` (``dpmf.mechanisms.streaming``) for ``dim``
-    coordinates: one generator class per layout class (``STREAMS``).
+    coordinates: one generator class per layout class (``STREAMS``); ``keys`` as
+    ``CorrelatedNoise``.
 
     Raises:
         TypeError: not a known layout.
@@ -534,7 +701,7 @@ def noise_stream(layout, dim: int, *, seed: int, device=None, dtype=torch.float3
     build = STREAMS.get(type(layout))
     if build is None:
         raise TypeError(f"layout={layout!r} is invalid: no noise generator for {type(layout).__name__}")
-    return build(layout, dim, {"seed": seed, "device": device, "dtype": dtype})
+    return build(layout, dim, {"seed": seed, "device": device, "dtype": dtype, "keys": keys})
 
 
 #: layout class → builder(layout, dim, common keyword arguments)
@@ -560,6 +727,7 @@ def noise_for_factorization(
     device=None,
     dtype=torch.float32,
     mode: str | None = None,
+    keys=None,
 ) -> CorrelatedNoise:
     """The cheapest streaming generator of (C⁻¹Z)_t for a ``Factorization``: the generator of
     its own ``noise_layout(mode)`` (BLT buffers for BLT strategies; a Toeplitz inverse with
@@ -573,6 +741,8 @@ def noise_for_factorization(
         device, dtype: of the produced noise (the model's).
         mode: ``"buffer"`` or ``"regenerate"`` for a Toeplitz-inverse generator; None picks
             buffer for a banded C⁻¹ (p < n) and regenerate for a full one.
+        keys: None (one raw stream) or ``ChunkedKeys`` (raw noise keyed by parameter and
+            chunk, for the owned parameters; ``dim`` = ``keys.dim``).
 
     Returns:
         a ``CorrelatedNoise`` covering n = ``factorization.n`` steps.
@@ -588,4 +758,6 @@ def noise_for_factorization(
         )
     if mode is not None:
         check_choice("mode", mode, NOISE_MODES)
-    return noise_stream(factorization.noise_layout(mode), dim, seed=seed, device=device, dtype=dtype)
+    return noise_stream(
+        factorization.noise_layout(mode), dim, seed=seed, device=device, dtype=dtype, keys=keys
+    )

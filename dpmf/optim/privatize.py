@@ -156,9 +156,11 @@ class Privatizer:
         if not isinstance(noise, CorrelatedNoise):
             raise TypeError(f"noise={noise!r} is invalid: must be a dpmf.optim.noise.CorrelatedNoise")
         named = trainable_parameters(model)
-        dim = sum(p.numel() for _, p in named)
+        dim = self._noised_entries([p for _, p in named])
         if noise.dim != dim:
-            raise ValueError(f"noise.dim={noise.dim} is invalid: the model has {dim} trainable entries")
+            raise ValueError(
+                f"noise.dim={noise.dim} is invalid: the model has {dim} trainable entries to noise here"
+            )
         p0 = named[0][1]
         if noise.device.type != p0.device.type or noise.dtype != p0.dtype:
             raise TypeError(
@@ -167,7 +169,8 @@ class Privatizer:
             )
         self.noise = noise
         self._micro_batch_given = micro_batch_size is not None
-        self.micro_batch_size = micro_batch_size or max(8, AUTO_MICRO_BATCH_ENTRIES // dim)
+        entries = sum(p.numel() for _, p in named)  # one per-example gradient
+        self.micro_batch_size = micro_batch_size or max(8, AUTO_MICRO_BATCH_ENTRIES // entries)
 
     @property
     def noise_std(self) -> float:
@@ -267,29 +270,50 @@ class Privatizer:
             points=points,
             clipping=self.clipping,
         )
-        z = self.noise.next()
+        params = [p for _, p in trainable_parameters(self.model)]
+        written = self._release(params, list(summed.grads))
+        batch_size, clipped, norm_sum = self._batch_figures(summed)
         scale = self.noise_std
-        offset = 0
-        written = []
-        for (_, p), s in zip(trainable_parameters(self.model), summed.grads, strict=True):
-            k = p.numel()
-            g = s.add_(z[offset : offset + k].view_as(p), alpha=scale).div_(self.expected_batch_size)
-            offset += k
-            p.grad = g
-            written.append((p, g, g._version))
-        mean_norm = float(summed.norms.mean()) if summed.batch_size else 0.0
         fresh = scale * abs(self.noise.innovation(t)) / self.expected_batch_size
-        self._written = written
+        self._written = [(p, p.grad, p.grad._version) for p in written]
         self.last_step = PrivateStep(
             t,
-            summed.batch_size,
+            batch_size,
             self.expected_batch_size,
             scale,
             fresh,
-            summed.clipped_fraction,
-            mean_norm,
+            clipped / batch_size if batch_size else 0.0,
+            norm_sum / batch_size if batch_size else 0.0,
         )
         return self.last_step
+
+    # -- the parts a distributed step replaces ------------------------------------------------
+    def _noised_entries(self, params: list) -> int:
+        """How many coordinates this privatizer's noise stream covers (all trainable entries)."""
+        return sum(p.numel() for p in params)
+
+    def _release(self, params: list, sums: list) -> list:
+        """Add σζs·(C⁻¹Z)_t to the clipped sums, divide by B̄, and set ``p.grad``; returns the
+        parameters whose gradient was written (all of them here)."""
+        z = self.noise.next()
+        offset = 0
+        for p, s in zip(params, sums, strict=True):
+            k = p.numel()
+            s.add_(z[offset : offset + k].view_as(p), alpha=self.noise_std).div_(self.expected_batch_size)
+            offset += k
+            p.grad = s
+        return params
+
+    def _batch_figures(self, summed) -> tuple[int, float, float]:
+        """(examples, clipped examples, sum of norms) of the step's batch, for logging."""
+        n = int(summed.batch_size)
+        if not n:
+            return 0, 0.0, 0.0
+        return n, float((summed.norms > self.clip_norm).sum()), float(summed.norms.sum())
+
+    def after_step(self) -> None:
+        """Called after each optimizer step (a distributed step returns the parameters to
+        every process here); nothing in one process."""
 
 
 def _check_noise_matches_plan(noise: CorrelatedNoise, plan) -> None:
@@ -297,7 +321,7 @@ def _check_noise_matches_plan(noise: CorrelatedNoise, plan) -> None:
     coefficients, or another number of steps)."""
     expected = plan.noise(1, 0, device=noise.device, dtype=noise.dtype)  # d = 1: no large buffers
     theirs, ours = noise.fingerprint(), expected.fingerprint()
-    for key in ("seed", "dim", "mode"):
+    for key in ("seed", "dim", "mode", "keys", "chunk", "sizes", "owned"):
         theirs.pop(key, None)
         ours.pop(key, None)
     if theirs != ours:

@@ -351,7 +351,7 @@ class PrivatePlan:
         """The batch sampler of the plan's scheme (``dpmf.plan.samplers``), seeded by ``seed``."""
         return self.scheme.sampler(self, check_int("seed", seed, minimum=0))
 
-    def noise(self, dim: int, seed: int, *, device=None, dtype=None, mode: str | None = None):
+    def noise(self, dim: int, seed: int, *, device=None, dtype=None, mode: str | None = None, keys=None):
         """The unit-scale correlated-noise stream (C⁻¹Z)_t for ``dim`` coordinates
         (``dpmf.optim.noise.noise_stream`` on the strategy's ``noise_layout``; needs torch).
 
@@ -360,11 +360,16 @@ class PrivatePlan:
             seed: the raw noise's seed (secret).
             device, dtype: of the produced noise (default CPU, float32).
             mode: ``buffer``/``regenerate`` to force a Toeplitz-inverse generator's mode.
+            keys: None (one raw stream keyed by step) or a ``dpmf.optim.noise.ChunkedKeys``
+                (raw noise keyed by parameter and chunk: the same global noise in any number
+                of processes; ``dim`` = ``keys.dim``).
         """
         from dpmf.optim.noise import noise_for_factorization
 
         kwargs = {} if dtype is None else {"dtype": dtype}
-        return noise_for_factorization(self.strategy, dim, seed=seed, device=device, mode=mode, **kwargs)
+        return noise_for_factorization(
+            self.strategy, dim, seed=seed, device=device, mode=mode, keys=keys, **kwargs
+        )
 
     def to_dict(self) -> dict:
         """Plain data describing the plan (no seeds, nothing secret)."""

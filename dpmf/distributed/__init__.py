@@ -1,0 +1,27 @@
+"""Training across processes with the noise of one process (``torch.distributed``).
+
+``DistributedPrivatizer`` (``step``) is the private step over W ranks in the modes
+``sharded``, ``replicated`` and ``rank0``; ``sharding`` assigns parameters to owner ranks and
+batches to ranks; ``collectives`` wraps a process group (or simulates one with threads);
+``checkpoint`` saves one shard per rank with a manifest, resumable at another W; ``launch``
+initializes a process group from ``torchrun``'s environment.
+"""
+
+from dpmf.distributed.collectives import Collectives, ThreadCollectives, TorchCollectives, simulate
+from dpmf.distributed.sharding import assign_owners, owned_by, parameter_cost, rank_slice
+from dpmf.distributed.step import MODES, DistributedPrivatizer, DivergenceError, seed_digest
+
+__all__ = [
+    "MODES",
+    "Collectives",
+    "DistributedPrivatizer",
+    "DivergenceError",
+    "ThreadCollectives",
+    "TorchCollectives",
+    "assign_owners",
+    "owned_by",
+    "parameter_cost",
+    "rank_slice",
+    "seed_digest",
+    "simulate",
+]

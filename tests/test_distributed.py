@@ -1,0 +1,344 @@
+"""The distributed private step without processes: coordinate-keyed noise, owners, and the
+simulated reduce/owner/broadcast pipeline against the one-process privatizer."""
+
+import copy
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from dpmf.distributed import (
+    DistributedPrivatizer,
+    DivergenceError,
+    assign_owners,
+    owned_by,
+    parameter_cost,
+    rank_slice,
+    simulate,
+)
+from dpmf.mechanisms import factorize
+from dpmf.optim import DPSGD, DPMuon, route_parameters
+from dpmf.optim.clipping import trainable_parameters
+from dpmf.optim.noise import ChunkedKeys, DenseInverseNoise, noise_for_factorization, step_seed
+from dpmf.optim.privatize import Privatizer
+from dpmf.plan import PrivatePlan
+from dpmf.workloads import Schedule, from_schedule, prefix_sum
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+STEPS = 20
+SIZES = (7, 3, 12, 1, 5)  # five "parameters"
+CHUNK = 4
+
+
+def test_chunked_raw_noise_is_keyed_by_parameter_and_chunk():
+    keys = ChunkedKeys(SIZES, chunk=CHUNK)
+    gen = noise_for_factorization(factorize(prefix_sum(STEPS), "identity"), keys.dim, seed=11, keys=keys)
+    z = gen.raw_noise(5)
+    # independent construction, entry by entry: chunk c of parameter j from seed (11, 5, j, c)
+    expected = []
+    for j, size in enumerate(SIZES):
+        for c in range(-(-size // CHUNK)):
+            g = torch.Generator().manual_seed(step_seed(11, 5, j, c))
+            expected.append(torch.randn(min(CHUNK, size - c * CHUNK), generator=g))
+    assert torch.equal(z, torch.cat(expected))
+    # a generator for parameters 1 and 3 only draws exactly their coordinates
+    part = ChunkedKeys(SIZES, (1, 3), CHUNK)
+    sub = noise_for_factorization(factorize(prefix_sum(STEPS), "identity"), part.dim, seed=11, keys=part)
+    off = np.cumsum((0,) + SIZES)
+    assert torch.equal(sub.raw_noise(5), torch.cat([z[off[1] : off[2]], z[off[3] : off[4]]]))
+
+
+def test_chunked_keys_refuse_bad_input():
+    with pytest.raises(ValueError, match="owned"):
+        ChunkedKeys(SIZES, (2, 1))
+    with pytest.raises(ValueError, match="owned"):
+        ChunkedKeys(SIZES, (5,))
+    with pytest.raises(ValueError, match="sizes"):
+        ChunkedKeys((3, 0))
+    keys = ChunkedKeys(SIZES, (0,))
+    with pytest.raises(ValueError, match="dim=8"):
+        noise_for_factorization(factorize(prefix_sum(STEPS), "identity"), 8, seed=0, keys=keys)
+    flat = noise_for_factorization(factorize(prefix_sum(STEPS), "identity"), 8, seed=0)
+    with pytest.raises(ValueError, match="ChunkedKeys"):
+        flat.parameter_state()
+
+
+def _streams():
+    """(label, make(dim, seed, keys)) for every generator family and mode."""
+    w_exp = from_schedule(Schedule("exponential", 0.2), STEPS)
+    fz = {
+        "identity": factorize(prefix_sum(STEPS), "identity"),
+        "bisr:3": factorize(prefix_sum(STEPS), "bisr:3"),
+        "bsr:3": factorize(prefix_sum(STEPS), "bsr:3"),
+        "sqrt_prefix": factorize(prefix_sum(STEPS), "sqrt_prefix"),
+        "blt:2": factorize(prefix_sum(STEPS), "blt:2"),
+        "lcgd:0.5": factorize(prefix_sum(STEPS), "lcgd:0.5"),
+        "sqrt": factorize(w_exp, "sqrt"),
+    }
+
+    def make(spec, mode=None):
+        return lambda dim, seed, keys: noise_for_factorization(fz[spec], dim, seed=seed, mode=mode, keys=keys)
+
+    m = np.tril(np.random.default_rng(3).normal(size=(STEPS, STEPS)))
+    return [
+        ("identity", make("identity")),
+        ("toeplitz inverse bisr:3 buffer", make("bisr:3", "buffer")),
+        ("toeplitz inverse bisr:3 regenerate", make("bisr:3", "regenerate")),
+        ("banded sqrt bsr:3", make("bsr:3")),
+        ("full toeplitz inverse regenerate", make("sqrt_prefix")),
+        ("full toeplitz inverse buffer", make("sqrt_prefix", "buffer")),
+        ("blt:2", make("blt:2")),
+        ("lcgd:0.5", make("lcgd:0.5")),
+        ("dense sqrt of A_chi", make("sqrt")),
+        ("dense inverse", lambda dim, seed, keys: DenseInverseNoise(m, dim, seed=seed, keys=keys)),
+    ]
+
+
+STREAMS = _streams()
+
+
+@pytest.mark.parametrize("make", [s[1] for s in STREAMS], ids=[s[0] for s in STREAMS])
+def test_sharded_noise_concatenates_to_the_full_chunked_stream(make):
+    full_keys = ChunkedKeys(SIZES, chunk=CHUNK)
+    full = make(full_keys.dim, 5, full_keys)
+    reference = torch.stack([full.next() for _ in range(STEPS)])
+    off = np.cumsum((0,) + SIZES)
+    for world in (1, 2, 3, 4):
+        owners = assign_owners(SIZES, world)
+        parts = [make(sum(SIZES[j] for j in o), 5, full_keys.restricted(o)) for o in owned_by(owners, world)]
+        got = torch.zeros_like(reference)
+        for t in range(STEPS):
+            for o, gen in zip(owned_by(owners, world), parts, strict=True):
+                y = gen.next()
+                pos = 0
+                for j in o:
+                    got[t, off[j] : off[j + 1]] = y[pos : pos + SIZES[j]]
+                    pos += SIZES[j]
+        assert torch.equal(got, reference), world
+        # each part holds only its own coordinates' state: the states add up to the full one
+        assert sum(g.state_numel() for g in parts) == full.state_numel()
+
+
+@pytest.mark.parametrize("make", [s[1] for s in STREAMS[1:7]], ids=[s[0] for s in STREAMS[1:7]])
+def test_parameter_state_moves_between_splits(make):
+    full_keys = ChunkedKeys(SIZES, chunk=CHUNK)
+    straight = make(full_keys.dim, 9, full_keys)
+    ys = [straight.next() for _ in range(STEPS)]
+    # 7 steps at W = 3, then resume at W = 1 and at W = 2
+    owners3 = owned_by(assign_owners(SIZES, 3), 3)
+    at3 = [make(sum(SIZES[j] for j in o), 9, full_keys.restricted(o)) for o in owners3]
+    for _ in range(7):
+        for g in at3:
+            g.next()
+    saved = [g.parameter_state() for g in at3]
+    one = make(full_keys.dim, 9, full_keys)
+    one.load_parameter_state(saved)
+    assert torch.equal(torch.stack([one.next() for _ in range(7, STEPS)]), torch.stack(ys[7:]))
+    owners2 = owned_by(assign_owners(SIZES, 2), 2)
+    at2 = [make(sum(SIZES[j] for j in o), 9, full_keys.restricted(o)) for o in owners2]
+    for g in at2:
+        g.load_parameter_state(saved)
+    off = np.cumsum((0,) + SIZES)
+    y = [g.next() for g in at2]
+    got = torch.zeros_like(ys[7])
+    for o, part in zip(owners2, y, strict=True):
+        pos = 0
+        for j in o:
+            got[off[j] : off[j + 1]] = part[pos : pos + SIZES[j]]
+            pos += SIZES[j]
+    assert torch.equal(got, ys[7])
+    other_seed = make(full_keys.dim, 10, full_keys)
+    with pytest.raises(ValueError, match="invalid for this generator"):
+        other_seed.load_parameter_state(saved)
+    with pytest.raises(ValueError, match="incomplete"):
+        make(full_keys.dim, 9, full_keys).load_parameter_state(saved[:2])
+
+
+def test_owners_balance_cost_and_cover_every_parameter():
+    costs = [100, 60, 50, 40, 30, 20, 1]
+    owners = assign_owners(costs, 3)
+    loads = [sum(c for c, r in zip(costs, owners, strict=True) if r == k) for k in range(3)]
+    # LPT by hand: 100→0, 60→1, 50→2, 40→2, 30→1, 20→1 (tie 90/90: lower rank), 1→2
+    assert loads == [100, 110, 91]
+    best = min(
+        max(sum(c for c, r in zip(costs, a, strict=True) if r == k) for k in range(3))
+        for a in itertools.product(range(3), repeat=len(costs))
+    )
+    assert best == 101 and max(loads) <= 4 / 3 * best  # Graham's bound against brute force
+    assert assign_owners(costs, 3) == owners  # deterministic
+    assert assign_owners(costs, 1) == (0,) * 7
+    assert parameter_cost((64, 3, 3, 3), newton_schulz=True) == 64 * 27 * (1 + 27)
+    assert parameter_cost((64, 3, 3, 3)) == 64 * 27
+    with pytest.raises(ValueError, match="world_size"):
+        assign_owners(costs, 0)
+
+
+def test_rank_slices_partition_the_batch():
+    idx = np.arange(11) * 3
+    for world in (1, 2, 3, 4, 12):
+        parts = [rank_slice(idx, r, world) for r in range(world)]
+        assert np.array_equal(np.concatenate(parts), idx)
+    assert rank_slice(np.arange(0), 1, 2).shape == (0,)
+
+
+# -- the simulated pipeline -------------------------------------------------------------------
+
+
+def _initial_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+
+
+_INITIAL = _initial_model()  # built once: simulated ranks are threads sharing torch's global RNG
+
+
+def _model(dtype):
+    return copy.deepcopy(_INITIAL).to(dtype)
+
+
+def _data(dtype):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(40, 6, generator=g, dtype=dtype), torch.randint(0, 3, (40,), generator=g)
+
+
+def _optimizer(kind, model):
+    if kind == "dp-sgd":
+        return DPSGD(model.parameters(), lr=0.3, momentum=0.9)
+    return DPMuon(route_parameters(model), lr=0.05, beta=0.9, vector_momentum=0.9)
+
+
+def _batches(plan, seed=3):
+    sampler = plan.sampler(seed)
+    return [sampler.next() for _ in range(plan.steps)]
+
+
+def _one_process(plan, kind, dtype, batches):
+    model = _model(dtype)
+    params = [p for _, p in trainable_parameters(model)]
+    keys = ChunkedKeys(tuple(p.numel() for p in params))
+    noise = plan.noise(keys.dim, 21, dtype=dtype, keys=keys)
+    priv = Privatizer(model, nn.functional.cross_entropy, plan=plan, clip_norm=1.0, noise=noise)
+    opt = _optimizer(kind, model)
+    priv.bind(opt)
+    x, y = _data(dtype)
+    for idx in batches:
+        priv.privatize(x[idx], y[idx])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in params]
+
+
+def _distributed(plan, kind, dtype, batches, mode, world):
+    def rank_fn(comm):
+        model = _model(dtype)
+        if comm.rank:  # a different initialization elsewhere: rank 0's is broadcast
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+        opt = _optimizer(kind, model)
+        priv = DistributedPrivatizer(
+            model,
+            nn.functional.cross_entropy,
+            collectives=comm,
+            plan=plan,
+            clip_norm=1.0,
+            seed=21,
+            mode=mode,
+            optimizer=opt,
+            check_every=2,
+        )
+        priv.bind(opt)
+        x, y = _data(dtype)
+        for idx in batches:
+            mine = rank_slice(idx, comm.rank, comm.world_size)
+            step = priv.privatize(x[mine], y[mine])
+            assert step.batch_size == len(idx)  # the global count, for logging
+            opt.step()
+            priv.after_step()
+            opt.zero_grad(set_to_none=True)
+        return [p.detach().clone() for p in model.parameters()], priv.noise_state_numel()
+
+    return simulate(world, rank_fn)
+
+
+PIPELINES = [
+    ("dp-sgd", "bsr:4", "sharded"),
+    ("dp-muon", "bsr:4", "sharded"),
+    ("dp-muon", "blt:2", "sharded"),
+    ("dp-sgd", "bisr:4", "replicated"),
+    ("dp-muon", "blt:2", "rank0"),
+]
+
+
+@pytest.mark.parametrize("kind,strategy,mode", PIPELINES)
+def test_simulated_ranks_equal_the_one_process_privatizer(kind, strategy, mode):
+    plan = PrivatePlan(40, 8, steps=6, scheme="fixed_order", strategy=strategy).with_noise(0.7)
+    batches = _batches(plan)
+    reference = _one_process(plan, kind, torch.float64, batches)
+    for world in (1, 2, 3):
+        results = _distributed(plan, kind, torch.float64, batches, mode, world)
+        for params, _ in results:  # identical on every rank
+            for a, b in zip(params, results[0][0], strict=True):
+                assert torch.equal(a, b)
+        for a, b in zip(results[0][0], reference, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        states = [s for _, s in results]
+        if mode == "sharded" and strategy != "identity":
+            one = _one_process_state(plan, torch.float64)
+            assert sum(states) == one and max(states) < one or world == 1
+
+
+def _one_process_state(plan, dtype):
+    model = _model(dtype)
+    dim = sum(p.numel() for p in model.parameters())
+    return plan.noise(
+        dim, 0, dtype=dtype, keys=ChunkedKeys(tuple(p.numel() for p in model.parameters()))
+    ).state_numel()
+
+
+def test_float32_ranks_agree_with_one_process_to_rounding():
+    plan = PrivatePlan(40, 8, steps=6, scheme="fixed_order", strategy="bsr:4").with_noise(0.7)
+    batches = _batches(plan)
+    reference = _one_process(plan, "dp-muon", torch.float32, batches)
+    results = _distributed(plan, "dp-muon", torch.float32, batches, "sharded", 2)
+    for a, b in zip(results[0][0], reference, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_different_seed_on_one_rank_is_refused():
+    plan = PrivatePlan(40, 8, steps=6, scheme="fixed_order", strategy="bsr:4").with_noise(0.7)
+
+    def rank_fn(comm):
+        model = _model(torch.float64)
+        DistributedPrivatizer(
+            model,
+            nn.functional.cross_entropy,
+            collectives=comm,
+            plan=plan,
+            clip_norm=1.0,
+            seed=21 + comm.rank,
+        )
+
+    with pytest.raises(DivergenceError, match="rank 1 differs from rank 0 in seed"):
+        simulate(2, rank_fn)
+
+
+def test_diverged_parameters_are_detected():
+    plan = PrivatePlan(40, 8, steps=6, scheme="fixed_order", strategy="bsr:4").with_noise(0.7)
+
+    def rank_fn(comm):
+        model = _model(torch.float64)
+        priv = DistributedPrivatizer(
+            model, nn.functional.cross_entropy, collectives=comm, plan=plan, clip_norm=1.0, seed=21
+        )
+        priv.verify()
+        if comm.rank == 1:
+            with torch.no_grad():
+                next(model.parameters())[0, 0] += 1e-9
+        priv.verify()
+
+    with pytest.raises(DivergenceError, match="rank 1 differs from rank 0 in parameters"):
+        simulate(2, rank_fn)
