@@ -351,6 +351,18 @@ _TRAIN_FLAGS = (
         int,
         "every K steps: training loss, clipped fraction, lr to steps.csv (and TensorBoard if installed)",
     ),
+    (
+        "--noise-keys",
+        str,
+        "stream|chunked: raw noise keyed by step (default) or by step, parameter and chunk (the "
+        "noise of a --distributed run, in one process)",
+    ),
+    (
+        "--distributed-mode",
+        str,
+        "with --distributed: sharded (default; each parameter's noise and update on one owner "
+        "rank)|replicated|rank0",
+    ),
 )
 
 
@@ -374,6 +386,12 @@ def _add_train(sub):
     p.add_argument("--no-epsilon-each-epoch", action="store_true", help="account ε only for the whole run")
     p.add_argument("--threads", type=int, default=None, help="threads of torch and of the BLAS/OpenMP pools")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="one of W processes started by torchrun --nproc-per-node W -m dpmf train ... "
+        "(gloo on CPU, NCCL on GPUs); the same noise and ε as one process",
+    )
     return p
 
 
@@ -406,7 +424,13 @@ def _run_train(args) -> int:
     from dpmf.train.run import train
 
     try:
-        train(config, args.out, resume=args.resume, progress=not args.no_progress)
+        train(
+            config, args.out, resume=args.resume, progress=not args.no_progress, distributed=args.distributed
+        )
+        if args.distributed:
+            from dpmf.distributed.launch import shutdown
+
+            shutdown()
     except FloatingPointError as exc:  # NaN/inf at a named step; the weights stayed finite
         print(f"dpmf train: error: {exc}", file=sys.stderr)
         return 1

@@ -342,3 +342,16 @@ def test_diverged_parameters_are_detected():
 
     with pytest.raises(DivergenceError, match="rank 1 differs from rank 0 in parameters"):
         simulate(2, rank_fn)
+
+
+def CASES_ON_PROCESSES():
+    """(name, optimizer, plan, dtype) run on real processes by tests/distributed_worker.py."""
+    banded = PrivatePlan(40, 8, steps=5, scheme="fixed_order", strategy="bsr:4").with_noise(0.7)
+    blt = PrivatePlan(40, 8, steps=5, scheme="fixed_order", strategy="blt:2").with_noise(0.7)
+    return [
+        ("sgd-banded-f64", "dp-sgd", banded, torch.float64),
+        ("muon-banded-f64", "dp-muon", banded, torch.float64),
+        ("muon-blt-f64", "dp-muon", blt, torch.float64),
+        ("sgd-blt-f32", "dp-sgd", blt, torch.float32),
+        ("muon-banded-f32", "dp-muon", banded, torch.float32),
+    ]

@@ -254,6 +254,12 @@ class DistributedPrivatizer(Privatizer):
         if self.check_every and self.noise.step % self.check_every == 0:
             self.verify()
 
+    def written_parameters(self) -> list:
+        """The parameters whose private gradient and update this rank computes (its owned
+        ones in sharded mode, all otherwise)."""
+        params = [p for _, p in trainable_parameters(self.model)]
+        return [params[j] for j in self.owned_by[self.collectives.rank]] if self.mode == "sharded" else params
+
     def noise_state_numel(self) -> int:
         """Entries of correlated-noise state this rank holds between steps."""
         return self.noise.state_numel()

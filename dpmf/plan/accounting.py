@@ -34,9 +34,7 @@ def _check_plan(plan):
     return plan
 
 
-def privacy_result(
-    plan, sigma: float, meas: Measurement, details: dict | None = None
-) -> PrivacyResult:
+def privacy_result(plan, sigma: float, meas: Measurement, details: dict | None = None) -> PrivacyResult:
     """The ``PrivacyResult`` of ``plan`` at σ from an accountant's ``Measurement``."""
     info = plan.scheme.event(plan, sigma)[1]
     merged = dict(info.details)

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, fields
 
 from dpmf._validation import check_choice, check_int, check_real
+from dpmf.distributed.step import MODES
 from dpmf.mechanisms.registry import parse_factorization
 from dpmf.optim.ghost import CLIPPING_MODES
 from dpmf.plan.schemes import SCHEMES, Poisson, scheme_names
@@ -25,6 +26,8 @@ __all__ = ["OPTIMIZERS", "ACCOUNTANTS", "DEFAULT_LR", "TrainConfig"]
 OPTIMIZERS = ("dp-sgd", "dp-adam", "dp-muon", "dp-muon-s", "dp-muon-bc")
 ACCOUNTANTS = ("pld", "rdp", "prv", "monte_carlo", "allocation_pld")
 DEVICES = ("auto", "cpu", "cuda")
+NOISE_KEYS = ("stream", "chunked")
+DISTRIBUTED_MODES = MODES
 # Base learning rates that work for the small CNN on Fashion-MNIST with ζ = 1 (the private
 # gradient is a mean of clipped gradients, so its norm is at most ≈ ζ): DP-SGD with momentum
 # 0.9 and B = 512 reaches 86 % at ε = 3 in 10 epochs; DP-Muon with B = 1024 likewise.
@@ -93,6 +96,15 @@ class TrainConfig:
             and the learning rate go to ``steps.csv`` and, where ``tensorboard`` is installed,
             TensorBoard event files (computed from the private batches without noise: not
             covered by (ε, δ), keep them private). None: per-epoch metrics only.
+        noise_keys: ``stream`` (one raw-noise stream keyed by step; the default in one
+            process) or ``chunked`` (raw noise keyed by step, parameter and chunk:
+            ``dpmf.optim.noise.ChunkedKeys``; the same noise in any number of processes, so a
+            one-process run equals a distributed one and their checkpoints interchange).
+            Distributed runs always use ``chunked``.
+        distributed_mode: with ``train(..., distributed=True)``: ``sharded`` (each parameter's
+            noise and update on one owner process), ``replicated`` or ``rank0``
+            (``dpmf.distributed.step``). The same trajectory up to rounding, so not part of the
+            run's identity.
     """
 
     dataset: str = "fashion-mnist"
@@ -130,6 +142,8 @@ class TrainConfig:
     eval_batch_size: int = 1024
     epsilon_each_epoch: bool | None = None
     log_every: int | None = None
+    noise_keys: str = "stream"
+    distributed_mode: str = "sharded"
 
     def __post_init__(self):
         check_choice("dataset", self.dataset, DATASETS)
@@ -227,6 +241,8 @@ class TrainConfig:
         )
         if self.log_every is not None:
             object.__setattr__(self, "log_every", check_int("log_every", self.log_every, minimum=1))
+        check_choice("noise_keys", self.noise_keys, NOISE_KEYS)
+        check_choice("distributed_mode", self.distributed_mode, DISTRIBUTED_MODES)
         if self.epsilon_each_epoch is not None and not isinstance(self.epsilon_each_epoch, bool):
             raise TypeError(
                 f"epsilon_each_epoch={self.epsilon_each_epoch!r} is invalid: must be true or false"
@@ -335,6 +351,16 @@ class TrainConfig:
         """The fields that define the run's trajectory (a resumed run must match them)."""
         d = self.to_dict()
         d["lr"] = self.base_lr
-        for k in ("device", "eval_batch_size", "epsilon_each_epoch", "data_dir", "log_every", "clipping"):
+        for k in (
+            "device",
+            "eval_batch_size",
+            "epsilon_each_epoch",
+            "data_dir",
+            "log_every",
+            "clipping",
+            "distributed_mode",
+        ):
             d.pop(k)
+        if d["noise_keys"] == "stream":  # the original keying: older checkpoints keep matching
+            d.pop("noise_keys")
         return d

@@ -37,6 +37,7 @@ from dpmf.train.checkpoint import as_numpy, load_checkpoint, rng_state, save_che
 from dpmf.train.data import Dataset
 from dpmf.train.metrics import StepLog, batch_loss, plot_training_curves, write_metrics_csv
 from dpmf.train.samplers import BatchSampler
+from dpmf.train.shards import merge_shards, save_sharded
 
 __all__ = [
     "check_resumable",
@@ -178,6 +179,10 @@ class Trainer:
         log_every: K ≥ 1: every K steps, the batch's training loss, clipped fraction and
             learning rate go to ``steps.csv`` (and TensorBoard where installed; see
             ``dpmf.train.metrics.StepLog``; not private). None: per-epoch metrics only.
+        collectives: the ``dpmf.distributed.Collectives`` of a run over several processes
+            (then ``privatizer`` is a ``DistributedPrivatizer``): each rank handles its slice
+            of every global batch, the checkpoint is one shard per rank and a manifest, and
+            only rank 0 writes the metrics, curves and progress bar. None: one process.
 
     Raises:
         ValueError: inconsistent step counts or out-of-range numbers.
@@ -205,7 +210,10 @@ class Trainer:
         lookahead=None,
         secrets: dict | None = None,
         log_every: int | None = None,
+        collectives=None,
     ):
+        self.collectives = collectives
+        self.writer = collectives is None or collectives.rank == 0
         self.model = model
         self.secrets = dict(secrets or {})
         self.log_every = None if log_every is None else check_int("log_every", log_every, minimum=1)
@@ -238,7 +246,7 @@ class Trainer:
         self.final_epsilon = final_epsilon
         self.delta = delta
         self.eval_batch_size = check_int("eval_batch_size", eval_batch_size, minimum=1)
-        self.progress = bool(progress)
+        self.progress = bool(progress) and self.writer
         self.title = title
         self.outcome = TrainOutcome()
 
@@ -258,7 +266,11 @@ class Trainer:
             "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
             "sampler": self.sampler.state_dict(),
-            "noise": self.privatizer.noise.state_dict(),
+            "noise": (
+                self.privatizer.noise.state_dict()
+                if self.privatizer.noise.keys is None
+                else [self.privatizer.noise.parameter_state()]
+            ),
             "rng": rng_state(),
             "metrics": list(self.outcome.metrics),
             "empty_batches": self.outcome.empty_batches,
@@ -280,7 +292,22 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.sampler.load_state_dict(as_numpy(state["sampler"]))
-        self.privatizer.noise.load_state_dict(state["noise"])
+        noise = self.privatizer.noise
+        if isinstance(state["noise"], list):  # coordinate-keyed noise, saved per parameter
+            if noise.keys is None:
+                raise ValueError(
+                    f"checkpoint {self.checkpoint_path!r} holds coordinate-keyed noise: resume it "
+                    "with --noise-keys chunked (or --distributed)"
+                )
+            noise.load_parameter_state(state["noise"])
+        else:
+            noise.load_state_dict(state["noise"])
+        owned = getattr(self.privatizer, "written_parameters", None)
+        if owned is not None:  # keep only the optimizer state of this rank's parameters
+            mine = {id(p) for p in owned()}
+            for p in list(self.optimizer.state):
+                if id(p) not in mine:
+                    del self.optimizer.state[p]
         if self.lookahead is not None:
             if "lookahead" not in state:
                 raise ValueError(f"checkpoint {self.checkpoint_path!r} has no lookahead state")
@@ -294,7 +321,12 @@ class Trainer:
 
     # -- one step -----------------------------------------------------------------------------
     def _step(self, t: int) -> int:
-        idx = self.sampler.next()
+        batch = self.sampler.next()
+        idx = batch
+        if self.collectives is not None:  # this rank's slice of the global batch
+            from dpmf.distributed.sharding import rank_slice
+
+            idx = rank_slice(batch, self.collectives.rank, self.collectives.world_size)
         ids = torch.from_numpy(idx)
         x = self.data.train_x[ids].to(self.device, non_blocking=True)
         y = self.data.train_y[ids].to(self.device, non_blocking=True)
@@ -311,6 +343,7 @@ class Trainer:
         params = [p for _, p in trainable_parameters(self.model)]
         before = [p.detach().clone() for p in params]
         self.optimizer.step()
+        self.privatizer.after_step()  # a distributed step returns the parameters to every rank
         self.optimizer.zero_grad(set_to_none=True)
         if not all(bool(torch.isfinite(p).all()) for p in params):
             with torch.no_grad():
@@ -320,7 +353,7 @@ class Trainer:
                 f"the optimizer step at step {t} (epoch {t // self.sampler.steps_per_epoch + 1}) made "
                 f"weights NaN/inf (lr={lr:g}); the step was undone. Lower the learning rate."
             )
-        return int(idx.shape[0])
+        return int(batch.shape[0])
 
     # -- the run ------------------------------------------------------------------------------
     def run(
@@ -353,11 +386,14 @@ class Trainer:
                     f"out_dir={self.out_dir!r} is invalid: it holds a checkpoint of an earlier run; "
                     "pass --resume to continue it or choose another --out"
                 )
-            start_epoch = self._restore(load_checkpoint(self.checkpoint_path))
-            if self.outcome.metrics:  # the files agree with the checkpoint from the start
+            state = merge_shards(load_checkpoint(self.checkpoint_path), self.checkpoint_path)
+            start_epoch = self._restore(state)
+            if self.outcome.metrics and self.writer:  # the files agree with the checkpoint
                 write_metrics_csv(os.path.join(self.out_dir, METRICS), self.outcome.metrics)
             self.outcome.resumed_from_epoch = start_epoch
-        if self.log_every is not None:
+        if self.collectives is not None:
+            self.privatizer.verify()  # seed, step and weights agree on every rank
+        if self.log_every is not None and self.writer:
             self.step_log = StepLog(self.out_dir, self.log_every, start_step=self.sampler.step)
         self.model.train()
         spe = self.sampler.steps_per_epoch
@@ -418,7 +454,18 @@ class Trainer:
             self.step_log.flush()
         # the checkpoint before metrics.csv: after a kill between the writes, metrics.csv is never
         # ahead of it
-        save_checkpoint(self.checkpoint_path, self._state(epoch))
+        if self.collectives is None:
+            save_checkpoint(self.checkpoint_path, self._state(epoch))
+        else:
+            save_sharded(
+                self.checkpoint_path,
+                self._state(epoch),
+                self.collectives,
+                mode=self.privatizer.mode,
+                seed_digest=self.privatizer.seed_digest,
+            )
+        if not self.writer:
+            return row
         write_metrics_csv(os.path.join(self.out_dir, METRICS), self.outcome.metrics)
         plot_training_curves(os.path.join(self.out_dir, CURVES), self.outcome.metrics, title=self.title)
         return row

@@ -48,6 +48,7 @@ from dpmf.optim import (
     route_parameters,
 )
 from dpmf.optim.clipping import trainable_parameters
+from dpmf.optim.noise import ChunkedKeys
 from dpmf.optim.privatize import Privatizer
 from dpmf.plan.plan import PrivatePlan, leading_block
 from dpmf.plan.schemes import Poisson
@@ -57,6 +58,7 @@ from dpmf.train.data import load_dataset
 from dpmf.train.ledger import export, privacy_ledger
 from dpmf.train.loop import CHECKPOINT, Trainer, TrainOutcome, check_resumable, data_digest, saved_seed
 from dpmf.train.models import build_model
+from dpmf.train.shards import merge_shards
 from dpmf.train.samplers import steps_per_epoch
 from dpmf.workloads import Schedule
 
@@ -266,6 +268,7 @@ def train(
     progress: bool = True,
     on_epoch_end=(),
     log=print,
+    distributed: bool = False,
 ) -> TrainResult:
     """Train ``config`` privately, writing results, metrics, curves and checkpoints to ``out_dir``.
 
@@ -277,6 +280,10 @@ def train(
         progress: show progress bars.
         on_epoch_end: callables ``f(epoch, row)`` after each epoch's checkpoint.
         log: where to print notices and the summary (``print``; a no-op silences them).
+        distributed: run as one of the processes started by ``torchrun`` (``dpmf.distributed``):
+            the same global batches and the same noise as one process with
+            ``noise_keys="chunked"``, split by ``config.distributed_mode``; only rank 0 prints
+            and writes results, metrics and the export; every rank writes its checkpoint shard.
 
     Returns:
         ``TrainResult``.
@@ -288,6 +295,16 @@ def train(
     """
     if not isinstance(config, TrainConfig):
         raise TypeError(f"config={config!r} is invalid: must be a TrainConfig")
+    collectives = None
+    device = resolve_device(config.device)
+    if distributed:
+        from dpmf.distributed.launch import init_from_env
+
+        collectives, device = init_from_env(device)
+        if config.noise_keys != "chunked":
+            config = config.replace(noise_keys="chunked")
+        if collectives.rank != 0:  # one voice: rank 0 prints and shows progress
+            log, progress = (lambda *a, **k: None), False
     checkpoint = os.path.join(out_dir, CHECKPOINT)
     if os.path.exists(checkpoint) and not resume:
         raise ValueError(
@@ -295,6 +312,8 @@ def train(
             "to continue it or choose another --out"
         )
     saved = load_checkpoint(checkpoint) if resume and os.path.exists(checkpoint) else None
+    if saved is not None:
+        saved = merge_shards(saved, checkpoint)  # a distributed checkpoint: all its shards
     if saved is not None:  # a corrupted or foreign checkpoint fails here, before any work
         check_resumable(saved, config.run_identity(), checkpoint)
     seed_given = config.seed is not None
@@ -305,7 +324,8 @@ def train(
         seed = saved_seed(checkpoint, saved)
     else:
         seed = draw_seed()
-    device = resolve_device(config.device)
+    if collectives is not None and not seed_given:  # rank 0's secret seed, in memory only
+        seed = collectives.all_gather_object(seed if collectives.rank == 0 else None)[0]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         data = load_dataset(config.dataset, config.data_dir)
@@ -329,19 +349,37 @@ def train(
     model = build_model(config.model, data.input_shape, data.num_classes, seed=sub_seed(seed, 0))
     model = model.to(device)
     dtype = next(model.parameters()).dtype
-    dim = sum(p.numel() for _, p in trainable_parameters(model))
-    noise = plan.noise(dim, sub_seed(seed, 2), device=device, dtype=dtype)
     sampler = plan.sampler(sub_seed(seed, 1))
-    privatizer = Privatizer(
-        model,
-        F.cross_entropy,
-        plan=plan,
-        clip_norm=config.clip_norm,
-        noise=noise,
-        micro_batch_size=config.micro_batch_size,
-        clipping=config.clipping,
-    )
     optimizer = build_optimizer(config, model, log=log, seed=seed)
+    if collectives is not None:
+        from dpmf.distributed.step import DistributedPrivatizer
+
+        privatizer = DistributedPrivatizer(
+            model,
+            F.cross_entropy,
+            collectives=collectives,
+            plan=plan,
+            clip_norm=config.clip_norm,
+            seed=sub_seed(seed, 2),
+            mode=config.distributed_mode,
+            optimizer=optimizer,
+            micro_batch_size=config.micro_batch_size,
+            clipping=config.clipping,
+        )
+        noise = privatizer.noise
+    else:
+        sizes = tuple(p.numel() for _, p in trainable_parameters(model))
+        keys = ChunkedKeys(sizes) if config.noise_keys == "chunked" else None
+        noise = plan.noise(sum(sizes), sub_seed(seed, 2), device=device, dtype=dtype, keys=keys)
+        privatizer = Privatizer(
+            model,
+            F.cross_entropy,
+            plan=plan,
+            clip_norm=config.clip_norm,
+            noise=noise,
+            micro_batch_size=config.micro_batch_size,
+            clipping=config.clipping,
+        )
     privatizer.bind(optimizer)
     # DiSK's prediction: per-example gradients at θ_t and θ_t + γ(θ_t − θ_{t−1}), combined
     # before clipping (one release per step at the same sensitivity: ε is unchanged).
@@ -364,9 +402,20 @@ def train(
         "expected_batch_size": sampler.expected_batch_size,
         "noise": {
             "generator": type(noise).__name__,
+            "keys": config.noise_keys,
             "state_numel": noise.documented_state_numel,
             "noise_std_on_sum": privatizer.noise_std,
         },
+        "processes": (
+            {"world_size": 1}
+            if collectives is None
+            else {
+                "world_size": collectives.world_size,
+                "mode": config.distributed_mode,
+                "backend": collectives.backend,
+                "noise_state_numel_per_rank": collectives.all_gather_object(noise.state_numel()),
+            }
+        ),
         "privacy": privacy.to_dict(),
         "seed_given": seed_given,
         "plan": plan.to_dict(),
@@ -391,8 +440,12 @@ def train(
         title=f"{config.optimizer}, {plan.label}, {data.name}",
         lookahead=lookahead,
         log_every=config.log_every,
+        collectives=collectives,
     )
-    if not os.path.exists(checkpoint):
+    writer = collectives is None or collectives.rank == 0
+    if collectives is not None:
+        collectives.barrier()  # every rank has seen whether a checkpoint exists
+    if not os.path.exists(checkpoint) and writer:
         atomic_write_json(os.path.join(out_dir, RESULTS), _jsonable(header))
     began = time.perf_counter()
     try:
@@ -406,7 +459,8 @@ def train(
             checkpoint=CHECKPOINT if os.path.exists(checkpoint) else None,
             wall_seconds=round(time.perf_counter() - began, 2),
         )
-        atomic_write_json(os.path.join(out_dir, RESULTS), _jsonable(header))
+        if writer:
+            atomic_write_json(os.path.join(out_dir, RESULTS), _jsonable(header))
         raise
     last = outcome.metrics[-1]
     header.update(
@@ -419,8 +473,9 @@ def train(
     ledger = privacy_ledger(
         plan, privacy, steps_taken=outcome.steps, clip_norm=config.clip_norm, seed_given=seed_given
     )
-    export(out_dir, model, ledger)
-    atomic_write_json(os.path.join(out_dir, RESULTS), _jsonable(header))
+    if writer:
+        export(out_dir, model, ledger)
+        atomic_write_json(os.path.join(out_dir, RESULTS), _jsonable(header))
     log(
         f"test accuracy {100 * float(last['test_accuracy']):.2f} %, "
         f"test loss {float(last['test_loss']):.4f}, "
