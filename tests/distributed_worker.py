@@ -44,6 +44,14 @@ def _steps(out):
             priv.after_step()
             opt.zero_grad(set_to_none=True)
         torch.save([p.detach() for p in model.parameters()], os.path.join(out, f"{name}.rank{comm.rank}.pt"))
+    from test_distributed import _private
+    from test_distributed import _steps as take_steps
+
+    run = _private(_model(torch.float64), process_group=dist.group.WORLD)
+    take_steps(run, 5)
+    torch.save(
+        [p.detach() for p in run.model.parameters()], os.path.join(out, f"make_private.rank{comm.rank}.pt")
+    )
     _, _, plan, dtype = CASES_ON_PROCESSES()[0]
     try:  # a different seed on rank 1 must be detected on every rank
         DistributedPrivatizer(

@@ -355,3 +355,76 @@ def CASES_ON_PROCESSES():
         ("sgd-blt-f32", "dp-sgd", blt, torch.float32),
         ("muon-banded-f32", "dp-muon", banded, torch.float32),
     ]
+
+
+# -- make_private over simulated ranks -----------------------------------------------------------
+
+
+def _private(model, process_group=None, **kw):
+    import dpmf
+
+    x, y = _data(torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    return dpmf.make_private(
+        model,
+        opt,
+        torch.utils.data.TensorDataset(x, y),
+        loss_fn=nn.functional.cross_entropy,
+        batch_size=8,
+        epochs=2,
+        noise_multiplier=0.8,
+        target_delta=1e-5,
+        factorization="bsr:3",
+        scheme="fixed_order",
+        seed=13,
+        process_group=process_group,
+        **kw,
+    )
+
+
+def _steps(run, k):
+    it = iter(run.data_loader)
+    for _ in range(k):
+        xb, yb = next(it)
+        run.backward(xb, target=yb, return_loss=False)
+        run.optimizer.step()
+        run.optimizer.zero_grad()
+
+
+def test_make_private_over_ranks_equals_one_process_and_resumes_at_another_count(tmp_path):
+    one = _private(_model(torch.float64), noise_keys="chunked")
+    _steps(one, 5)  # one epoch (40 examples, B = 8)
+    _steps(one, 5)
+    reference = [p.detach().clone() for p in one.model.parameters()]
+    path = str(tmp_path / "run.pt")
+
+    def ranks(comm):
+        run = _private(_model(torch.float64), process_group=comm)
+        assert len(run.data_loader) == 5
+        _steps(run, 5)
+        run.save(path)  # one shard per rank and a manifest
+        _steps(run, 5)
+        assert run.get_epsilon() == one.get_epsilon()
+        return [p.detach().clone() for p in run.model.parameters()]
+
+    results = simulate(2, ranks)
+    for a, b, c in zip(results[0], results[1], reference, strict=True):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12)
+    # the W = 2 checkpoint, resumed in one process and at three ranks, continues the same run
+    again = _private(_model(torch.float64), noise_keys="chunked")
+    again.resume(path)
+    _steps(again, 5)
+    for a, c in zip(again.model.parameters(), reference, strict=True):
+        torch.testing.assert_close(a.detach(), c, rtol=1e-12, atol=1e-12)
+
+    def three(comm):
+        run = _private(_model(torch.float64), process_group=comm)
+        run.resume(path)
+        _steps(run, 5)
+        return [p.detach().clone() for p in run.model.parameters()]
+
+    for a, c in zip(simulate(3, three)[2], reference, strict=True):
+        torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="keyed by coordinate"):
+        _private(_model(torch.float64)).resume(path)  # a single-stream run cannot take it

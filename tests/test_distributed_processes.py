@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from test_distributed import CASES_ON_PROCESSES, _batches, _one_process
+from test_distributed import CASES_ON_PROCESSES, _batches, _model, _one_process, _private, _steps
 
 from dpmf.train.config import TrainConfig
 from dpmf.train.run import train
@@ -37,6 +36,12 @@ def test_two_gloo_processes_take_the_one_process_step(tmp_path):
         tol = 1e-12 if dtype == torch.float64 else 1e-6
         for a, b in zip(ranks[0], reference, strict=True):
             torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    one = _private(_model(torch.float64), noise_keys="chunked")  # make_private(process_group=WORLD)
+    _steps(one, 5)
+    ranks = [torch.load(tmp_path / f"make_private.rank{r}.pt", weights_only=True) for r in (0, 1)]
+    for a, b, c in zip(*ranks, one.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c.detach(), rtol=1e-12, atol=1e-12)
     for r in (0, 1):
         assert "rank 1 differs from rank 0 in seed" in (tmp_path / f"seed.rank{r}.txt").read_text()
 

@@ -8,7 +8,7 @@ initializes a process group from ``torchrun``'s environment.
 """
 
 from dpmf.distributed.collectives import Collectives, ThreadCollectives, TorchCollectives, simulate
-from dpmf.distributed.sharding import assign_owners, owned_by, parameter_cost, rank_slice
+from dpmf.distributed.sharding import RankSlices, assign_owners, owned_by, parameter_cost, rank_slice
 from dpmf.distributed.step import MODES, DistributedPrivatizer, DivergenceError, seed_digest
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "Collectives",
     "DistributedPrivatizer",
     "DivergenceError",
+    "RankSlices",
     "ThreadCollectives",
     "TorchCollectives",
     "assign_owners",

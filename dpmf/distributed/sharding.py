@@ -18,7 +18,7 @@ import numpy as np
 
 from dpmf._validation import check_int
 
-__all__ = ["assign_owners", "owned_by", "parameter_cost", "rank_slice"]
+__all__ = ["RankSlices", "assign_owners", "owned_by", "parameter_cost", "rank_slice"]
 
 
 def parameter_cost(shape: Sequence[int], *, newton_schulz: bool = False) -> int:
@@ -82,3 +82,29 @@ def rank_slice(indices: np.ndarray, rank: int, world_size: int) -> np.ndarray:
     world_size = check_int("world_size", world_size, minimum=1)
     rank = check_int("rank", rank, minimum=0, maximum=world_size - 1)
     return np.array_split(np.asarray(indices), world_size)[rank]
+
+
+class RankSlices:
+    """A batch sampler yielding this rank's slice (``rank_slice``) of each global batch of
+    ``sampler``; everything else (``len``, ``step``, ``state_dict``, …) is the sampler's, so the
+    global batches, their accounting and their checkpoints stay those of one process."""
+
+    def __init__(self, sampler, rank: int, world_size: int):
+        self.sampler = sampler
+        self.world_size = check_int("world_size", world_size, minimum=1)
+        self.rank = check_int("rank", rank, minimum=0, maximum=self.world_size - 1)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self):
+        for batch in self.sampler:
+            yield rank_slice(batch, self.rank, self.world_size)
+
+    def next(self) -> np.ndarray:
+        return rank_slice(self.sampler.next(), self.rank, self.world_size)
+
+    def __getattr__(self, name):
+        if name == "sampler":  # not yet set (unpickling)
+            raise AttributeError(name)
+        return getattr(self.sampler, name)

@@ -32,15 +32,18 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
-from dpmf._validation import check_int, check_real
+from dpmf._validation import check_choice, check_int, check_real
 from dpmf.mechanisms.registry import STRATEGIES, parse_factorization
 from dpmf.optim.clipping import trainable_parameters
+from dpmf.optim.noise import ChunkedKeys
 from dpmf.optim.privatize import Privatizer
 from dpmf.plan.plan import PrivatePlan, steps_per_epoch
 from dpmf.plan.schemes import auto_scheme, get_scheme
 from dpmf.train.checkpoint import as_numpy, load_checkpoint, save_checkpoint
+from dpmf.train.config import DISTRIBUTED_MODES, NOISE_KEYS
 from dpmf.train.ledger import export as export_files
 from dpmf.train.ledger import privacy_ledger
+from dpmf.train.shards import merge_shards, save_sharded
 from dpmf.workloads.schedules import Schedule
 
 __all__ = ["make_private", "PrivateTraining", "PrivateOptimizer", "EmptySafeCollate"]
@@ -139,6 +142,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self.privatizer.check_gradients()
         loss = self.original.step()
         self.privatizer.consume()
+        self.privatizer.after_step()  # distributed: every rank gets the owners' parameters
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -192,8 +196,15 @@ class PrivateTraining:
 
     @property
     def sampler(self):
-        """The plan's batch sampler behind ``data_loader``."""
-        return self.data_loader.batch_sampler
+        """The plan's batch sampler behind ``data_loader`` (global batches; in a distributed
+        run the loader yields this rank's slice of each)."""
+        bs = self.data_loader.batch_sampler
+        return getattr(bs, "sampler", bs)
+
+    @property
+    def collectives(self):
+        """The ``dpmf.distributed.Collectives`` of a run over several processes, else None."""
+        return getattr(self.privatizer, "collectives", None)
 
     @property
     def steps_taken(self) -> int:
@@ -284,14 +295,16 @@ class PrivateTraining:
     def state_dict(self) -> dict:
         """Everything needed to resume: weights, optimizer, sampler, noise stream and the seed.
         It holds the run's secrets: keep it private (``export`` is what can be shared)."""
+        noise = self.privatizer.noise
         return {
             "format": _FORMAT,
             "plan": self.plan.to_dict(),
             "secret": {"seed": self._seed},
+            "step": self.steps_taken,
             "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
             "sampler": self.sampler.state_dict(),
-            "noise": self.privatizer.noise.state_dict(),
+            "noise": noise.state_dict() if noise.keys is None else [noise.parameter_state()],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -304,24 +317,54 @@ class PrivateTraining:
             raise ValueError("state is invalid: not a make_private state (format mismatch)")
         if state.get("plan") != self.plan.to_dict():
             raise ValueError("state is invalid: it belongs to another plan (data size, batches, scheme or σ)")
+        noise = self.privatizer.noise
+        if isinstance(state["noise"], list) != (noise.keys is not None):
+            raise ValueError(
+                "state is invalid: its noise is keyed "
+                f"{'by coordinate' if isinstance(state['noise'], list) else 'as one stream'}, this run's "
+                f"{'as one stream' if noise.keys is None else 'by coordinate'} (noise_keys= differs)"
+            )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.sampler.load_state_dict(as_numpy(state["sampler"]))
-        self.privatizer.noise.load_state_dict(state["noise"])
+        if noise.keys is None:
+            noise.load_state_dict(state["noise"])
+        else:
+            noise.load_parameter_state(state["noise"])
+        written = getattr(self.privatizer, "written_parameters", None)
+        if written is not None:  # keep only the optimizer state of this rank's parameters
+            mine = {id(p) for p in written()}
+            for p in [p for p in self.optimizer.state if id(p) not in mine]:
+                del self.optimizer.state[p]
         if self.sampler.step != self.privatizer.noise.step:
             raise ValueError("state is invalid: sampler and noise stream are at different steps")
 
     def save(self, path: str) -> None:
-        """``state_dict()`` to ``path``, atomically (a private file: it holds the secrets)."""
-        save_checkpoint(path, self.state_dict())
+        """``state_dict()`` to ``path``, atomically (a private file: it holds the secrets). In a
+        distributed run every rank calls it: each writes its shard next to ``path`` and rank 0
+        the manifest ``path`` (``dpmf.train.shards``), resumable at any number of processes."""
+        comm = self.collectives
+        if comm is None:
+            save_checkpoint(path, self.state_dict())
+        else:
+            save_sharded(
+                path,
+                self.state_dict(),
+                comm,
+                mode=self.privatizer.mode,
+                seed_digest=self.privatizer.seed_digest,
+            )
 
     def resume(self, path: str) -> None:
-        """Load ``save(path)``'s file (``torch.load(weights_only=True)``).
+        """Load ``save(path)``'s file (``torch.load(weights_only=True)``), with its shards if it
+        was written by a distributed run.
 
         Raises:
-            ValueError: a corrupted or foreign file, or another run's state.
+            ValueError: a corrupted or foreign file, a missing shard, or another run's state.
         """
-        self.load_state_dict(load_checkpoint(path))
+        self.load_state_dict(merge_shards(load_checkpoint(path), path))
+        if self.collectives is not None:
+            self.privatizer.verify()
 
 
 def _resolve(
@@ -396,6 +439,9 @@ def make_private(
     num_workers: int = 0,
     collate_fn=None,
     progress: bool = False,
+    process_group=None,
+    distributed_mode: str = "sharded",
+    noise_keys: str = "stream",
 ) -> PrivateTraining:
     """Make ``module``, ``optimizer`` and ``dataset`` a private run with correlated noise.
 
@@ -430,6 +476,16 @@ def make_private(
         num_workers: DataLoader worker processes.
         collate_fn: collate function for non-empty batches (default ``default_collate``).
         progress: progress bars of pick and the Monte Carlo accountant.
+        process_group: None (one process), a ``torch.distributed`` process group
+            (``torch.distributed.group.WORLD`` for the default one) or a
+            ``dpmf.distributed.Collectives``: every process calls ``make_private`` with the same
+            arguments; the data loader yields this rank's slice of each global batch, the private
+            step is ``dpmf.distributed.DistributedPrivatizer`` (the noise of one process), the
+            optimizer's step returns the parameters to all ranks, the secret seed is rank 0's.
+        distributed_mode: ``sharded`` (default), ``replicated`` or ``rank0``
+            (``dpmf.distributed.step``).
+        noise_keys: ``stream`` (default in one process) or ``chunked`` (raw noise keyed by
+            parameter and chunk: the noise of a distributed run; always with a process group).
 
     Returns:
         ``PrivateTraining``.
@@ -470,6 +526,8 @@ def make_private(
     if seed is not None:
         seed = check_int("seed", seed, minimum=0)
     num_workers = check_int("num_workers", num_workers, minimum=0)
+    check_choice("noise_keys", noise_keys, NOISE_KEYS)
+    check_choice("distributed_mode", distributed_mode, DISTRIBUTED_MODES)
     schedule = schedule if schedule is not None else Schedule("constant")
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule={schedule!r} is invalid: must be a dpmf.workloads.Schedule or None")
@@ -506,18 +564,39 @@ def make_private(
     seed_given = seed is not None
     master = seed if seed_given else draw_seed()
     p0 = next(p for _, p in trainable_parameters(module))
-    dim = sum(p.numel() for _, p in trainable_parameters(module))
-    noise = plan.noise(dim, sub_seed(master, 2), device=p0.device, dtype=p0.dtype)
-    privatizer = Privatizer(
-        module,
-        loss_fn,
-        plan=plan,
-        clip_norm=clip_norm,
-        noise=noise,
-        micro_batch_size=micro_batch_size,
-        clipping=clipping,
-    )
-    sampler = plan.sampler(sub_seed(master, 1))
+    sizes = tuple(p.numel() for _, p in trainable_parameters(module))
+    if process_group is not None:
+        from dpmf.distributed import Collectives, DistributedPrivatizer, RankSlices, TorchCollectives
+
+        comm = process_group if isinstance(process_group, Collectives) else TorchCollectives(process_group)
+        if not seed_given:  # rank 0's secret seed, sent in memory only
+            master = comm.all_gather_object(master if comm.rank == 0 else None)[0]
+        privatizer = DistributedPrivatizer(
+            module,
+            loss_fn,
+            collectives=comm,
+            plan=plan,
+            clip_norm=clip_norm,
+            seed=sub_seed(master, 2),
+            mode=distributed_mode,
+            optimizer=optimizer,
+            micro_batch_size=micro_batch_size,
+            clipping=clipping,
+        )
+        sampler = RankSlices(plan.sampler(sub_seed(master, 1)), comm.rank, comm.world_size)
+    else:
+        keys = ChunkedKeys(sizes) if noise_keys == "chunked" else None
+        noise = plan.noise(sum(sizes), sub_seed(master, 2), device=p0.device, dtype=p0.dtype, keys=keys)
+        privatizer = Privatizer(
+            module,
+            loss_fn,
+            plan=plan,
+            clip_norm=clip_norm,
+            noise=noise,
+            micro_batch_size=micro_batch_size,
+            clipping=clipping,
+        )
+        sampler = plan.sampler(sub_seed(master, 1))
     loader = DataLoader(
         dataset,
         batch_sampler=sampler,

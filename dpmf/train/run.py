@@ -58,8 +58,8 @@ from dpmf.train.data import load_dataset
 from dpmf.train.ledger import export, privacy_ledger
 from dpmf.train.loop import CHECKPOINT, Trainer, TrainOutcome, check_resumable, data_digest, saved_seed
 from dpmf.train.models import build_model
-from dpmf.train.shards import merge_shards
 from dpmf.train.samplers import steps_per_epoch
+from dpmf.train.shards import merge_shards
 from dpmf.workloads import Schedule
 
 __all__ = [
