@@ -170,10 +170,22 @@ def test_owners_balance_cost_and_cover_every_parameter():
     assert best == 101 and max(loads) <= 4 / 3 * best  # Graham's bound against brute force
     assert assign_owners(costs, 3) == owners  # deterministic
     assert assign_owners(costs, 1) == (0,) * 7
-    assert parameter_cost((64, 3, 3, 3), newton_schulz=True) == 64 * 27 * (1 + 27)
-    assert parameter_cost((64, 3, 3, 3)) == 64 * 27
+    assert parameter_cost((64, 3, 3, 3), newton_schulz=True) == (64 * 27, 64 * 27 * 27)
+    assert parameter_cost((64, 3, 3, 3)) == (64 * 27, 0)
     with pytest.raises(ValueError, match="world_size"):
         assign_owners(costs, 0)
+    # two costs: sizes and Newton–Schulz work are balanced together (brute force on 4^6)
+    two = [(100, 0), (90, 9000), (50, 500), (40, 4000), (30, 0), (10, 100)]
+    owners = assign_owners(two, 2)
+    tot = np.sum(two, axis=0)
+
+    def worst(a):
+        return max(
+            (np.sum([c for c, r in zip(two, a, strict=True) if r == k], axis=0) / tot).max() for k in (0, 1)
+        )
+
+    best = min(worst(a) for a in itertools.product(range(2), repeat=len(two)))
+    assert worst(owners) <= 4 / 3 * best and worst(owners) < 0.75
 
 
 def test_rank_slices_partition_the_batch():

@@ -3,9 +3,10 @@
 In a sharded private step each trainable parameter has one owner process: the owner receives
 the parameter's clipped-gradient sum, adds its coordinates' correlated noise and runs the
 optimizer update on it (Newton–Schulz needs whole matrices, so parameters are never split).
-Owners are assigned to balance the per-process work by the longest-processing-time rule
-(Graham, "Bounds on Multiprocessing Timing Anomalies", SIAM J. Appl. Math. 1969: each
-parameter, largest cost first, goes to the least loaded process; makespan ≤ 4/3 of optimal).
+Owners are assigned to balance the per-process noise state and Newton–Schulz work together,
+by the longest-processing-time rule generalized to several costs (Graham, "Bounds on
+Multiprocessing Timing Anomalies", SIAM J. Appl. Math. 1969: with one cost, each parameter,
+largest first, goes to the least loaded process; makespan ≤ 4/3 of optimal).
 
 Pure Python and numpy; no torch.
 """
@@ -21,10 +22,11 @@ from dpmf._validation import check_int
 __all__ = ["RankSlices", "assign_owners", "owned_by", "parameter_cost", "rank_slice"]
 
 
-def parameter_cost(shape: Sequence[int], *, newton_schulz: bool = False) -> int:
-    """The work of one parameter in units of entries: its size d_j for the noise, the
-    communication and an element-wise update; d_j·(1 + min(m, k)) for a matrix of view m×k
-    orthogonalized by Newton–Schulz (each iteration costs O(m·k·min(m, k)) flops).
+def parameter_cost(shape: Sequence[int], *, newton_schulz: bool = False) -> tuple[int, int]:
+    """The work of one parameter: (d_j, f_j) with d_j its size — the noise state, the
+    communication and an element-wise update scale with it — and f_j = d_j·min(m, k) for a
+    matrix of view m×k orthogonalized by Newton–Schulz (each iteration costs O(m·k·min(m, k))
+    flops), else 0.
 
     Args:
         shape: the parameter's shape; its matrix view is (shape[0], ∏ shape[1:]).
@@ -33,36 +35,42 @@ def parameter_cost(shape: Sequence[int], *, newton_schulz: bool = False) -> int:
     size = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
     if newton_schulz and len(shape) >= 2:
         rows = int(shape[0])
-        cols = size // max(rows, 1)
-        return size * (1 + min(rows, cols))
-    return size
+        return size, size * min(rows, size // max(rows, 1))
+    return size, 0
 
 
-def assign_owners(costs: Sequence[int], world_size: int) -> tuple[int, ...]:
-    """The owner rank of every parameter: largest cost first to the least loaded rank (ties:
-    the lower parameter index first, the lower rank first). Deterministic, so every process
-    computes the same assignment.
+def assign_owners(costs: Sequence, world_size: int) -> tuple[int, ...]:
+    """The owner rank of every parameter, balancing every kind of cost at once: parameters in
+    decreasing order of their largest share of a cost's total go, one by one, to the rank whose
+    largest share after adding them is smallest (ties: lower rank). With one kind of cost this
+    is the longest-processing-time rule. Deterministic, so every process computes the same.
 
     Args:
-        costs: shape (P,), each parameter's cost (``parameter_cost``), ≥ 1.
+        costs: shape (P,) of numbers ≥ 0, or (P, K) — each parameter's K costs
+            (``parameter_cost``: size and Newton–Schulz work); each parameter's first cost ≥ 1.
         world_size: W ≥ 1 processes.
 
     Returns:
         shape (P,): the owner in [0, W) of each parameter.
 
     Raises:
-        ValueError: W < 1, no parameter, or a cost < 1.
+        ValueError: W < 1, no parameter, or a negative cost.
     """
     world_size = check_int("world_size", world_size, minimum=1)
-    costs = [check_int(f"costs[{j}]", c, minimum=1) for j, c in enumerate(costs)]
-    if not costs:
-        raise ValueError("costs is invalid: at least one parameter is needed")
-    load = [0] * world_size
-    owner = [0] * len(costs)
-    for j in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
-        r = min(range(world_size), key=lambda r: (load[r], r))
+    c = np.asarray(costs, dtype=np.float64)
+    if c.ndim == 1:
+        c = c[:, None]
+    if c.ndim != 2 or c.shape[0] == 0:
+        raise ValueError("costs is invalid: give one cost (or one row of costs) per parameter")
+    if not np.all(np.isfinite(c)) or np.any(c < 0) or np.any(c[:, 0] < 1):
+        raise ValueError("costs is invalid: costs must be finite and ≥ 0, the first ≥ 1")
+    share = c[:, c.sum(0) > 0] / c.sum(0)[c.sum(0) > 0]
+    load = np.zeros((world_size, share.shape[1]))
+    owner = [0] * c.shape[0]
+    for j in sorted(range(c.shape[0]), key=lambda j: (-share[j].max(), j)):
+        r = min(range(world_size), key=lambda r: ((load[r] + share[j]).max(), r))
         owner[j] = r
-        load[r] += costs[j]
+        load[r] += share[j]
     return tuple(owner)
 
 
