@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in under 5 minutes:
-#   1. the CUDA tests of the suite (pytest -k cuda: they are skipped on machines without CUDA);
+#   1. the CUDA tests of the suite (pytest -k cuda: they are skipped on machines without CUDA),
+#      the coordinate-keyed noise of sharded ranks against the full stream on the GPU included;
 #   2. one short training run on the GPU (dpmf train --device cuda, digits, 1 epoch);
-#   3. the time of one private step with DP-Muon against one with DP-SGD at batch 1024
+#   3. one NCCL rank of the distributed step (torchrun, 1 process) against the one-process run;
+#   4. the time of one private step with DP-Muon against one with DP-SGD at batch 1024
 #      (per-example gradients, clipping, noise and the optimizer; medians of interleaved
 #      repetitions, and the ratio).
 # Results go to $OUT/gpu_check.txt when OUT is set, else out/gpu_check.txt.
@@ -68,8 +70,8 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log its tail,
   [ $rc = 0 ] || failed=1
 }
 
-stage cuda-tests 120 "$PY" -m pytest -q -rs -k cuda -p no:cacheprovider \
-  tests/test_train_cli.py tests/test_optimizers.py tests/test_filters.py
+stage cuda-tests 150 "$PY" -m pytest -q -rs -k cuda -p no:cacheprovider \
+  tests/test_train_cli.py tests/test_optimizers.py tests/test_filters.py tests/test_distributed.py
 if grep -q "skipped" "$WORK/cuda-tests.log"; then  # on this machine they must run, not skip
   echo "== cuda-tests: FAILED: some CUDA tests were skipped on a CUDA machine" >>"$REPORT"
   failed=1
@@ -77,6 +79,20 @@ fi
 
 stage train-cuda 90 "$PY" -m dpmf train --dataset digits --epochs 1 --batch-size 256 \
   --noise-multiplier 1.0 --device cuda --no-progress --out "$WORK/train"
+
+# one NCCL rank of the distributed step: the same run as one process with chunked noise keys
+DIST_FLAGS=(--dataset digits --model mlp --optimizer dp-muon --factorization bsr:4 --scheme fixed_order
+  --batch-size 128 --epochs 1 --epsilon 3 --seed 5 --device cuda --no-progress)
+stage nccl-one-rank 150 bash -c "'$PY' -m torch.distributed.run --standalone --nproc-per-node 1 -m dpmf train \
+  ${DIST_FLAGS[*]} --distributed --out '$WORK/nccl' && '$PY' -m dpmf train ${DIST_FLAGS[*]} --noise-keys chunked \
+  --out '$WORK/one' && '$PY' -c \"
+import torch, json
+a = torch.load('$WORK/nccl/model.pt', weights_only=True); b = torch.load('$WORK/one/model.pt', weights_only=True)
+d = max(float((a[k] - b[k]).abs().max()) for k in b)
+r = json.load(open('$WORK/nccl/results.json'))['processes']
+print('backend', r['backend'], 'largest weight difference NCCL rank vs one process', d)
+assert r['backend'] == 'nccl' and d < 1e-5
+\""
 
 cat >"$WORK/step_timing.py" <<'EOF'
 """One private step (clip, sum, noise, optimizer) with DP-Muon against DP-SGD at batch 1024."""
@@ -107,11 +123,10 @@ def private_step(optimizer_class, **kw):
         expected_batch_size=batch, noise=noise,
     )
     opt = optimizer_class(model.parameters(), **kw)
+    priv.bind(opt)
 
     def step():
         priv.privatize(x, y)
-        if hasattr(opt, "set_noise_std"):
-            opt.set_noise_std(priv.noise_std / batch)
         opt.step()
         opt.zero_grad(set_to_none=True)
 

@@ -440,3 +440,26 @@ def test_make_private_over_ranks_equals_one_process_and_resumes_at_another_count
         torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="keyed by coordinate"):
         _private(_model(torch.float64)).resume(path)  # a single-stream run cannot take it
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("spec", ["bisr:3", "bsr:3", "blt:2", "sqrt_prefix", "lcgd:0.5"])
+def test_sharded_noise_on_cuda_concatenates_to_the_full_stream(spec):
+    fz = factorize(prefix_sum(STEPS), spec)
+    full_keys = ChunkedKeys(SIZES, chunk=CHUNK)
+    full = noise_for_factorization(fz, full_keys.dim, seed=5, keys=full_keys, device="cuda")
+    owners = owned_by(assign_owners(SIZES, 3), 3)
+    parts = [
+        noise_for_factorization(
+            fz, full_keys.restricted(o).dim, seed=5, keys=full_keys.restricted(o), device="cuda"
+        )
+        for o in owners
+    ]
+    off = np.cumsum((0,) + SIZES)
+    for _ in range(STEPS):
+        y = full.next()
+        for o, gen in zip(owners, parts, strict=True):
+            part, pos = gen.next(), 0
+            for j in o:
+                assert torch.equal(part[pos : pos + SIZES[j]], y[off[j] : off[j + 1]])
+                pos += SIZES[j]
