@@ -22,7 +22,10 @@ g̃_t = (Σ_{i∈batch_t} clip_ζ(g_i) + σζ·sens·(C⁻¹Z)_t)/B̄, with one 
 noise is keyed by coordinate (``dpmf.optim.noise.ChunkedKeys``), so the noise is the same
 function of the seed whatever W and the split. The accounting is that of the plan, untouched.
 Sums are taken in another order than in one process, so parameters agree with a one-process
-run up to rounding (≈ 1e-15 relative in float64, 1e-7 in float32 per step).
+run up to rounding (≈ 1e-15 relative in float64, 1e-7 in float32 per step). One exception:
+DP-MuonBC's random probes (public randomness of its bias correction) are drawn by each owner
+for its own parameters in sharded mode, so its trajectory differs from one process's in
+distribution-preserving ways; use ``replicated`` for the one-process trajectory.
 
 Sources: McKenna, "Scaling up the Banded Matrix Factorization Mechanism for Differentially
 Private ML" (2024), for distributing the correlated-noise state over devices; whole-matrix
