@@ -463,3 +463,29 @@ def test_sharded_noise_on_cuda_concatenates_to_the_full_stream(spec):
             for j in o:
                 assert torch.equal(part[pos : pos + SIZES[j]], y[off[j] : off[j + 1]])
                 pos += SIZES[j]
+
+
+def test_bad_distributed_settings_are_refused_before_any_work():
+    from dpmf.distributed import TorchCollectives
+
+    with pytest.raises(ValueError, match="torch.distributed is not initialized"):
+        TorchCollectives()
+    with pytest.raises(ValueError, match="noise_keys"):
+        _private(_model(torch.float64), noise_keys="per-rank")
+    with pytest.raises(ValueError, match="distributed_mode"):
+        _private(_model(torch.float64), distributed_mode="zero")
+    plan = PrivatePlan(40, 8, steps=6, scheme="fixed_order", strategy="bsr:4").with_noise(0.7)
+
+    def bad_mode(comm):
+        DistributedPrivatizer(
+            _model(torch.float64),
+            nn.functional.cross_entropy,
+            collectives=comm,
+            plan=plan,
+            clip_norm=1.0,
+            seed=1,
+            mode="zero",
+        )
+
+    with pytest.raises(ValueError, match="mode"):
+        simulate(2, bad_mode)

@@ -61,6 +61,7 @@ class TorchCollectives(Collectives):
 
     Raises:
         ValueError: torch.distributed is not initialized.
+        TypeError: ``group`` is not a process group.
     """
 
     def __init__(self, group=None):
@@ -71,6 +72,11 @@ class TorchCollectives(Collectives):
             raise ValueError(
                 "process_group is invalid: torch.distributed is not initialized; call "
                 "torch.distributed.init_process_group(...) first (torchrun sets the environment)"
+            )
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(
+                f"process_group={group!r} is invalid: must be a torch.distributed ProcessGroup "
+                "(torch.distributed.group.WORLD for the default group) or a dpmf Collectives"
             )
         self._dist = dist
         self.group = group
