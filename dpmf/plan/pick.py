@@ -260,12 +260,15 @@ def pick(
     workload = from_schedule(schedule, n)
     specs = candidate_specs(schedule, n, max_bands, optimized=optimized, dense_max_steps=dense_max_steps)
     calibration = (epsilon, delta, accountant, samples, seed, confidence)
+    pool = _executor(jobs, len(specs))
     bar = tqdm(
         total=len(specs), desc="pick", unit="strategy", disable=None if progress is None else not progress
     )
-    with _executor(jobs, len(specs)) as pool:
+    try:
         outcomes = _run_candidates(pool, workload, specs, chosen, run0, calibration, bar)
-    bar.close()
+    finally:  # on an error, drop the queued tasks instead of running them
+        pool.shutdown(wait=True, cancel_futures=True)
+        bar.close()
     entries, skipped = [], []
     for spec in specs:  # spec order, whatever the order in which the tasks finished
         outcome = outcomes[spec]
@@ -347,7 +350,7 @@ class _InProcess(Executor):
         future: Future = Future()
         try:
             future.set_result(fn(*args, **kwargs))
-        except BaseException as exc:  # handed to the caller by future.result()
+        except Exception as exc:  # handed to the caller by future.result(); Ctrl-C stops at once
             future.set_exception(exc)
         return future
 
@@ -371,12 +374,14 @@ def _executor(jobs: int, tasks: int) -> Executor:
         return _InProcess()
     method = "fork" if sys.platform.startswith("linux") else "spawn"
     threads = max(1, default_jobs() // workers)
-    return ProcessPoolExecutor(
+    pool = ProcessPoolExecutor(
         max_workers=workers,
         mp_context=multiprocessing.get_context(method),
         initializer=_limit_blas_threads,
         initargs=(threads,),
     )
+    pool.submit(int).result()  # start the workers now, before the progress bar's thread exists
+    return pool
 
 
 @dataclass(frozen=True, eq=False)
