@@ -672,6 +672,12 @@ def _add_pick(sub):
     _add_max_samples_flag(p)
     p.add_argument("--seed", type=int, default=0, help="Monte Carlo seed")
     p.add_argument("--confidence", type=float, default=0.99, help="Monte Carlo confidence")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="worker processes, >= 1 (default: one per core; 1: in process); same result for any",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
@@ -681,8 +687,9 @@ def _run_pick(args) -> int:
     import json
 
     from dpmf._validation import check_int
-    from dpmf.pick import pick
+    from dpmf.pick import default_jobs, pick
 
+    jobs = default_jobs() if args.jobs is None else check_int("jobs", args.jobs, minimum=1)
     N = check_int("dataset_size", args.dataset_size, minimum=1)
     B = check_int("batch_size", args.batch_size, minimum=1)
     if args.steps is not None:
@@ -707,6 +714,7 @@ def _run_pick(args) -> int:
         seed=args.seed,
         confidence=args.confidence,
         progress=False if args.no_progress else None,
+        jobs=jobs,
     )
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))

@@ -47,10 +47,12 @@ from dpmf.mechanisms.participation import Participation
 from dpmf.mechanisms.structured import ScaledToeplitz
 from dpmf.mechanisms.toeplitz import inverse_coefficients
 from dpmf.mechanisms.toeplitz_objective import (
+    banded_reciprocal,
+    banded_reciprocal_gradient,
     closed_form_valid,
     frobenius_sq,
+    gram_diagonals,
     last_row_sq,
-    reciprocal_gradient,
     sensitivity_sq,
 )
 from dpmf.workloads.workload import Workload
@@ -237,15 +239,13 @@ def _factorization(name: str, p: int, workload: Workload, coeffs: np.ndarray) ->
     return Factorization(name, p, workload, M, M.inverse())
 
 
-def inverse_coefficients_unchecked(c: np.ndarray) -> np.ndarray:
-    """``inverse_coefficients`` that answers NaN instead of raising on a non-finite series
-    (trial points of the line search may make the reciprocal series overflow)."""
-    if not np.all(np.isfinite(c)) or c[0] == 0:
-        return np.full(c.shape[0], np.nan)
-    try:
-        return inverse_coefficients(c)
-    except ValueError:
-        return np.full(c.shape[0], np.nan)
+def _banded_inverse(b: np.ndarray, n: int) -> np.ndarray:
+    """The n coefficients of 1/b(x) for the p coefficients b of a banded Toeplitz matrix, by
+    its O(n·p) recurrence (``banded_reciprocal``); NaN for a non-finite b or b_0 = 0 (trial
+    points of the line search), non-finite entries where the recurrence overflows."""
+    if not np.all(np.isfinite(b)) or b[0] == 0:
+        return np.full(n, np.nan)
+    return banded_reciprocal(b, n)
 
 
 def _quiet(fun):
@@ -262,11 +262,27 @@ def _quiet(fun):
     return wrapped
 
 
-def _error(workload, objective, y, bandwidth):
-    if objective == "mean_se":
-        e, ge = frobenius_sq(workload, y, bandwidth)
-        return e / workload.n, ge / workload.n
-    return last_row_sq(workload, y, bandwidth)
+# the Gram diagonals of a non-Toeplitz workload are kept between evaluations up to this many
+# floats (p(p+1)/2 for bandwidth p; 64 MB): bsr_opt's C⁻¹ is dense (p = n), so n ≤ 4096
+_GRAM_CACHE_FLOATS = 1 << 23
+
+
+def _error_function(workload, objective, bandwidth):
+    """error(y) -> (error², gradient) of the objective, with what does not depend on y (the
+    Gram diagonals of a non-Toeplitz workload) computed once."""
+    n = workload.n
+    if objective != "mean_se":
+        return lambda y: last_row_sq(workload, y, bandwidth)
+    p = n if bandwidth is None else min(bandwidth, n)
+    diagonals = None
+    if not workload.is_toeplitz and p * (p + 1) // 2 <= _GRAM_CACHE_FLOATS:
+        diagonals = gram_diagonals(workload, p)
+
+    def error(y):
+        e, ge = frobenius_sq(workload, y, bandwidth, diagonals=diagonals)
+        return e / n, ge / n
+
+    return error
 
 
 def _bisr_problem(workload, participation, objective, g_start):
@@ -276,19 +292,21 @@ def _bisr_problem(workload, participation, objective, g_start):
     def coeffs(x):
         return np.concatenate([[1.0], x])
 
+    error = _error_function(workload, objective, p)
+
     @_quiet
     def fun(x):
+        gp = coeffs(x)
         g = np.zeros(n)
-        g[:p] = coeffs(x)
-        with np.errstate(over="ignore", invalid="ignore"):
-            c = inverse_coefficients_unchecked(g)
+        g[:p] = gp
+        c = _banded_inverse(gp, n)
         if not np.all(np.isfinite(c)) or not closed_form_valid(c, participation):
             return None
         s2, gs_c = sensitivity_sq(c, participation)
-        e2, ge = _error(workload, objective, g, p)
+        e2, ge = error(g)
         if not (np.isfinite(s2) and np.isfinite(e2)) or s2 <= 0 or e2 <= 0:
             return None
-        gs = reciprocal_gradient(gs_c, c, p)
+        gs = banded_reciprocal_gradient(gs_c, gp, p)
         grad = gs / s2 + ge[:p] / e2
         return float(np.log(s2) + np.log(e2)), grad[1:]
 
@@ -330,6 +348,8 @@ def _bsr_problem(workload, participation, objective, c_start):
         def chain(z, gc):
             return gc[1:]
 
+    error = _error_function(workload, objective, None)
+
     @_quiet
     def fun(z):
         cp = coeffs(z)
@@ -338,14 +358,13 @@ def _bsr_problem(workload, participation, objective, c_start):
         c = np.zeros(n)
         c[:p] = cp
         s2, gs = sensitivity_sq(c, participation, p)
-        with np.errstate(over="ignore", invalid="ignore"):
-            y = inverse_coefficients_unchecked(c)
-            if not np.all(np.isfinite(y)):
-                return None
-            e2, ge_y = _error(workload, objective, y, None)
+        y = _banded_inverse(cp, n)
+        if not np.all(np.isfinite(y)):
+            return None
+        e2, ge_y = error(y)
         if not np.isfinite(e2) or s2 <= 0 or e2 <= 0:
             return None
-        ge_c = reciprocal_gradient(ge_y, y, p)
+        ge_c = banded_reciprocal_gradient(ge_y, cp, p)
         gc = gs[:p] / s2 + ge_c / e2
         return float(np.log(s2) + np.log(e2)), chain(z, gc)
 

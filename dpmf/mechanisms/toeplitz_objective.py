@@ -23,8 +23,9 @@ Every function returns (value, gradient) with gradients of the shape of the coef
 from __future__ import annotations
 
 import numpy as np
-from scipy.signal import fftconvolve
+from scipy.signal import fftconvolve, lfilter
 
+from dpmf._validation import check_int
 from dpmf.mechanisms.participation import Participation
 from dpmf.mechanisms.toeplitz import is_nonincreasing_nonnegative, toeplitz_product
 from dpmf.workloads.workload import Workload
@@ -32,10 +33,13 @@ from dpmf.workloads.workload import Workload
 __all__ = [
     "correlate",
     "frobenius_sq",
+    "gram_diagonals",
     "last_row_sq",
     "sensitivity_sq",
     "closed_form_valid",
     "reciprocal_gradient",
+    "banded_reciprocal",
+    "banded_reciprocal_gradient",
 ]
 
 
@@ -48,11 +52,59 @@ def correlate(x: np.ndarray, z: np.ndarray, m: int) -> np.ndarray:
     return full[:m]
 
 
-def frobenius_sq(workload: Workload, y: np.ndarray, bandwidth: int | None = None):
+def gram_diagonals(workload: Workload, bandwidth: int | None = None) -> tuple[np.ndarray, ...]:
+    """The suffix sums of the diagonals of W = AᵀA that ``frobenius_sq`` contracts with y.
+
+    For A = Toep(a)·diag(d) (module text): q_ℓ[m] = Q_{m,m+ℓ} = Σ_{i=m}^{n−1−ℓ} W_{i,i+ℓ} for
+    lags ℓ < p and m < p − ℓ, with W_{i,i+ℓ} = d_i d_{i+ℓ} Σ_{u=0}^{n−1−i−ℓ} a_u a_{u+ℓ}. They
+    depend on the workload only, so an optimizer that evaluates ‖A·Toep(y)‖_F² many times for
+    one workload computes them once (O(n·p) time, p(p+1)/2 floats).
+
+    Args:
+        workload: A (any Toeplitz-with-column-scale workload).
+        bandwidth: p, the number of leading entries of y that may be non-zero (default n).
+
+    Returns:
+        tuple of p float64 arrays, the ℓ-th of shape (p − ℓ,).
+
+    Raises:
+        ValueError: bandwidth < 1.
+    """
+    n = workload.n
+    p = n if bandwidth is None else min(check_int("bandwidth", bandwidth, minimum=1), n)
+    a = np.asarray(workload.coeffs)
+    d = workload.scale
+    constant = bool(np.all(a == a[0]))
+    out = []
+    for lag in range(p):
+        # the lag-th diagonal of W and its suffix sums q[m] = Σ_{i ≥ m} W_{i, i+lag}
+        length = n - lag
+        if constant:
+            inner = a[0] * a[0] * np.arange(length, 0, -1, dtype=np.float64)
+        else:
+            prod = a[: n - lag] * a[lag:]
+            inner = np.cumsum(prod)[::-1]  # Σ_{u ≤ n−1−(i+lag)} a_u a_{u+lag}
+        diag = d[:length] * d[lag:] * inner
+        out.append(np.cumsum(diag[::-1])[::-1][: p - lag])  # m = 0..p−1−lag
+    return tuple(out)
+
+
+def frobenius_sq(
+    workload: Workload,
+    y: np.ndarray,
+    bandwidth: int | None = None,
+    *,
+    diagonals: tuple[np.ndarray, ...] | None = None,
+):
     """‖A·Toep(y)‖_F² and its gradient with respect to y (shape (n,)).
 
     ``bandwidth`` p: y is zero beyond its first p entries (only those get a gradient; the rest
-    of the returned gradient is zero). Cost O(n log n) for Toeplitz A, O(n·p) otherwise.
+    of the returned gradient is zero). Cost O(n log n) for Toeplitz A, O(n·p) otherwise, or
+    O(p²) when ``diagonals`` (``gram_diagonals(workload, p)``, computed once) are given: the
+    same sums in the same order, so the same floating-point result.
+
+    Raises:
+        ValueError: ``diagonals`` that are not those of a bandwidth p.
     """
     n = workload.n
     y = np.asarray(y, dtype=np.float64)
@@ -66,21 +118,17 @@ def frobenius_sq(workload: Workload, y: np.ndarray, bandwidth: int | None = None
         grad[:p] = 2.0 * correlate(w * h, a, p)
         return value, grad
     p = n if bandwidth is None else min(bandwidth, n)
-    a = np.asarray(workload.coeffs)
-    d = workload.scale
+    if diagonals is None:
+        diagonals = gram_diagonals(workload, p)
+    elif len(diagonals) != p:
+        raise ValueError(
+            f"diagonals is invalid: {len(diagonals)} diagonals given for bandwidth {p}; "
+            "pass gram_diagonals(workload, bandwidth)"
+        )
     Qy = np.zeros(n)
     value = 0.0
     yp = y[:p]
-    for lag in range(p):
-        # the lag-th diagonal of W and its suffix sums q[m] = Σ_{i ≥ m} W_{i, i+lag}
-        length = n - lag
-        if np.all(a == a[0]):
-            inner = a[0] * a[0] * np.arange(length, 0, -1, dtype=np.float64)
-        else:
-            prod = a[: n - lag] * a[lag:]
-            inner = np.cumsum(prod)[::-1]  # Σ_{u ≤ n−1−(i+lag)} a_u a_{u+lag}
-        diag = d[:length] * d[lag:] * inner
-        q = np.cumsum(diag[::-1])[::-1][: p - lag]  # m = 0..p−1−lag
+    for lag, q in enumerate(diagonals):
         left, right = yp[: p - lag], yp[lag:p]
         if lag == 0:
             value += float(q @ (left * right))
@@ -151,3 +199,30 @@ def reciprocal_gradient(grad_c: np.ndarray, c: np.ndarray, m: int) -> np.ndarray
     n = c.shape[0]
     cc = toeplitz_product(c, c, n)
     return -correlate(grad_c, cc, m)
+
+
+def banded_reciprocal(b: np.ndarray, n: int) -> np.ndarray:
+    """The first n coefficients of 1/b(x) for a short series b (p = len(b) ≤ n taps, b_0 ≠ 0).
+
+    Toep(b)·Toep(c) = I is the linear recurrence c_t = (δ_{t0} − Σ_{l=1}^{p−1} b_l c_{t−l})/b_0,
+    run as an all-pole filter (``scipy.signal.lfilter``): O(n·p), against the O(n²) of the
+    reciprocal by Newton iteration on all n coefficients (``dpmf.mechanisms.toeplitz``).
+    The same series up to round-off. Shape (n,); non-finite entries where the recurrence
+    overflows (the optimizers treat those points as infeasible).
+    """
+    impulse = np.zeros(n)
+    impulse[0] = 1.0
+    return lfilter([1.0], np.asarray(b, dtype=np.float64), impulse)
+
+
+def banded_reciprocal_gradient(grad_c: np.ndarray, b: np.ndarray, m: int) -> np.ndarray:
+    """``reciprocal_gradient(grad_c, c, m)`` for c = 1/b with b a short series (p taps).
+
+    −Σ_t (∂f/∂c_t)(c∗c)_{t−j} = −(Toep(c)ᵀ·Toep(c)ᵀ·∂f/∂c)_j, and Toep(c)ᵀx solves the upper
+    triangular banded system Toep(b)ᵀu = x: a backward recurrence, i.e. the all-pole filter on
+    the reversed vector. O(n·p) instead of the O(n²) product c∗c. Shape (m,).
+    """
+    b = np.asarray(b, dtype=np.float64)
+    u = lfilter([1.0], b, np.asarray(grad_c, dtype=np.float64)[::-1])  # reversed Toep(c)ᵀx
+    v = lfilter([1.0], b, u)  # reversed Toep(c)ᵀToep(c)ᵀx
+    return -v[::-1][:m]

@@ -34,11 +34,20 @@ single_release     every strategy (n ≤ b)                      single_release
 Every candidate is one ``PrivatePlan``. The events of the Poisson and Gaussian schemes depend on
 C only through its bands (cyclic Poisson) or not at all (fixed order, single release): plans
 with equal ``Scheme.event_key`` share one calibrated σ; the sensitivity s is each plan's own.
+
+Work: building a candidate (optimizing it, evaluating its errors) and calibrating an event are
+independent tasks, run on ``jobs`` worker processes (``jobs=1``: in this process). Each σ is
+calibrated once per event key, from the first candidate built with that key; the ranking does
+not depend on ``jobs`` or on the order in which the tasks finish.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import sys
 import time
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -61,6 +70,7 @@ __all__ = [
     "PickEntry",
     "PickResult",
     "candidate_specs",
+    "default_jobs",
     "participation_for_scheme",
     "pick",
 ]
@@ -194,6 +204,7 @@ def pick(
     seed: int = 0,
     confidence: float | None = 0.99,
     progress: bool | None = None,
+    jobs: int = 1,
 ) -> PickResult:
     """Rank the candidate strategies of a training run by σ × error at a privacy target.
 
@@ -212,6 +223,8 @@ def pick(
         accountant: for the Poisson schemes ``pld`` (default), ``rdp`` or ``prv``.
         samples, seed, confidence: Monte Carlo settings for ``balls_in_bins``.
         progress: progress bar over the candidates (None: only on a terminal).
+        jobs: worker processes for the candidates and calibrations, ≥ 1 (1: in this process;
+            ``default_jobs()``: one per available core). The result is the same for every value.
 
     Returns:
         ``PickResult``.
@@ -237,6 +250,7 @@ def pick(
             "allocation_pld (balls_in_bins); Monte Carlo settings are samples/seed/confidence"
         )
     samples, seed, confidence = check_monte_carlo(samples, seed, confidence)
+    jobs = check_int("jobs", jobs, minimum=1)
     chosen = None if scheme == "auto" else get_scheme(scheme)
     if chosen is not None:
         chosen.check_strategy(run0)  # the scheme's own preconditions on N, B, n (one epoch, bins)
@@ -245,20 +259,23 @@ def pick(
 
     workload = from_schedule(schedule, n)
     specs = candidate_specs(schedule, n, max_bands, optimized=optimized, dense_max_steps=dense_max_steps)
-    cache: dict = {}
+    calibration = (epsilon, delta, accountant, samples, seed, confidence)
+    pool = _executor(jobs, len(specs))
+    bar = tqdm(
+        total=len(specs), desc="pick", unit="strategy", disable=None if progress is None else not progress
+    )
+    try:
+        outcomes = _run_candidates(pool, workload, specs, chosen, run0, calibration, bar)
+    finally:  # on an error, drop the queued tasks instead of running them
+        pool.shutdown(wait=True, cancel_futures=True)
+        bar.close()
     entries, skipped = [], []
-    bar = tqdm(specs, desc="pick", unit="strategy", disable=None if progress is None else not progress)
-    for spec in bar:
-        bar.set_postfix_str(spec)
-        t1 = time.perf_counter()
-        try:
-            plan = _plan(workload, spec, chosen, run0)
-            entry = _account(plan, epsilon, delta, accountant, samples, seed, confidence, cache, t1)
-        except (_Skip, ValueError) as exc:  # infeasible/unsolved, a scheme precondition, or an
-            skipped.append((spec, str(exc)))  # accountant that cannot measure the candidate
-            continue
-        entries.append(entry)
-    bar.close()
+    for spec in specs:  # spec order, whatever the order in which the tasks finished
+        outcome = outcomes[spec]
+        if isinstance(outcome, str):
+            skipped.append((spec, outcome))
+        else:
+            entries.append(outcome)
     if not entries:
         raise ValueError(f"scheme={scheme!r} is invalid for this run: no candidate could be accounted")
     key = "noise_mean_se" if metric == "mean_se" else "noise_max_se"
@@ -315,37 +332,167 @@ def _plan(workload, spec: str, chosen, run0: PrivatePlan) -> PrivatePlan:
     return PrivatePlan(run0.dataset_size, run0.batch_size, steps=run0.steps, scheme=sch, strategy=f)
 
 
-def _account(plan: PrivatePlan, epsilon, delta, accountant, samples, seed, confidence, cache, t1):
-    """Calibrate the candidate (σ shared between plans with one event key) and evaluate it."""
+def default_jobs() -> int:
+    """The number of cores this process may run on (``--jobs`` of ``dpmf pick``), ≥ 1."""
+    if hasattr(os, "process_cpu_count"):  # Python ≥ 3.13
+        count = os.process_cpu_count()
+    elif hasattr(os, "sched_getaffinity"):
+        count = len(os.sched_getaffinity(0))
+    else:  # pragma: no cover - platforms without affinity
+        count = os.cpu_count()
+    return max(1, int(count or 1))
+
+
+class _InProcess(Executor):
+    """An executor that runs each task when it is submitted (``jobs=1``)."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as exc:  # handed to the caller by future.result(); Ctrl-C stops at once
+            future.set_exception(exc)
+        return future
+
+
+def _limit_blas_threads(threads: int) -> None:
+    """Worker initializer: at most ``threads`` BLAS threads (no-op without threadpoolctl)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - optional
+        return
+    threadpool_limits(limits=threads, user_api="blas")
+
+
+def _executor(jobs: int, tasks: int) -> Executor:
+    """``jobs`` worker processes (at most one per task), or this process for ``jobs=1``.
+
+    Workers are forked on Linux (no re-import of the toolkit) and spawned elsewhere; each may use
+    its share of the cores for BLAS."""
+    workers = min(jobs, tasks)
+    if workers <= 1:
+        return _InProcess()
+    method = "fork" if sys.platform.startswith("linux") else "spawn"
+    threads = max(1, default_jobs() // workers)
+    pool = ProcessPoolExecutor(
+        max_workers=workers,
+        mp_context=multiprocessing.get_context(method),
+        initializer=_limit_blas_threads,
+        initargs=(threads,),
+    )
+    pool.submit(int).result()  # start the workers now, before the progress bar's thread exists
+    return pool
+
+
+@dataclass(frozen=True, eq=False)
+class _Built:
+    """A candidate's plan, built and evaluated (without σ)."""
+
+    plan: PrivatePlan
+    key: object
+    max_se: float
+    mean_se: float
+    seconds: float
+
+
+def _build_candidate(workload, spec: str, chosen, run0: PrivatePlan) -> _Built:
+    """Task: the candidate's plan and its errors at σ = 1. Raises _Skip or ValueError when the
+    candidate cannot be built or accounted."""
+    t0 = time.perf_counter()
+    plan = _plan(workload, spec, chosen, run0)
     s = plan.sensitivity
-    key = plan.scheme.event_key(plan)
-    res = cache.get(key) if key is not None else None
-    if res is None:
-        name = accountant if accountant in plan.scheme.accountants else None  # else its default
-        if plan.scheme.check_accountant(name) == "monte_carlo":
-            kw = dict(samples=samples, seed=seed, confidence=confidence, progress=False)
-        else:
-            kw = dict(accountant=name)
-        res = calibrate(plan, epsilon=epsilon, delta=delta, **kw)
-        if key is not None:
-            cache[key] = res
     rows = b_row_norms(plan.strategy)
     max_se = s * float(np.max(rows))
     mean_se = s * float(np.sqrt(np.mean(rows**2)))
-    sigma = res.noise_multiplier
+    return _Built(plan, plan.scheme.event_key(plan), max_se, mean_se, time.perf_counter() - t0)
+
+
+def _calibrate_candidate(plan: PrivatePlan, epsilon, delta, accountant, samples, seed, confidence):
+    """Task: σ for the plan's event (shared by the plans with its event key); returns
+    (noise_multiplier, epsilon, delta, accountant, guarantee, seconds)."""
+    t0 = time.perf_counter()
+    name = accountant if accountant in plan.scheme.accountants else None  # else its default
+    if plan.scheme.check_accountant(name) == "monte_carlo":
+        kw = dict(samples=samples, seed=seed, confidence=confidence, progress=False)
+    else:
+        kw = dict(accountant=name)
+    res = calibrate(plan, epsilon=epsilon, delta=delta, **kw)
+    return (
+        res.noise_multiplier,
+        res.epsilon,
+        res.delta,
+        res.accountant,
+        res.guarantee,
+        time.perf_counter() - t0,
+    )
+
+
+def _cost_order(specs: list[str]) -> list[str]:
+    """The optimized strategies first (they take longest), then the rest, each in spec order."""
+    slow = [s for s in specs if STRATEGIES[parse_factorization(s)[0]].optimized]
+    return slow + [s for s in specs if s not in slow]
+
+
+def _run_candidates(pool: Executor, workload, specs, chosen, run0, calibration, bar) -> dict:
+    """Build every candidate and calibrate every distinct event on ``pool``; returns
+    spec → ``PickEntry``, or the reason it was skipped."""
+    builds = {
+        pool.submit(_build_candidate, workload, spec, chosen, run0): spec for spec in _cost_order(specs)
+    }
+    pending = set(builds)
+    outcomes: dict = {}
+    built: dict[str, _Built] = {}
+    sigma: dict = {}  # event key → future of _calibrate_candidate
+    owner: dict = {}  # event key → the spec whose plan was calibrated
+    waiting: dict[str, object] = {}  # built spec → its event key, until its σ is known
+    while pending:
+        done, pending = wait(pending, return_when=FIRST_COMPLETED)
+        for future in done:
+            spec = builds.get(future)
+            if spec is None:
+                continue  # a calibration: its candidates are finished below
+            try:
+                b = future.result()
+            except (_Skip, ValueError) as exc:  # infeasible/unsolved, or a scheme precondition
+                outcomes[spec] = str(exc)
+                bar.update(1)
+                continue
+            built[spec] = b
+            key = ("candidate", spec) if b.key is None else ("event", b.key)
+            if key not in sigma:
+                sigma[key] = pool.submit(_calibrate_candidate, b.plan, *calibration)
+                owner[key] = spec
+                pending.add(sigma[key])
+            waiting[spec] = key
+        for spec, key in list(waiting.items()):
+            if sigma[key].done():
+                outcomes[spec] = _entry(built[spec], sigma[key], owner[key] == spec)
+                del waiting[spec]
+                bar.update(1)
+    return outcomes
+
+
+def _entry(b: _Built, calibrated: Future, owns: bool):
+    """The candidate's ``PickEntry`` at its calibrated σ, or why it was skipped (an accountant
+    that cannot measure it)."""
+    try:
+        sigma, eps, delta, accountant, guarantee, seconds = calibrated.result()
+    except ValueError as exc:
+        return str(exc)
+    plan = b.plan
     return PickEntry(
         factorization=plan.label,
         scheme=plan.scheme.name,
         noise_multiplier=sigma,
-        sensitivity=s,
-        max_se=max_se,
-        mean_se=mean_se,
-        noise_max_se=sigma * max_se,
-        noise_mean_se=sigma * mean_se,
-        epsilon=res.epsilon,
-        delta=res.delta,
-        accountant=res.accountant,
-        guarantee=res.guarantee,
+        sensitivity=plan.sensitivity,
+        max_se=b.max_se,
+        mean_se=b.mean_se,
+        noise_max_se=sigma * b.max_se,
+        noise_mean_se=sigma * b.mean_se,
+        epsilon=eps,
+        delta=delta,
+        accountant=accountant,
+        guarantee=guarantee,
         bands=plan.bands,
-        seconds=time.perf_counter() - t1,
+        seconds=b.seconds + (seconds if owns else 0.0),
     )
