@@ -2,10 +2,8 @@
 
 ``dpmf.PrivatePlan`` (one private run: N, B, steps, scheme, strategy, schedule, σ) and its
 accounting are numpy-only; ``dpmf.make_private`` (a private step for any PyTorch loop) imports
-torch when first used.
+torch when first used. Every name is imported on first use.
 """
-
-from dpmf.plan import PrivatePlan, account, calibrate
 
 __version__ = "0.1.0"
 
@@ -13,6 +11,11 @@ __all__ = ["PrivatePlan", "account", "calibrate", "make_private", "PrivateTraini
 
 
 def __getattr__(name):
+    # imported on first use, so that ``import dpmf`` (and ``dpmf curves``) stays cheap
+    if name in ("PrivatePlan", "account", "calibrate"):
+        from dpmf import plan
+
+        return getattr(plan, name)
     if name in ("make_private", "PrivateTraining"):
         from dpmf.train import private
 

@@ -33,16 +33,25 @@ def _csv_list(text: str, convert=str) -> list:
 _COMMANDS: list = []
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``dpmf`` parser with every command, or with the command ``only`` alone (its flags'
+    choices import parts of the library: building one command's keeps start-up short)."""
     parser = argparse.ArgumentParser(
         prog="dpmf",
         description="Differentially private training with correlated noise (matrix factorization).",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add, run in _COMMANDS:
-        p = add(sub)
-        p.set_defaults(_run=run)
+    for name, add, run in _COMMANDS:
+        if only is None or name == only:
+            p = add(sub)
+            p.set_defaults(_run=run)
     return parser
+
+
+def _command_of(argv: list[str]) -> str | None:
+    """The command named by ``argv`` (its first word, when it is one), else None."""
+    names = {name for name, _, _ in _COMMANDS}
+    return argv[0] if argv and argv[0] in names else None
 
 
 class _ConsoleHandler(logging.Handler):
@@ -72,7 +81,8 @@ def _configure_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(only=_command_of(argv))
     args = parser.parse_args(argv)
     _configure_logging()
     try:
@@ -190,7 +200,7 @@ def _print_curves(rows) -> None:
         )
 
 
-_COMMANDS.append((_add_curves, _run_curves))
+_COMMANDS.append(("curves", _add_curves, _run_curves))
 
 
 # --- colormap -----------------------------------------------------------------------------
@@ -283,7 +293,7 @@ def _run_colormap(args) -> int:
     return 0
 
 
-_COMMANDS.append((_add_colormap, _run_colormap))
+_COMMANDS.append(("colormap", _add_colormap, _run_colormap))
 
 
 # --- train --------------------------------------------------------------------------------
@@ -444,7 +454,7 @@ def _run_train(args) -> int:
     return 0
 
 
-_COMMANDS.append((_add_train, _run_train))
+_COMMANDS.append(("train", _add_train, _run_train))
 
 
 # --------------------------------------------------------------------------------------------
@@ -608,7 +618,7 @@ def _run_epsilon(args) -> int:
     return 0
 
 
-_COMMANDS.append((_add_epsilon, _run_epsilon))
+_COMMANDS.append(("epsilon", _add_epsilon, _run_epsilon))
 
 
 def _add_calibrate(sub):
@@ -632,7 +642,7 @@ def _run_calibrate(args) -> int:
     return 0
 
 
-_COMMANDS.append((_add_calibrate, _run_calibrate))
+_COMMANDS.append(("calibrate", _add_calibrate, _run_calibrate))
 
 
 # --------------------------------------------------------------------------------------------
@@ -750,7 +760,7 @@ def _print_pick(result) -> None:
     )
 
 
-_COMMANDS.append((_add_pick, _run_pick))
+_COMMANDS.append(("pick", _add_pick, _run_pick))
 
 
 # --------------------------------------------------------------------------------------------
@@ -929,7 +939,7 @@ def _run_fl(args) -> int:
     return 0
 
 
-_COMMANDS.append((_add_fl, _run_fl))
+_COMMANDS.append(("fl", _add_fl, _run_fl))
 
 
 if __name__ == "__main__":  # pragma: no cover

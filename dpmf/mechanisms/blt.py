@@ -62,9 +62,9 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.signal import lfilter
 
 from dpmf._validation import check_choice, check_int, check_vector
+from dpmf.mechanisms._fft import lfilter
 from dpmf.mechanisms._lbfgs import minimize_lbfgs
 from dpmf.mechanisms.errors import evaluate
 from dpmf.mechanisms.factorizations import Factorization

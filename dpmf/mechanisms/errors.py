@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.signal import fftconvolve
 
+from dpmf.mechanisms._fft import fftconvolve
 from dpmf.mechanisms.bounds import lower_bound
 from dpmf.mechanisms.factorizations import Factorization
 from dpmf.mechanisms.participation import Participation

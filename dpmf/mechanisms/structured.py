@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.linalg import toeplitz as _dense_toeplitz
 from scipy.linalg.lapack import dtrtri
-from scipy.signal import fftconvolve
 
 from dpmf._validation import check_vector
+from dpmf.mechanisms._fft import fftconvolve
 from dpmf.mechanisms.toeplitz import inverse_coefficients
 
 __all__ = ["ScaledToeplitz", "DenseLowerTriangular", "as_structured", "LowerTriangular"]
@@ -121,7 +121,7 @@ class ScaledToeplitz:
         x = np.asarray(x, dtype=np.float64)
         vec = x.ndim == 1
         x2 = (x[:, None] if vec else x) * self.cols()[:, None]
-        y = fftconvolve(self.coeffs[:, None], x2, axes=0)[: self.n] * self.rows()[:, None]
+        y = fftconvolve(self.coeffs[:, None], x2, axis=0)[: self.n] * self.rows()[:, None]
         return y[:, 0] if vec else y
 
 

@@ -17,9 +17,9 @@ References:
 from __future__ import annotations
 
 import numpy as np
-from scipy.signal import fftconvolve
 
 from dpmf._validation import check_int, check_real, check_vector
+from dpmf.mechanisms._fft import fftconvolve
 
 __all__ = [
     "binomial_series",

@@ -23,9 +23,9 @@ Every function returns (value, gradient) with gradients of the shape of the coef
 from __future__ import annotations
 
 import numpy as np
-from scipy.signal import fftconvolve, lfilter
 
 from dpmf._validation import check_int
+from dpmf.mechanisms._fft import fftconvolve, lfilter
 from dpmf.mechanisms.participation import Participation
 from dpmf.mechanisms.toeplitz import is_nonincreasing_nonnegative, toeplitz_product
 from dpmf.workloads.workload import Workload
