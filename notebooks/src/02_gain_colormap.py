@@ -53,10 +53,36 @@ mean = grids["mean_se"]
 i0 = int(np.argmin(mean.betas))
 small = [int(n) for n, g in zip(mean.ns, mean.gain[i0], strict=True) if g < 1]
 large = [int(n) for n, g in zip(mean.ns, mean.gain[i0], strict=True) if g >= 1]
+# the largest β at which lr_aware wins in MeanSE, per n (None: it never wins on the grid)
+onset = [
+    float(mean.betas[mean.gain[:, j] < 1].max()) if (mean.gain[:, j] < 1).any() else None
+    for j in range(len(mean.ns))
+]
+won = [b for b in onset if b is not None]
+shrinks = all(a >= b for a, b in zip(won[:-1], won[1:], strict=True)) if len(won) > 1 else None
 lines.append(
     f"* At the smallest β of the grid ({mean.betas[i0]:g}) `lr_aware` wins in MeanSE for n ∈ {small}"
-    + (f" but not yet for n ∈ {large}" if large else "")
-    + ": the smaller n, the larger the β at which the learning-rate-aware factorization starts to win, "
-    "consistent with the paper's result that for any fixed n a small enough β makes it better."
+    + (f" but not for n ∈ {large}" if large else "")
+    + ". Largest winning β per n: "
+    + ", ".join(
+        f"n = {int(n)}: {'none' if b is None else f'{b:g}'}" for n, b in zip(mean.ns, onset, strict=True)
+    )
+    + "."
+)
+lines.append(
+    "* The paper's result (for any fixed n, a small enough β makes the learning-rate-aware "
+    "factorization better in MeanSE): "
+    + (
+        "**holds on this grid** for every n"
+        if not large
+        else f"**not reached on this grid** for n ∈ {large} (a smaller β than {mean.betas[i0]:g} may be needed)"
+    )
+    + (
+        "; the largest winning β does not grow with n."
+        if shrinks
+        else "; the largest winning β grows with n somewhere on the grid."
+        if shrinks is False
+        else "."
+    )
 )
 display(Markdown("\n".join(lines)))
