@@ -26,7 +26,10 @@ Usage (the data must be on disk: nothing is downloaded)::
         --matrix-scheme balls_in_bins --lrs 0.5,1,2,4 --seeds 3 --device cuda --out runs/lr
     python benchmarks/paper_experiments.py --experiment phase_transition --dataset cifar10 \\
         --data-dir DIR --model wrn16-4 --epochs 10 --batch-sizes 256,1024,4096 --epsilon 4 \\
-        --seeds 3 --device cuda --out runs/muon
+        --sgd-lrs 0.5,1.5 --muon-lrs 0.05,0.15 --seeds 3 --device cuda --out runs/muon
+
+Both experiments hold out ``--val-size`` training examples (default 5000) to choose the learning
+rate on; the model defaults to the MLP (the notebooks' CPU size).
 
 Each writes OUT/runs.csv (one row per training run), OUT/summary.csv and OUT/conclusions.md
 (the claims checked against the numbers); ``phase_transition`` also OUT/spectra.csv. On CPU,
