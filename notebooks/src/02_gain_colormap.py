@@ -53,17 +53,20 @@ mean = grids["mean_se"]
 i0 = int(np.argmin(mean.betas))
 small = [int(n) for n, g in zip(mean.ns, mean.gain[i0], strict=True) if g < 1]
 large = [int(n) for n, g in zip(mean.ns, mean.gain[i0], strict=True) if g >= 1]
-# the largest β at which lr_aware wins in MeanSE, per n (None: it never wins on the grid)
-onset = [
-    float(mean.betas[mean.gain[:, j] < 1].max()) if (mean.gain[:, j] < 1).any() else None
-    for j in range(len(mean.ns))
-]
+# the small-β region where lr_aware wins in MeanSE, per n: the largest β such that it wins at
+# every β of the grid up to it (None: it loses already at the smallest β)
+order = np.argsort(mean.betas)
+onset = []
+for j in range(len(mean.ns)):
+    wins_sorted = mean.gain[order, j] < 1
+    run = int(np.argmin(wins_sorted)) if not wins_sorted.all() else len(order)
+    onset.append(float(mean.betas[order][run - 1]) if run else None)
 won = [b for b in onset if b is not None]
 shrinks = all(a >= b for a, b in zip(won[:-1], won[1:], strict=True)) if len(won) > 1 else None
 lines.append(
     f"* At the smallest β of the grid ({mean.betas[i0]:g}) `lr_aware` wins in MeanSE for n ∈ {small}"
     + (f" but not for n ∈ {large}" if large else "")
-    + ". Largest winning β per n: "
+    + ". The small-β region where it wins (every β of the grid up to): "
     + ", ".join(
         f"n = {int(n)}: {'none' if b is None else f'{b:g}'}" for n, b in zip(mean.ns, onset, strict=True)
     )
@@ -78,9 +81,9 @@ lines.append(
         else f"**not reached on this grid** for n ∈ {large} (a smaller β than {mean.betas[i0]:g} may be needed)"
     )
     + (
-        "; the largest winning β does not grow with n."
+        "; that region shrinks as n grows (the smaller n, the larger the β at which it starts to win)."
         if shrinks
-        else "; the largest winning β grows with n somewhere on the grid."
+        else "; that region does not shrink monotonically with n."
         if shrinks is False
         else "."
     )
