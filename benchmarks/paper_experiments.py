@@ -360,7 +360,8 @@ DEFAULT_LRS = {"dp-sgd": (0.5, 1.5), "dp-muon": (0.05, 0.15)}
 def selected(rows, keys) -> pd.DataFrame:
     """The rows at the learning rate chosen per ``keys``: the best validation accuracy of the
     stage-1 seed; its row and the stage-2 rows (the other seeds at that rate). Adds
-    ``lr_at_edge`` (the chosen rate is the smallest or largest tried)."""
+    ``lr_at_edge`` (the chosen rate is the smallest or largest tried) and ``lr_tried`` (how
+    many rates were tried)."""
     df = pd.DataFrame(rows)
     keep = []
     for _, sub in df.groupby(list(keys), sort=False):
@@ -368,7 +369,7 @@ def selected(rows, keys) -> pd.DataFrame:
         lr = float(st1.loc[st1.val_accuracy.idxmax(), "lr"])
         tried = sorted(st1.lr.unique())
         at = sub[(sub.lr == lr) & ((sub.stage == 2) | (sub.seed == st1.seed.iloc[0]))]
-        keep.append(at.assign(lr_at_edge=len(tried) > 1 and lr in (tried[0], tried[-1])))
+        keep.append(at.assign(lr_at_edge=len(tried) > 1 and lr in (tried[0], tried[-1]), lr_tried=len(tried)))
     return pd.concat(keep, ignore_index=True)
 
 
@@ -534,14 +535,28 @@ def summarize_phase_transition(rows, *, clip_norm: float = 1.0):
     )
 
 
-def phase_transition_conclusions(summary) -> list[str]:
+def _extrapolated_threshold(r) -> float | None:
+    """B where the ratio would reach 1, extrapolated on log–log scales from its two largest
+    batch sizes (None when it does not grow there)."""
+    b, v = np.log(np.asarray(r.index[-2:], float)), np.log(r.to_numpy()[-2:])
+    slope = (v[1] - v[0]) / (b[1] - b[0])
+    return float(np.exp(b[1] - v[1] / slope)) if slope > 0 else None
+
+
+def phase_transition_conclusions(summary, dataset_size: int | None = None) -> list[str]:
     """The Wedin-threshold prediction checked against the measurements, as Markdown bullets.
 
-    The prediction: DP-Muon is no better than DP-SGD below B* and better above it. It is
-    counted as *agreeing* when no batch size below B* shows DP-Muon significantly better
-    (paired difference over seeds > 2 standard errors), some batch size above B* does, and none
-    above B* shows it significantly worse; *contradicted* when DP-Muon is significantly better
-    below B* or significantly worse above it; otherwise *not resolved* by these seeds.
+    The prediction: DP-Muon is no better than DP-SGD below B* and better above it. Where the
+    ratio stays below 1 (above 1) at every batch size of the grid, every batch size is below
+    (above) the threshold. The data *contradict* the prediction when DP-Muon is significantly
+    better (paired difference over seeds > 2 standard errors) at some B below B*, or
+    significantly worse at some B above it; they *agree* when neither happens and DP-Muon is
+    significantly better at some B above B*; with no B above B*, only the first half is
+    tested; otherwise the runs do not resolve it.
+
+    Args:
+        summary: ``summarize_phase_transition``'s result.
+        dataset_size: N, to say when an extrapolated threshold exceeds the data set.
     """
     gain, b_star, layer, ratio = summary["gain"], summary["b_star"], summary["layer"], summary["ratio"]
     lines = [
@@ -552,33 +567,55 @@ def phase_transition_conclusions(summary) -> list[str]:
         + "."
     ]
     r = ratio[layer]
-    if b_star is None:
-        side = "above 1 at every batch size" if (r > 1).all() else "below 1 at every batch size"
+    measured = (
+        f"ratio of the largest weight `{layer}` "
+        + ", ".join(f"{x:.3g}" for x in r.to_numpy())
+        + f" at B = {', '.join(str(b) for b in r.index)}"
+    )
+    if b_star is None and (r < 1).all():
+        threshold = math.inf
+        ext = _extrapolated_threshold(r)
         lines.append(
-            f"* Recovery ratio of the largest weight `{layer}`: {r.min():.2f} to {r.max():.2f}, {side}: "
-            "the grid does not bracket the threshold, so the prediction cannot be tested here."
+            f"* Measured recovery {measured}: **below 1 at every batch size**, so every B tried is below "
+            "the threshold"
+            + (
+                f"; extrapolated from the two largest B, B* ≈ {ext:.3g}"
+                + (
+                    f", more than the {dataset_size} training examples: the threshold cannot be bracketed "
+                    "on this data set"
+                    if dataset_size is not None and ext > dataset_size
+                    else ""
+                )
+                if ext is not None
+                else "; the ratio does not grow between the two largest B (no extrapolated threshold)"
+            )
+            + "."
         )
-        return lines + _edge_lines(summary["runs"])
-    others = ", ".join(
-        f"`{k}`: {'none in the grid' if v is None else f'{v:.0f}'}"
-        for k, v in summary["thresholds"].items()
-        if k != layer
-    )
-    lines.append(
-        f"* Measured recovery threshold (largest weight `{layer}`, ratio "
-        + ", ".join(f"{x:.2f}" for x in r.to_numpy())
-        + f" at B = {', '.join(str(b) for b in r.index)}): **B* ≈ {b_star:.0f}**"
-        + (f" (other weights: {others})" if others else "")
-        + "."
-    )
-    below, above = gain[gain.batch_size < b_star], gain[gain.batch_size > b_star]
+    elif b_star is None:
+        threshold = 0.0
+        lines.append(
+            f"* Measured recovery {measured}: **above 1 at every batch size**, so every B tried is above it."
+        )
+    else:
+        threshold = b_star
+        others = ", ".join(
+            f"`{k}`: {'none in the grid' if v is None else f'{v:.0f}'}"
+            for k, v in summary["thresholds"].items()
+            if k != layer
+        )
+        lines.append(
+            f"* Measured recovery {measured}: **B* ≈ {b_star:.0f}**"
+            + (f" (other weights: {others})" if others else "")
+            + "."
+        )
+    below, above = gain[gain.batch_size < threshold], gain[gain.batch_size > threshold]
     bad_below = below[below.verdict == "DP-Muon better"].batch_size.tolist()
     bad_above = above[above.verdict == "DP-SGD better"].batch_size.tolist()
     good_above = above[above.verdict == "DP-Muon better"].batch_size.tolist()
     best = gain.loc[gain.gain.idxmax()]
     lines.append(
         f"* The largest mean gain is at B = {int(best.batch_size)} ({best.gain:+.1f} points), "
-        + ("above" if best.batch_size > b_star else "below")
+        + ("above" if best.batch_size > threshold else "below")
         + " the threshold; the gain "
         + ("increases" if gain.gain.is_monotonic_increasing else "does not increase monotonically")
         + " with B."
@@ -596,10 +633,15 @@ def phase_transition_conclusions(summary) -> list[str]:
             "**The data agree with the Wedin-threshold prediction**: DP-Muon is not significantly "
             f"better below B*, and significantly better above it (B = {good_above})."
         )
+    elif not len(above):
+        verdict = (
+            "**Consistent with the prediction below the threshold only**: DP-Muon is not significantly "
+            "better at any B tried, all below B*; the regime above B* was not reached."
+        )
     else:
         verdict = (
-            "**The prediction is not resolved by these runs**: no batch size shows a difference "
-            "larger than two standard errors on the side where the prediction says one should appear."
+            "**The prediction is not resolved by these runs**: no batch size above B* shows DP-Muon "
+            "better by more than two standard errors."
         )
     lines.append("* " + verdict)
     return lines + _edge_lines(summary["runs"])
@@ -609,10 +651,12 @@ def _edge_lines(df) -> list[str]:
     edge = df[df.lr_at_edge].drop_duplicates(["optimizer", "batch_size"])
     if not len(edge):
         return []
+    few = bool((edge.lr_tried <= 2).all())
     return [
-        "* The chosen learning rate is at the edge of the grid for "
+        "* The chosen learning rate is at an edge of the grid for "
         + ", ".join(f"{r.optimizer} at B = {r.batch_size} (η = {r.lr:g})" for r in edge.itertuples())
-        + ": a wider grid might change these numbers."
+        + (": with two rates per point every choice is an edge; " if few else ": ")
+        + "a wider grid might change these numbers."
     ]
 
 
@@ -1066,7 +1110,7 @@ def main(argv=None) -> int:
             os.path.join(args.out, "summary.csv"), index=False
         )
         summary["spectra"].to_csv(os.path.join(args.out, "spectra.csv"), index=False)
-        lines = phase_transition_conclusions(summary)
+        lines = phase_transition_conclusions(summary, dataset_size=len(load_split(split)[0]))
     text = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, "conclusions.md"), "w") as f:
         f.write(text)

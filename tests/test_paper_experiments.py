@@ -138,9 +138,16 @@ def test_the_wedin_verdict_agrees_only_when_the_gain_appears_above_the_threshold
     text = "\n".join(pe.phase_transition_conclusions(against))
     assert "contradict the Wedin-threshold prediction" in text and "B = [64]" in text
     assert "largest mean gain is at B = 64" in text and "below the threshold" in text
-    outside = pe.summarize_phase_transition(spectra_rows({64: 0.0, 256: 1.0}, {64: 1.0, 256: 1.0}))
-    assert outside["b_star"] is None
-    assert "does not bracket the threshold" in "\n".join(pe.phase_transition_conclusions(outside))
+    # the ratio below 1 everywhere (B/6400): every B is below B*, so a DP-Muon gain contradicts it
+    low = {b: 7.0 / 6400 for b in gap}
+    below = pe.summarize_phase_transition(spectra_rows({64: 0.0, 256: 0.0, 1024: 2.0}, low))
+    assert below["b_star"] is None
+    text = "\n".join(pe.phase_transition_conclusions(below, dataset_size=2000))
+    assert "below 1 at every batch size" in text and "B* ≈ 6.4e+03" in text
+    assert "more than the 2000 training examples" in text
+    assert "contradict the Wedin-threshold prediction" in text and "B = [1024]" in text
+    quiet_below = pe.summarize_phase_transition(spectra_rows({64: 0.0, 256: 0.0, 1024: 0.0}, low))
+    assert "below the threshold only" in "\n".join(pe.phase_transition_conclusions(quiet_below))
 
 
 def summary_of(values):
