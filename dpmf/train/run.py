@@ -54,7 +54,7 @@ from dpmf.plan.plan import PrivatePlan, leading_block
 from dpmf.plan.schemes import Poisson
 from dpmf.train.checkpoint import load_checkpoint
 from dpmf.train.config import TrainConfig
-from dpmf.train.data import load_dataset
+from dpmf.train.data import Dataset, load_dataset
 from dpmf.train.ledger import export, privacy_ledger
 from dpmf.train.loop import CHECKPOINT, Trainer, TrainOutcome, check_resumable, data_digest, saved_seed
 from dpmf.train.models import build_model
@@ -269,6 +269,7 @@ def train(
     on_epoch_end=(),
     log=print,
     distributed: bool = False,
+    data: Dataset | None = None,
 ) -> TrainResult:
     """Train ``config`` privately, writing results, metrics, curves and checkpoints to ``out_dir``.
 
@@ -284,17 +285,28 @@ def train(
             the same global batches and the same noise as one process with
             ``noise_keys="chunked"``, split by ``config.distributed_mode``; only rank 0 prints
             and writes results, metrics and the export; every rank writes its checkpoint shard.
+        data: the ``Dataset`` to train on instead of loading ``config.dataset`` (e.g. a subset of
+            the training split with a validation split held out as its ``test_x``/``test_y``);
+            its ``name`` must be ``config.dataset``. N, and so the accounting, is its size.
 
     Returns:
         ``TrainResult``.
 
     Raises:
         ValueError / TypeError: any invalid setting (data folder, batch larger than the data
-            set, a strategy the scheme cannot account, …), before training starts.
+            set, a strategy the scheme cannot account, ``data`` not a ``Dataset`` of
+            ``config.dataset``, …), before training starts.
         NonFiniteGradientError, NonFiniteWeightsError: a numerical failure at a named step.
     """
     if not isinstance(config, TrainConfig):
         raise TypeError(f"config={config!r} is invalid: must be a TrainConfig")
+    if data is not None and not isinstance(data, Dataset):
+        raise TypeError(f"data={type(data).__name__} is invalid: must be a dpmf.train.Dataset or None")
+    if data is not None and data.name != config.dataset:
+        raise ValueError(
+            f"data={data.name!r} is invalid for dataset={config.dataset!r}: pass the data set the "
+            "config names"
+        )
     collectives = None
     device = resolve_device(config.device)
     if distributed:
@@ -326,11 +338,12 @@ def train(
         seed = draw_seed()
     if collectives is not None and not seed_given:  # rank 0's secret seed, in memory only
         seed = collectives.all_gather_object(seed if collectives.rank == 0 else None)[0]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        data = load_dataset(config.dataset, config.data_dir)
-    for w in caught:
-        log(f"notice: {w.message}")
+    if data is None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            data = load_dataset(config.dataset, config.data_dir)
+        for w in caught:
+            log(f"notice: {w.message}")
     N = len(data)
     identity = {**config.run_identity(), "data": data_digest(data)}
     if saved is not None:  # the same data as the run being resumed

@@ -94,8 +94,18 @@ if len(exp_mean_losers):
     lines.append(
         f"* For exponential decay, in MeanSE `lr_aware` loses to "
         f"`{exp_mean_losers['best MeanSE'].mode()[0]}` for n ≥ {exp_mean_losers.n.min()} "
-        f"(by {gap[gap > 0].min():.1f} % to {gap.max():.1f} %) — the paper's observation: "
-        "learning-rate-aware is best in MaxSE, not in MeanSE, at these n."
+        f"(by {gap[gap > 0].min():.1f} % to {gap.max():.1f} %). "
+        + (
+            "This is the paper's observation: learning-rate-aware is best in MaxSE, not in MeanSE, at these n."
+            if (exp_best["best MaxSE"] == "lr_aware").all()
+            else "Unlike the paper, `lr_aware` is not best in MaxSE at every n either: "
+            + ", ".join(
+                f"n = {r.n}: `{r['best MaxSE']}`"
+                for _, r in exp_best.iterrows()
+                if r["best MaxSE"] != "lr_aware"
+            )
+            + "."
+        )
     )
 other = best[(best["best MeanSE"] != "lr_aware")].schedule.unique().tolist()
 lines.append(f"* Schedules where `lr_aware` is not always best in MeanSE: {', '.join(other) or 'none'}.")

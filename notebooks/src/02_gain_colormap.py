@@ -53,10 +53,39 @@ mean = grids["mean_se"]
 i0 = int(np.argmin(mean.betas))
 small = [int(n) for n, g in zip(mean.ns, mean.gain[i0], strict=True) if g < 1]
 large = [int(n) for n, g in zip(mean.ns, mean.gain[i0], strict=True) if g >= 1]
+# the small-β region where lr_aware wins in MeanSE, per n: the largest β such that it wins at
+# every β of the grid up to it (None: it loses already at the smallest β)
+order = np.argsort(mean.betas)
+onset = []
+for j in range(len(mean.ns)):
+    wins_sorted = mean.gain[order, j] < 1
+    run = int(np.argmin(wins_sorted)) if not wins_sorted.all() else len(order)
+    onset.append(float(mean.betas[order][run - 1]) if run else None)
+won = [b for b in onset if b is not None]
+shrinks = all(a >= b for a, b in zip(won[:-1], won[1:], strict=True)) if len(won) > 1 else None
 lines.append(
     f"* At the smallest β of the grid ({mean.betas[i0]:g}) `lr_aware` wins in MeanSE for n ∈ {small}"
-    + (f" but not yet for n ∈ {large}" if large else "")
-    + ": the smaller n, the larger the β at which the learning-rate-aware factorization starts to win, "
-    "consistent with the paper's result that for any fixed n a small enough β makes it better."
+    + (f" but not for n ∈ {large}" if large else "")
+    + ". The small-β region where it wins (every β of the grid up to): "
+    + ", ".join(
+        f"n = {int(n)}: {'none' if b is None else f'{b:g}'}" for n, b in zip(mean.ns, onset, strict=True)
+    )
+    + "."
+)
+lines.append(
+    "* The paper's result (for any fixed n, a small enough β makes the learning-rate-aware "
+    "factorization better in MeanSE): "
+    + (
+        "**holds on this grid** for every n"
+        if not large
+        else f"**not reached on this grid** for n ∈ {large} (a smaller β than {mean.betas[i0]:g} may be needed)"
+    )
+    + (
+        "; that region shrinks as n grows (the smaller n, the larger the β at which it starts to win)."
+        if shrinks
+        else "; that region does not shrink monotonically with n."
+        if shrinks is False
+        else "."
+    )
 )
 display(Markdown("\n".join(lines)))
