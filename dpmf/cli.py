@@ -425,6 +425,12 @@ def _train_config(args):
 
 def _run_train(args) -> int:
     config = _train_config(args)
+    world = os.environ.get("WORLD_SIZE", "1")
+    if not args.distributed and world.isdigit() and int(world) > 1:
+        raise UsageError(
+            f"WORLD_SIZE={world} is set (started by torchrun?) but --distributed is not: each process "
+            "would train its own copy into the same --out; add --distributed"
+        )
     if args.threads is not None:
         if args.threads < 1:
             raise UsageError(f"--threads={args.threads} is invalid: must be >= 1")

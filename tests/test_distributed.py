@@ -489,3 +489,13 @@ def test_bad_distributed_settings_are_refused_before_any_work():
 
     with pytest.raises(ValueError, match="mode"):
         simulate(2, bad_mode)
+
+
+def test_a_torchrun_environment_without_a_process_group_is_refused(monkeypatch, capsys):
+    from dpmf.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="WORLD_SIZE=2"):
+        _private(_model(torch.float64))
+    rc = main(["train", "--dataset", "digits", "--epochs", "1", "--out", "unused"])
+    assert rc == 2 and "add --distributed" in capsys.readouterr().err

@@ -103,6 +103,7 @@ def test_torchrun_dpmf_train_equals_the_one_process_run(tmp_path):
     # the noise state is split between the ranks: together that of one process
     per_rank = two["processes"]["noise_state_numel_per_rank"]
     assert sum(per_rank) == 3 * sum(v.numel() for v in b.values()) and max(per_rank) < sum(per_rank)
+    assert two["noise"]["state_numel"] == sum(per_rank)  # the whole run's state, not rank 0's
 
 
 def test_a_checkpoint_at_two_processes_resumes_in_one(tmp_path):
@@ -111,7 +112,11 @@ def test_a_checkpoint_at_two_processes_resumes_in_one(tmp_path):
     manifest = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=True)
     assert manifest["distributed"]["world_size"] == 2 and manifest["epoch"] == 1
     assert len(list((tmp_path / "two").glob("checkpoint.pt.rank*"))) == 2
+    stream = config.replace(noise_keys="stream")
+    with pytest.raises(ValueError, match="resume it with --noise-keys chunked"):
+        train(stream, str(tmp_path / "two"), resume=True, progress=False, log=lambda *a: None)
     resumed = train(config, str(tmp_path / "two"), resume=True, progress=False, log=lambda *a: None)
+    assert not list((tmp_path / "two").glob("checkpoint.pt.rank*"))  # replaced by one process's
     assert resumed.metrics[0]["epoch"] == 1 and len(resumed.metrics) == 2
     straight = train(config, str(tmp_path / "one"), progress=False, log=lambda *a: None)
     a, b = _params(tmp_path / "two"), _params(tmp_path / "one")

@@ -37,7 +37,7 @@ from dpmf.train.checkpoint import as_numpy, load_checkpoint, rng_state, save_che
 from dpmf.train.data import Dataset
 from dpmf.train.metrics import StepLog, batch_loss, plot_training_curves, write_metrics_csv
 from dpmf.train.samplers import BatchSampler
-from dpmf.train.shards import merge_shards, save_sharded
+from dpmf.train.shards import merge_shards, remove_shards, save_sharded
 
 __all__ = [
     "check_resumable",
@@ -456,6 +456,7 @@ class Trainer:
         # ahead of it
         if self.collectives is None:
             save_checkpoint(self.checkpoint_path, self._state(epoch))
+            remove_shards(self.checkpoint_path)  # those of a distributed run this one resumed
         else:
             save_sharded(
                 self.checkpoint_path,

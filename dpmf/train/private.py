@@ -25,6 +25,7 @@ out of the loader as empty tensors, and ``backward`` on it adds the noise only (
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -538,6 +539,20 @@ def make_private(
     if not params <= opt_params:
         raise ValueError("optimizer is invalid: some trainable parameters of the module are not in it")
 
+    comm = None
+    if process_group is not None:  # a bad group fails here, before pick and calibration
+        from dpmf.distributed import Collectives, TorchCollectives
+
+        comm = process_group if isinstance(process_group, Collectives) else TorchCollectives(process_group)
+    else:
+        world = os.environ.get("WORLD_SIZE", "1")
+        if world.isdigit() and int(world) > 1:
+            raise ValueError(
+                f"process_group=None is invalid with WORLD_SIZE={world} (started by torchrun?): each "
+                "process would train its own copy; call torch.distributed.init_process_group() and "
+                "pass process_group=torch.distributed.group.WORLD"
+            )
+
     from dpmf.optim.schedules import LearningRateSchedule
     from dpmf.train.run import draw_seed, sub_seed
 
@@ -565,10 +580,9 @@ def make_private(
     master = seed if seed_given else draw_seed()
     p0 = next(p for _, p in trainable_parameters(module))
     sizes = tuple(p.numel() for _, p in trainable_parameters(module))
-    if process_group is not None:
-        from dpmf.distributed import Collectives, DistributedPrivatizer, RankSlices, TorchCollectives
+    if comm is not None:
+        from dpmf.distributed import DistributedPrivatizer, RankSlices
 
-        comm = process_group if isinstance(process_group, Collectives) else TorchCollectives(process_group)
         if not seed_given:  # rank 0's secret seed, sent in memory only
             master = comm.all_gather_object(master if comm.rank == 0 else None)[0]
         privatizer = DistributedPrivatizer(

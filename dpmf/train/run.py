@@ -327,6 +327,13 @@ def train(
     if saved is not None:
         saved = merge_shards(saved, checkpoint)  # a distributed checkpoint: all its shards
     if saved is not None:  # a corrupted or foreign checkpoint fails here, before any work
+        saved_keys = saved.get("run_identity", {}).get("noise_keys", "stream")
+        if saved_keys != config.noise_keys:
+            raise ValueError(
+                f"checkpoint {checkpoint!r} has noise keyed {saved_keys!r} and this run "
+                f"{config.noise_keys!r}: resume it with --noise-keys {saved_keys}"
+                + (" (or --distributed)" if saved_keys == "chunked" else "")
+            )
         check_resumable(saved, config.run_identity(), checkpoint)
     seed_given = config.seed is not None
     if seed_given:
@@ -416,7 +423,11 @@ def train(
         "noise": {
             "generator": type(noise).__name__,
             "keys": config.noise_keys,
-            "state_numel": noise.documented_state_numel,
+            "state_numel": (  # the whole run's, whatever the split between ranks
+                noise.documented_state_numel
+                if collectives is None
+                else sum(collectives.all_gather_object(noise.documented_state_numel))
+            ),
             "noise_std_on_sum": privatizer.noise_std,
         },
         "processes": (

@@ -20,7 +20,7 @@ import os
 
 from dpmf.train.checkpoint import load_checkpoint, save_checkpoint
 
-__all__ = ["save_sharded", "merge_shards"]
+__all__ = ["save_sharded", "merge_shards", "remove_shards"]
 
 
 def _shard_name(path: str, rank: int, world_size: int, step: int) -> str:
@@ -59,11 +59,18 @@ def save_sharded(path: str, state: dict, collectives, *, mode: str, seed_digest:
             "shards": names,
         }
         save_checkpoint(path, manifest)
-        keep = set(names)
-        for old in glob.glob(os.path.join(folder, f"{os.path.basename(path)}.rank*-of-*.step*")):
-            if os.path.basename(old) not in keep:
-                os.remove(old)
+        remove_shards(path, keep=names)
     collectives.barrier()
+
+
+def remove_shards(path: str, keep=()) -> None:
+    """Delete the shard files of the manifest ``path`` except those named in ``keep`` (after a
+    newer manifest or a one-process checkpoint replaced them)."""
+    folder = os.path.dirname(path) or "."
+    keep = set(keep)
+    for old in glob.glob(os.path.join(folder, f"{os.path.basename(path)}.rank*-of-*.step*")):
+        if os.path.basename(old) not in keep:
+            os.remove(old)
 
 
 def merge_shards(state: dict, path: str) -> dict:
