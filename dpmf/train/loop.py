@@ -37,7 +37,14 @@ from dpmf.train.checkpoint import as_numpy, load_checkpoint, rng_state, save_che
 from dpmf.train.data import Dataset
 from dpmf.train.metrics import StepLog, batch_loss, plot_training_curves, write_metrics_csv
 from dpmf.train.samplers import BatchSampler
-from dpmf.train.shards import merge_shards, remove_shards, save_sharded
+from dpmf.train.shards import (
+    keep_own_optimizer_state,
+    load_noise_state,
+    merge_shards,
+    noise_state,
+    remove_shards,
+    save_sharded,
+)
 
 __all__ = [
     "check_resumable",
@@ -266,11 +273,7 @@ class Trainer:
             "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
             "sampler": self.sampler.state_dict(),
-            "noise": (
-                self.privatizer.noise.state_dict()
-                if self.privatizer.noise.keys is None
-                else [self.privatizer.noise.parameter_state()]
-            ),
+            "noise": noise_state(self.privatizer.noise),
             "rng": rng_state(),
             "metrics": list(self.outcome.metrics),
             "empty_batches": self.outcome.empty_batches,
@@ -292,22 +295,8 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.sampler.load_state_dict(as_numpy(state["sampler"]))
-        noise = self.privatizer.noise
-        if isinstance(state["noise"], list):  # coordinate-keyed noise, saved per parameter
-            if noise.keys is None:
-                raise ValueError(
-                    f"checkpoint {self.checkpoint_path!r} holds coordinate-keyed noise: resume it "
-                    "with --noise-keys chunked (or --distributed)"
-                )
-            noise.load_parameter_state(state["noise"])
-        else:
-            noise.load_state_dict(state["noise"])
-        owned = getattr(self.privatizer, "written_parameters", None)
-        if owned is not None:  # keep only the optimizer state of this rank's parameters
-            mine = {id(p) for p in owned()}
-            for p in list(self.optimizer.state):
-                if id(p) not in mine:
-                    del self.optimizer.state[p]
+        load_noise_state(self.privatizer.noise, state["noise"], f"checkpoint {self.checkpoint_path!r}")
+        keep_own_optimizer_state(self.optimizer, self.privatizer)
         if self.lookahead is not None:
             if "lookahead" not in state:
                 raise ValueError(f"checkpoint {self.checkpoint_path!r} has no lookahead state")

@@ -44,7 +44,13 @@ from dpmf.train.checkpoint import as_numpy, load_checkpoint, save_checkpoint
 from dpmf.train.config import DISTRIBUTED_MODES, NOISE_KEYS
 from dpmf.train.ledger import export as export_files
 from dpmf.train.ledger import privacy_ledger
-from dpmf.train.shards import merge_shards, save_sharded
+from dpmf.train.shards import (
+    keep_own_optimizer_state,
+    load_noise_state,
+    merge_shards,
+    noise_state,
+    save_sharded,
+)
 from dpmf.workloads.schedules import Schedule
 
 __all__ = ["make_private", "PrivateTraining", "PrivateOptimizer", "EmptySafeCollate"]
@@ -296,7 +302,6 @@ class PrivateTraining:
     def state_dict(self) -> dict:
         """Everything needed to resume: weights, optimizer, sampler, noise stream and the seed.
         It holds the run's secrets: keep it private (``export`` is what can be shared)."""
-        noise = self.privatizer.noise
         return {
             "format": _FORMAT,
             "plan": self.plan.to_dict(),
@@ -305,7 +310,7 @@ class PrivateTraining:
             "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
             "sampler": self.sampler.state_dict(),
-            "noise": noise.state_dict() if noise.keys is None else [noise.parameter_state()],
+            "noise": noise_state(self.privatizer.noise),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -318,25 +323,11 @@ class PrivateTraining:
             raise ValueError("state is invalid: not a make_private state (format mismatch)")
         if state.get("plan") != self.plan.to_dict():
             raise ValueError("state is invalid: it belongs to another plan (data size, batches, scheme or σ)")
-        noise = self.privatizer.noise
-        if isinstance(state["noise"], list) != (noise.keys is not None):
-            raise ValueError(
-                "state is invalid: its noise is keyed "
-                f"{'by coordinate' if isinstance(state['noise'], list) else 'as one stream'}, this run's "
-                f"{'as one stream' if noise.keys is None else 'by coordinate'} (noise_keys= differs)"
-            )
+        load_noise_state(self.privatizer.noise, state["noise"], "state")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.sampler.load_state_dict(as_numpy(state["sampler"]))
-        if noise.keys is None:
-            noise.load_state_dict(state["noise"])
-        else:
-            noise.load_parameter_state(state["noise"])
-        written = getattr(self.privatizer, "written_parameters", None)
-        if written is not None:  # keep only the optimizer state of this rank's parameters
-            mine = {id(p) for p in written()}
-            for p in [p for p in self.optimizer.state if id(p) not in mine]:
-                del self.optimizer.state[p]
+        keep_own_optimizer_state(self.optimizer, self.privatizer)
         if self.sampler.step != self.privatizer.noise.step:
             raise ValueError("state is invalid: sampler and noise stream are at different steps")
 
