@@ -249,9 +249,9 @@ class PrivateLocalRun:
             clip_norm=clip_norm,
             lr=lr,
             momentum=0.0,
-            seed=seed,
             device="cpu",
         )
+        self._key = seed  # secret: kept out of the (printable) config
         fact = _strategy(factorization, steps, scheme, -(-n // int(batch_size)))
         dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
         if fact is None:
@@ -296,7 +296,7 @@ class PrivateLocalRun:
             )
         set_weights(self.model, weights)
         anchor = get_weights(self.model)
-        opt = build_optimizer(self.config, self.model, log=lambda *_: None)
+        opt = build_optimizer(self.config, self.model, log=lambda *_: None, seed=self._key)
         self.privatizer.bind(opt)
         norms = []
         for _ in range(steps):
