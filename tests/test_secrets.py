@@ -338,3 +338,56 @@ def test_fl_given_seeds_print_the_notice_and_the_ledger_states_the_composition(t
     assert comp["epsilon_all_models"] == pytest.approx(sum(eps))
     assert all("does not know it" in e["note"] for s in ledger["seeds"] for e in s["entries"])
     assert main(["fl", *FAST, "--replicas", "2", "--seeds", "0", "--out", str(tmp_path / "x")]) == 2
+
+
+def test_distributed_resume_adopts_rank_zeros_secret_key(tmp_path):
+    from torch import nn
+
+    from dpmf.distributed import simulate
+
+    torch.manual_seed(0)
+    initial = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(40, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (40,), generator=g)
+    path = str(tmp_path / "run.pt")
+
+    def make(comm):
+        import copy
+
+        model = copy.deepcopy(initial)
+        return dpmf.make_private(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.2),
+            TensorDataset(x, y),
+            loss_fn=F.cross_entropy,
+            batch_size=8,
+            steps=10,
+            noise_multiplier=0.8,
+            target_delta=1e-5,
+            factorization="bsr:2",
+            scheme="fixed_order",
+            process_group=comm,
+        )
+
+    def first(comm):
+        run = make(comm)
+        _steps(run, 5)
+        run.save(path)
+        _steps(run, 5)
+        return [p.detach().clone() for p in run.model.parameters()], run.state_dict()["secret"]["seed"]
+
+    done = simulate(2, first)
+    key = done[0][1]
+    assert done[1][1] == key and key.bit_length() > 128  # rank 0's key, shared in memory
+    manifest = torch.load(path, weights_only=True)
+    digest = manifest["distributed"]["seed_digest"]
+    assert not _leaks(digest, [key]) and ":" in digest  # salted
+
+    def second(comm):
+        run = make(comm)  # a fresh secret key, replaced by the checkpoint's
+        run.resume(path)
+        _steps(run, 5)
+        return [p.detach().clone() for p in run.model.parameters()]
+
+    for a, b in zip(simulate(3, second)[1], done[0][0], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
