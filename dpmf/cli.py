@@ -344,7 +344,7 @@ _TRAIN_FLAGS = (
     ),
     ("--beta", float, "final learning-rate multiplier β in (0, 1]"),
     ("--gamma", float, "power γ of polynomial/inverse_power"),
-    ("--seed", int, "seed of the weights, batches and noise (keep it secret for a released model)"),
+    ("--seed", int, "seed of weights, batches, noise (default: a secret key; a seed makes it predictable)"),
     ("--device", str, "auto|cpu|cuda (default auto: CUDA when available)"),
     ("--micro-batch-size", int, "per-example gradients held at once (gradient accumulation)"),
     (
@@ -843,7 +843,15 @@ def _add_fl(sub):
     p.add_argument("--sigma-min", type=float, default=0.8, help="σ at score 1 (default 0.8)")
     p.add_argument("--sigma-max", type=float, default=2.0, help="σ at score 0 (default 2.0)")
     p.add_argument("--noise-table", default=None, help="for --noise-map table: 0:2.0,0.5:1.2,0.8:0.8")
-    p.add_argument("--seeds", default="0", help="a range 0-4 or a list 0,1,2 (default 0)")
+    p.add_argument(
+        "--seeds",
+        default=None,
+        help="reproducible seeds, a range 0-4 or a list 0,1,2 (their noise is predictable to whoever "
+        "knows them); default: secret keys",
+    )
+    p.add_argument(
+        "--replicas", type=int, default=None, help="replicas with secret keys, numbered 0..N-1 (default 1)"
+    )
     p.add_argument("--backend", default="local", help="local (in-process, deterministic) | ray")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--out", required=True, help="output folder")
@@ -893,7 +901,12 @@ def _run_fl(args) -> int:
         if args.noise_table is not None:
             raise UsageError("--noise-table needs --noise-map table")
         noise_map = NoiseMap(args.noise_map, args.sigma_min, args.sigma_max)
-    seeds = parse_seeds(args.seeds)
+    if args.seeds is not None and args.replicas is not None:
+        raise UsageError(
+            "--seeds and --replicas are exclusive: give seeds (reproducible) or replicas (secret keys)"
+        )
+    seeds = None if args.seeds is None else parse_seeds(args.seeds)
+    replicas = 1 if args.replicas is None else check_int("replicas", args.replicas, minimum=1)
     weights = None
     if args.criteria_weights is not None:
         weights = check_weights(_criteria_weights(args.criteria_weights))
@@ -937,7 +950,9 @@ def _run_fl(args) -> int:
     from dpmf.federated.report import run_seeds, summarize
 
     try:
-        results = run_seeds(config, seeds, out_dir=args.out, compliance=compliance, backend=args.backend)
+        results = run_seeds(
+            config, seeds, replicas=replicas, out_dir=args.out, compliance=compliance, backend=args.backend
+        )
     except (ImportError, FileNotFoundError) as exc:
         raise UsageError(str(exc)) from None
     print(summarize(results))

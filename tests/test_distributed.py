@@ -21,7 +21,7 @@ from dpmf.distributed import (
 from dpmf.mechanisms import factorize
 from dpmf.optim import DPSGD, DPMuon, route_parameters
 from dpmf.optim.clipping import trainable_parameters
-from dpmf.optim.noise import ChunkedKeys, DenseInverseNoise, noise_for_factorization, step_seed
+from dpmf.optim.noise import ChunkedKeys, DenseInverseNoise, noise_for_factorization, raw_generator
 from dpmf.optim.privatize import Privatizer
 from dpmf.plan import PrivatePlan
 from dpmf.workloads import Schedule, from_schedule, prefix_sum
@@ -37,12 +37,14 @@ def test_chunked_raw_noise_is_keyed_by_parameter_and_chunk():
     keys = ChunkedKeys(SIZES, chunk=CHUNK)
     gen = noise_for_factorization(factorize(prefix_sum(STEPS), "identity"), keys.dim, seed=11, keys=keys)
     z = gen.raw_noise(5)
-    # independent construction, entry by entry: chunk c of parameter j from seed (11, 5, j, c)
+    # construction chunk by chunk: chunk c of parameter j from the key (11, 5, j, c)
     expected = []
     for j, size in enumerate(SIZES):
         for c in range(-(-size // CHUNK)):
-            g = torch.Generator().manual_seed(step_seed(11, 5, j, c))
-            expected.append(torch.randn(min(CHUNK, size - c * CHUNK), generator=g))
+            g = raw_generator(11, 5, j, c)
+            expected.append(
+                torch.from_numpy(g.standard_normal(min(CHUNK, size - c * CHUNK), dtype=np.float32))
+            )
     assert torch.equal(z, torch.cat(expected))
     # a generator for parameters 1 and 3 only draws exactly their coordinates
     part = ChunkedKeys(SIZES, (1, 3), CHUNK)

@@ -311,7 +311,7 @@ def test_client_mode_mean_is_the_clipped_mean_plus_one_noise_before_the_server_o
     comp = example_profiles(4)
     idx, sig = participants(cfg, comp)
     data = load_federated("breast-cancer", 4)
-    server = _Server(cfg, data, comp, idx, sig, log=lambda *_: None)
+    server = _Server(cfg, data, comp, idx, sig, log=lambda *_: None, key=0)
     rng = np.random.default_rng(5)
     base = {k: v.astype(np.float64) for k, v in server.initial.items()}
     updates = [{k: rng.normal(scale=s, size=v.shape) for k, v in base.items()} for s in (0.01, 0.1, 1.0, 3.0)]
@@ -325,9 +325,12 @@ def test_client_mode_mean_is_the_clipped_mean_plus_one_noise_before_the_server_o
     from flwr.serverapp.strategy import FedAvg
 
     mean, _ = FedAvg(min_available_nodes=4).aggregate_train(1, replies)
+    from dpmf.seeds import child_key
+
     ref_noise = ClientLevelNoise(
-        4, 3, noise_multiplier=float(sig.max()), clip_norm=0.5, delta=1e-5, dim=server.dim, seed=0
-    )
+        4, 3, noise_multiplier=float(sig.max()), clip_norm=0.5, delta=1e-5, dim=server.dim,
+        seed=child_key(0, "fl-client-noise"),
+    )  # fmt: skip
     z = ref_noise.next() / 4
     off = 0
     for k, b in base.items():

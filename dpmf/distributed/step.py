@@ -34,12 +34,12 @@ ownership for Newton–Schulz as in distributed Muon implementations.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from dpmf import seeds
 from dpmf._validation import check_choice, check_int
 from dpmf.distributed.collectives import Collectives
 from dpmf.distributed.sharding import assign_owners, owned_by, parameter_cost
@@ -57,9 +57,11 @@ class DivergenceError(RuntimeError):
     """The processes of one run disagree (seed, step, plan or parameters)."""
 
 
-def seed_digest(seed: int) -> str:
-    """A 16-hex-digit SHA-256 digest of the noise seed: what processes compare (never the seed)."""
-    return hashlib.sha256(f"dpmf-noise-seed:{int(seed)}".encode()).hexdigest()[:16]
+def seed_digest(seed: int, salt: str) -> str:
+    """``"salt:digest"``: the salted digest of the run's key that processes compare and a
+    manifest records (never the key): ``dpmf.seeds.key_digest`` with the run's random ``salt``
+    (drawn by rank 0)."""
+    return f"{salt}:{seeds.key_digest(seed, salt)}"
 
 
 def newton_schulz_parameters(optimizer) -> set[int]:
@@ -83,7 +85,7 @@ class DistributedPrivatizer(Privatizer):
             (``dpmf.distributed.collectives.simulate``).
         plan: the run's ``PrivatePlan`` with its noise multiplier (the same on every rank).
         clip_norm: ζ > 0.
-        seed: the noise seed, the same on every rank (checked by digest, never sent).
+        seed: the run's key, the same on every rank (checked by a salted digest, never sent).
         mode: ``"sharded"`` (default), ``"replicated"`` or ``"rank0"``.
         optimizer: the optimizer to be used (optional): parameters it orthogonalizes by
             Newton–Schulz weigh more when owners are assigned.
@@ -118,7 +120,12 @@ class DistributedPrivatizer(Privatizer):
         self.collectives = collectives
         self.mode = check_choice("mode", mode, MODES)
         self.check_every = check_int("check_every", check_every, minimum=0)
-        self.seed_digest = seed_digest(check_int("seed", seed, minimum=0))
+        seed = seeds.check_seed(seed)
+        if seed is None:
+            raise TypeError("seed=None is invalid here: give the run's key (the same on every rank)")
+        # a fresh salt per run, rank 0's: a digest says nothing reusable about the key
+        self._salt = collectives.all_gather_object(seeds.new_salt() if collectives.rank == 0 else None)[0]
+        self.seed_digest = seed_digest(seed, self._salt)
         params = [p for _, p in trainable_parameters(model)]
         if not params:
             raise ValueError("model is invalid: it has no trainable parameters")
@@ -173,6 +180,11 @@ class DistributedPrivatizer(Privatizer):
                     "(every process must get the same seed, plan, mode and model; a secret seed is "
                     "compared by digest only)"
                 )
+
+    def use_key(self, key: int) -> None:
+        """Adopt the run's ``key`` (a checkpoint's, on resume; every rank the same)."""
+        super().use_key(key)
+        self.seed_digest = seed_digest(key, self._salt)
 
     def verify(self) -> None:
         """Check that all ranks hold the same seed digest, step and parameters (per-parameter

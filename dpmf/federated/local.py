@@ -186,10 +186,6 @@ def _grouped_privacy(segs: tuple, delta: float, accountant: str):
     )
 
 
-def _sub_seed(seed: int, *purpose: int) -> int:
-    return int(np.random.SeedSequence([int(seed), *map(int, purpose)]).generate_state(1)[0] & 0x7FFFFFFF)
-
-
 class PrivateLocalRun:
     """One client's private local training across all rounds (``record`` mode).
 
@@ -204,7 +200,8 @@ class PrivateLocalRun:
         delta: δ in (0, 1).
         scheme, factorization, accountant: as ``dpmf epsilon``.
         optimizer: one of ``LOCAL_OPTIMIZERS``; ``lr`` its learning rate.
-        seed: seeds the sampler and the noise (keep it secret for a released model).
+        seed: this client's key (``dpmf.seeds.child_key`` of the run's key): the sampler and
+            the noise derive their subkeys from it (secret; never shown).
 
     Raises:
         ValueError/TypeError: invalid settings (before any training).
@@ -252,18 +249,18 @@ class PrivateLocalRun:
             clip_norm=clip_norm,
             lr=lr,
             momentum=0.0,
-            seed=seed,
             device="cpu",
         )
+        self._key = seed  # secret: kept out of the (printable) config
         fact = _strategy(factorization, steps, scheme, -(-n // int(batch_size)))
         dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
         if fact is None:
-            noise = identity_noise(dim, seed=_sub_seed(seed, 2), steps=steps)
+            noise = identity_noise(dim, seed=seed, steps=steps)
             groups = None
         else:
-            noise = noise_for_factorization(fact, dim, seed=_sub_seed(seed, 2))
+            noise = noise_for_factorization(fact, dim, seed=seed)
             groups = strategy_bandwidth(fact.C) if scheme == CyclicPoisson.name else None
-        self.sampler = make_sampler(scheme, n, batch_size, steps, seed=_sub_seed(seed, 1), groups=groups)
+        self.sampler = make_sampler(scheme, n, batch_size, steps, seed=seed, groups=groups)
         self.model = model
         self.privatizer = Privatizer(
             model,
@@ -299,7 +296,7 @@ class PrivateLocalRun:
             )
         set_weights(self.model, weights)
         anchor = get_weights(self.model)
-        opt = build_optimizer(self.config, self.model, log=lambda *_: None)
+        opt = build_optimizer(self.config, self.model, log=lambda *_: None, seed=self._key)
         self.privatizer.bind(opt)
         norms = []
         for _ in range(steps):
@@ -323,7 +320,8 @@ class AggregatorDPSGD:
         x, y: the aggregator dataset.
         model: the server's torch model.
         sigmas: σ_t for every server step of the whole run, shape (T,), ≥ 0.
-        clip_norm, batch_size, lr, seed: as above.
+        clip_norm, batch_size, lr: as above.
+        seed: the server's key (``dpmf.seeds.child_key`` of the run's key; secret).
     """
 
     def __init__(self, x, y, model, *, sigmas, clip_norm: float, batch_size: int, lr: float, seed: int):
@@ -331,9 +329,9 @@ class AggregatorDPSGD:
         self.sigmas = np.asarray(sigmas, dtype=np.float64)
         n = int(y.shape[0])
         steps = int(self.sigmas.size)
-        self.sampler = make_sampler(Poisson.name, n, batch_size, steps, seed=_sub_seed(seed, 11))
+        self.sampler = make_sampler(Poisson.name, n, batch_size, steps, seed=seed)
         dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        self.noise = identity_noise(dim, seed=_sub_seed(seed, 12), steps=steps)
+        self.noise = identity_noise(dim, seed=seed, steps=steps)
         self.clip_norm, self.lr = float(clip_norm), float(lr)
 
     @property
@@ -387,7 +385,7 @@ class ClientLevelNoise:
         factorization: ``identity`` or a strategy (``bisr:4``, ``blt:2``, ``sqrt_prefix``…).
         accountant: ``pld`` (default) or ``rdp``/``prv``.
         dim: number of model coordinates.
-        seed: seed of the noise (keep it secret).
+        seed: the key of the noise (``dpmf.seeds.child_key`` of the run's key; secret).
     """
 
     def __init__(
@@ -419,7 +417,7 @@ class ClientLevelNoise:
         self.plan = _ClientPlan(sigma_acc, float(self.privacy.sensitivity))
         if fact is None:
             fact = factorize(prefix_sum(rounds), "identity")
-        self.noise = noise_for_factorization(fact, dim, seed=_sub_seed(seed, 21), dtype=torch.float64)
+        self.noise = noise_for_factorization(fact, dim, seed=seed, dtype=torch.float64)
         self.clip_norm = float(clip_norm)
 
     @property

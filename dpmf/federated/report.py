@@ -1,15 +1,21 @@
-"""Several seeds of a federated run and their files: per-round metrics, the privacy ledger and a
-summary table (all written atomically, after every seed).
+"""Several replicas of a federated run and their files: per-round metrics, the privacy ledger
+and a summary table (all written atomically, after every replica).
+
+Replicas are numbered 0..k−1. By default each has its own secret key (``dpmf.seeds``) and the
+files record ``seed: null``; with given seeds (``--seeds``) each replica is one seed,
+reproducible, and its noise predictable to whoever knows the seed.
 
 Files in ``out_dir``:
 
-* ``metrics.csv`` — ``seed, round, test_accuracy, test_loss, train_loss`` (round 0: the initial
-  model);
+* ``metrics.csv`` — ``replica, round, test_accuracy, test_loss, train_loss`` (round 0: the
+  initial model);
 * ``ledger.json`` — the configuration, the compliance source, the participants and their σ_k,
-  and every ε of every seed with its unit (``protects``), accountant, guarantee and the
+  where the noise key came from (``noise_key``), what releasing all replicas' models costs
+  (``composition``: k models are a k-fold composition), and every ε of every replica (with its
+  ``seed``, null when secret) with its unit (``protects``), accountant, guarantee and the
   ``vacuous`` flag (ε > 10);
-* ``summary.csv`` — one row per seed: final and round-1 test accuracy, and the ledger's largest
-  ε with its unit.
+* ``summary.csv`` — one row per replica: its seed (empty when secret), final and round-1 test
+  accuracy, and the ledger's largest ε with its unit.
 """
 
 from __future__ import annotations
@@ -20,9 +26,10 @@ import os
 import numpy as np
 
 from dpmf._io import atomic_write_csv, atomic_write_json
+from dpmf._validation import check_int
 from dpmf.federated.ledger import format_entry
 
-__all__ = ["parse_seeds", "run_seeds", "summarize", "mean_sd"]
+__all__ = ["parse_seeds", "run_seeds", "composition", "summarize", "mean_sd"]
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -59,47 +66,101 @@ def _eps(e) -> float | str:
     return "inf" if math.isinf(e.epsilon) else e.epsilon
 
 
-def run_seeds(config, seeds, *, out_dir: str, compliance=None, backend: str = "local", log=print) -> list:
-    """``run_federated`` for each seed (config.seed replaced), writing the three files after
-    each seed. Returns the ``FLResult`` list."""
+def run_seeds(
+    config, seeds=None, *, replicas: int = 1, out_dir: str, compliance=None, backend: str = "local", log=print
+) -> list:
+    """``run_federated`` for each replica, writing the three files after each one. Returns the
+    ``FLResult`` list.
+
+    Args:
+        seeds: None (default): ``replicas`` replicas numbered 0..replicas−1, each with its own
+            secret key (``dpmf.seeds``; ``seed: null`` in the files); a list of seeds: one
+            replica per seed, reproducible, the noise predictable to whoever knows the seeds
+            (``dpmf.seeds.NOTICE`` is logged once).
+        replicas: the number of secret-key replicas (only without ``seeds``).
+
+    Raises:
+        ValueError: both seeds and more than one replica, or replicas < 1.
+    """
     from dpmf.federated.run import run_federated
 
+    replicas = check_int("replicas", replicas, minimum=1)
+    if seeds is not None and replicas != 1:
+        raise ValueError(
+            f"replicas={replicas} is invalid with seeds: give either seeds (one replica per seed) or replicas"
+        )
+    runs = (
+        [config.replace(seed=None, replica=i) for i in range(replicas)]
+        if seeds is None
+        else [config.replace(seed=s, replica=i) for i, s in enumerate(seeds)]
+    )
     results = []
     os.makedirs(out_dir, exist_ok=True)
-    for i, seed in enumerate(seeds):
+    for i, cfg in enumerate(runs):
         quiet = log if i == 0 else (lambda *_: None)  # the notices and the ledger once
-        res = run_federated(config.replace(seed=seed), compliance=compliance, backend=backend, log=quiet)
+        res = run_federated(cfg, compliance=compliance, backend=backend, log=quiet)
         results.append(res)
         log(
-            f"seed {seed}: test accuracy {100 * res.final_accuracy:.2f} % after {config.rounds} rounds "
+            f"replica {i}: test accuracy {100 * res.final_accuracy:.2f} % after {config.rounds} rounds "
             f"({res.seconds:.1f} s)"
         )
         _write(results, out_dir, compliance)
     return results
 
 
+def composition(results) -> dict:
+    """What releasing the models of all replicas costs: k models trained on the same data are a
+    k-fold composition of the mechanism. Basic composition (Dwork & Roth, "The Algorithmic
+    Foundations of Differential Privacy", Thm 3.16) bounds it by the sums of the replicas'
+    largest ε and of their δ."""
+    k = len(results)
+    eps = sum(max(e.epsilon for e in r.ledger) for r in results)
+    delta = sum(max(e.delta for e in r.ledger) for r in results)
+    return {
+        "models": k,
+        "statement": (
+            f"each ε above protects one model; releasing all {k} models (one per replica, trained on "
+            f"the same data) composes their privacy: a {k}-fold composition, at most "
+            f"ε = {eps:.6g}, δ = {delta:.3g} together (basic composition)"
+            if k > 1
+            else "one model: its ε is the whole release's"
+        ),
+        "epsilon_all_models": "inf" if math.isinf(eps) else eps,
+        "delta_all_models": delta,
+    }
+
+
 def _write(results, out_dir: str, compliance) -> None:
     rows = [
-        (r.config.seed, m["round"], m["test_accuracy"], m["test_loss"], m["train_loss"])
+        (r.config.replica, m["round"], m["test_accuracy"], m["test_loss"], m["train_loss"])
         for r in results
         for m in r.metrics
     ]
     atomic_write_csv(
         os.path.join(out_dir, "metrics.csv"),
-        ("seed", "round", "test_accuracy", "test_loss", "train_loss"),
+        ("replica", "round", "test_accuracy", "test_loss", "train_loss"),
         rows,
     )
     first = results[0]
+    secret = all(r.config.seed is None for r in results)
     atomic_write_json(
         os.path.join(out_dir, "ledger.json"),
         {
-            "config": {k: v for k, v in first.config.to_dict().items() if k != "seed"},
+            "config": {k: v for k, v in first.config.to_dict().items() if k not in ("seed", "replica")},
             "compliance": "example" if compliance is None else compliance.source,
             "participants": first.participants,
             "noise_multipliers": first.sigmas,
             "data": first.data,
+            "noise_key": (
+                "secret: drawn from the operating system for each replica, never written"
+                if secret
+                else "given seeds: the noise is predictable to whoever knows them; every ε holds only "
+                "against whoever does not"
+            ),
+            "composition": composition(results),
             "seeds": [
                 {
+                    "replica": r.config.replica,
                     "seed": r.config.seed,
                     "entries": [e.to_dict() for e in r.ledger],
                     "lines": [format_entry(e) for e in r.ledger],
@@ -113,7 +174,8 @@ def _write(results, out_dir: str, compliance) -> None:
         top = max(r.ledger, key=lambda e: e.epsilon)
         srows.append(
             (
-                r.config.seed,
+                r.config.replica,
+                "" if r.config.seed is None else r.config.seed,
                 r.final_accuracy,
                 r.metrics[1]["test_accuracy"] if len(r.metrics) > 1 else float("nan"),
                 _eps(top),
@@ -124,7 +186,16 @@ def _write(results, out_dir: str, compliance) -> None:
         )
     atomic_write_csv(
         os.path.join(out_dir, "summary.csv"),
-        ("seed", "final_accuracy", "round1_accuracy", "max_epsilon", "delta", "protects", "vacuous"),
+        (
+            "replica",
+            "seed",
+            "final_accuracy",
+            "round1_accuracy",
+            "max_epsilon",
+            "delta",
+            "protects",
+            "vacuous",
+        ),
         srows,
     )
 
@@ -136,7 +207,7 @@ def summarize(results) -> str:
     m1, s1 = mean_sd([r.metrics[1]["test_accuracy"] for r in results])
     lines = [
         f"{cfg.dataset}, {cfg.strategy}, privacy {cfg.privacy}, {len(results[0].participants)} of "
-        f"{cfg.num_clients} clients training, {cfg.rounds} rounds, {len(results)} seed(s), "
+        f"{cfg.num_clients} clients training, {cfg.rounds} rounds, {len(results)} replica(s), "
         f"allocation {cfg.allocation}",
         f"  test accuracy after round {cfg.rounds}: {100 * m:.2f} ± {100 * s:.2f} %  (round 1: "
         f"{100 * m1:.2f} ± {100 * s1:.2f} %)",

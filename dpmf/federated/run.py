@@ -21,8 +21,14 @@ receives their training losses (the clients' data are not what this mode protect
 and ``client`` modes weight clients equally and send no training loss (``train_loss`` is NaN),
 since a record count or a loss is a non-private statistic of the protected data.
 
-Privacy note: the noise is a deterministic function of ``seed`` (reproducible runs). A released
-model keeps its guarantee only if the seed stays secret.
+Privacy note: every noise vector (the server's DP-SGD, each client's private run, the
+client-level noise) is drawn from subkeys of the run's key (``dpmf.seeds``). By default
+(``seed=None``) the key is fresh operating-system entropy, drawn for each run (each replica of
+``dpmf fl``) and never written anywhere; results and ledgers record ``seed: null``. A given seed
+is the key: the run is reproducible, its noise predictable to whoever knows the seed
+(``dpmf.seeds.NOTICE`` is logged), and the ledger says so. The public randomness (initial
+weights, data partition, local SGD order) comes from the seed when given, else from
+``replica``.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
+from dpmf import seeds
 from dpmf._validation import check_choice, check_int, check_real
 from dpmf.federated.compliance import ComplianceSet, NoiseMap, example_profiles, uniform_control
 from dpmf.federated.data import DATASETS, PARTITIONS, FederatedData, load_federated
@@ -75,7 +82,12 @@ class FLConfig:
         proximal_mu: FedProx's μ; ``fedopt_eta``: FedAdam/FedYogi's η (None: Flower's default).
         hidden: width of the MLP's hidden layer.
         delta: δ of every reported ε; ``accountant``: ``pld`` (default), ``rdp`` or ``prv``.
-        seed: weights, partition, batches and noise.
+        seed: None (default): a secret key for the noise and the private batches, drawn from
+            the operating system (``dpmf.seeds``); an integer ≥ 0: the key itself (reproducible,
+            the noise predictable to whoever knows it), which also seeds the weights, the
+            partition and the local batches.
+        replica: the replica's number r ≥ 0 (``dpmf fl --replicas``): seeds the public
+            randomness (weights, partition, local SGD order) when ``seed`` is None.
     """
 
     dataset: str = "breast-cancer"
@@ -110,7 +122,8 @@ class FLConfig:
     hidden: int = 32
     delta: float = 1e-5
     accountant: str | None = None
-    seed: int = 0
+    seed: int | None = None
+    replica: int = 0
 
     def __post_init__(self):
         from dpmf.federated.local import LOCAL_OPTIMIZERS
@@ -134,7 +147,8 @@ class FLConfig:
         check_real("delta", self.delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
         if self.accountant is not None:
             check_choice("accountant", self.accountant, ("pld", "rdp", "prv"))
-        check_int("seed", self.seed, minimum=0)
+        seeds.check_seed(self.seed)
+        check_int("replica", self.replica, minimum=0)
         check_choice("local_optimizer", self.local_optimizer, LOCAL_OPTIMIZERS)
         if self.privacy == "client" and self.strategy not in MEAN_STRATEGIES:
             raise ValueError(
@@ -165,6 +179,14 @@ class FLConfig:
 
     def replace(self, **changes) -> FLConfig:
         return replace(self, **changes)
+
+    @property
+    def public_seed(self) -> int:
+        """The seed of the public randomness (weights, partition, local SGD order): the given
+        seed (reduced to 63 bits by ``dpmf.seeds`` when larger), else the replica's number."""
+        if self.seed is None:
+            return self.replica
+        return self.seed if self.seed < 2**63 else seeds.derive_int(self.seed, "fl-public", bits=63)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -239,14 +261,18 @@ def _flwr():
 class _Server:
     """The server side of one run: strategy, privacy mechanism, evaluation, ledger."""
 
-    def __init__(self, config: FLConfig, data: FederatedData, comp: ComplianceSet, idx, sigmas, log):
+    def __init__(
+        self, config: FLConfig, data: FederatedData, comp: ComplianceSet, idx, sigmas, log, key: int
+    ):
         from dpmf.federated import local
         from dpmf.federated.models import build_model, get_weights
 
         self.config, self.data, self.log = config, data, log
         self.ids = [comp.profiles[i].client_id for i in idx]
         self.idx, self.sigmas = list(idx), np.asarray(sigmas, dtype=np.float64)
-        self.model = build_model(data.input_shape, data.num_classes, hidden=config.hidden, seed=config.seed)
+        self.model = build_model(
+            data.input_shape, data.num_classes, hidden=config.hidden, seed=config.public_seed
+        )
         self.initial = get_weights(self.model)
         self.dim = int(sum(v.size for v in self.initial.values()))
         P, R = len(self.idx), config.rounds
@@ -267,12 +293,14 @@ class _Server:
             self.dp = local.AggregatorDPSGD(
                 data.aggregator_x,
                 data.aggregator_y,
-                build_model(data.input_shape, data.num_classes, hidden=config.hidden, seed=config.seed),
+                build_model(
+                    data.input_shape, data.num_classes, hidden=config.hidden, seed=config.public_seed
+                ),
                 sigmas=steps if config.server_noise else np.zeros_like(steps),
                 clip_norm=config.clip_norm,
                 batch_size=config.server_batch_size,
                 lr=config.server_lr,
-                seed=config.seed,
+                seed=seeds.child_key(key, "fl-aggregator"),
             )
             self.steps_per_round = per_round.size
             note = (
@@ -318,7 +346,7 @@ class _Server:
                 factorization=config.client_factorization,
                 accountant=config.accountant,
                 dim=self.dim,
-                seed=config.seed,
+                seed=seeds.child_key(key, "fl-client-noise"),
             )
             pr = self.client_noise.privacy
             note = (
@@ -405,7 +433,7 @@ class _Server:
         return rows
 
 
-def _client_app(config: FLConfig, data: FederatedData, idx, sigmas, ids, server):
+def _client_app(config: FLConfig, data: FederatedData, idx, sigmas, ids, server, key: int):
     """The ClientApp; node i trains participant i's partition. Record mode keeps each
     client's private run (sampler, noise stream) between rounds."""
     from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
@@ -422,7 +450,9 @@ def _client_app(config: FLConfig, data: FederatedData, idx, sigmas, ids, server)
             runs[j] = local.PrivateLocalRun(
                 x,
                 y,
-                build_model(data.input_shape, data.num_classes, hidden=config.hidden, seed=config.seed),
+                build_model(
+                    data.input_shape, data.num_classes, hidden=config.hidden, seed=config.public_seed
+                ),
                 noise_multiplier=float(sigmas[j]),
                 clip_norm=config.clip_norm,
                 batch_size=b,
@@ -433,7 +463,7 @@ def _client_app(config: FLConfig, data: FederatedData, idx, sigmas, ids, server)
                 accountant=config.accountant,
                 optimizer=config.local_optimizer,
                 lr=config.local_lr,
-                seed=int(np.random.SeedSequence([config.seed, 7, i]).generate_state(1)[0] & 0x7FFFFFFF),
+                seed=seeds.child_key(key, "fl-record", i),
             )
             pr = runs[j].privacy
             server.ledger.append(
@@ -470,11 +500,11 @@ def _client_app(config: FLConfig, data: FederatedData, idx, sigmas, ids, server)
         else:
             if j not in plain:
                 plain[j] = build_model(
-                    data.input_shape, data.num_classes, hidden=config.hidden, seed=config.seed
+                    data.input_shape, data.num_classes, hidden=config.hidden, seed=config.public_seed
                 )
             model = plain[j]
             set_weights(model, weights)
-            rng = np.random.default_rng([config.seed, 3, i, r])
+            rng = np.random.default_rng([config.public_seed, 3, i, r])
             loss = local_sgd(
                 model, data.client_x[i], data.client_y[i], steps=steps, batch_size=config.local_batch_size,
                 lr=config.local_lr, proximal_mu=mu, rng=rng,
@@ -552,14 +582,17 @@ def run_federated(
             partition_scheme=config.partition,
             alpha=config.alpha,
             shards=config.shards,
-            seed=config.seed,
+            seed=config.public_seed,
             aggregator_fraction=config.aggregator_fraction,
         )
     for note in data.notes:
         log(f"notice: {note}")
     comp = compliance.select(config.num_clients)
-    server = _Server(config, data, comp, idx, sigmas, log)
-    app = _client_app(config, data, idx, sigmas, server.ids, server)
+    policy = seeds.SeedPolicy.of(config.seed)  # secret unless given; never stored or shown
+    if policy.notice:
+        log(policy.notice)
+    server = _Server(config, data, comp, idx, sigmas, log, policy.key)
+    app = _client_app(config, data, idx, sigmas, server.ids, server, policy.key)
     from flwr.app import Context, RecordDict
     from flwr.serverapp import Grid, ServerApp
 
@@ -587,6 +620,11 @@ def run_federated(
         )
         if "rows" not in out:
             raise RuntimeError("the Ray simulation ended without results (see Flower's log above)")
+    if not policy.is_secret:  # the guarantee holds only against whoever does not know the seed
+        server.ledger[:] = [
+            replace(e, note=e.note + "; the seed was given: only against whoever does not know it")
+            for e in server.ledger
+        ]
     for e in server.ledger:
         log(f"privacy: {format_entry(e)}")
     data_info = {

@@ -29,15 +29,20 @@ states the bound. Each step also uses O(d) working memory (the output and one ra
 Regenerating costs compute instead: O(t·d) random numbers at step t for full Toeplitz and
 dense C⁻¹ (O(n²d) over a run), O(p·d) per step for a banded C⁻¹.
 
-Raw noise: z_t is drawn from a ``torch.Generator`` seeded with a 63-bit integer derived from
-(seed, t) by ``numpy.random.SeedSequence``, so any z_t can be regenerated exactly, the whole
-stream is a function of ``seed`` and the checkpointable state is the step counter plus the
-buffers. Output is in the requested dtype; raw noise, recursions and buffers use that dtype,
-except for float16/bfloat16 models, whose noise is computed in float32 and rounded at the end.
+Raw noise: z_t is drawn by numpy's ``Philox`` generator keyed by the 128-bit subkey
+``dpmf.seeds.derive(key, "noise", t)`` of the run's secret key (``dpmf.seeds``: keyed BLAKE2b,
+then Philox-4×64; the normals are numpy's ``standard_normal`` in the work dtype, moved to the
+device), so any z_t can be regenerated exactly, the whole stream is a function of the key and
+the checkpointable state is the step counter plus the buffers. The key is compared with a
+checkpoint's by a salted digest (never stored in the fingerprint or shown in a message); the
+fingerprint carries the derivation's version (``dpmf.seeds.DERIVATION``), so a checkpoint of
+another derivation is refused in one line. Output is in the requested dtype; raw noise,
+recursions and buffers use that dtype, except for float16/bfloat16 models, whose noise is
+computed in float32 and rounded at the end.
 
 Raw noise keyed by coordinate (``ChunkedKeys``): for a run spread over processes, z_t is
-instead drawn in chunks of at most ``CHUNK_ENTRIES`` entries, chunk c of parameter j from a
-generator seeded by (seed, t, j, c). The global noise is then a function of those keys alone,
+instead drawn in chunks of at most ``CHUNK_ENTRIES`` entries, chunk c of parameter j from the
+subkey ``derive(key, "noise", t, j, c)``. The global noise is then a function of those keys alone,
 whatever the number of processes and however the parameters are split between them: a
 generator built for a subset of the parameters (``ChunkedKeys.owned``) produces exactly those
 parameters' coordinates of the full stream, with state for them only (the recursions act
@@ -60,6 +65,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dpmf import seeds
 from dpmf._validation import check_choice, check_int, check_vector
 from dpmf.mechanisms.streaming import (
     NOISE_MODES,
@@ -81,30 +87,26 @@ __all__ = [
     "BLTNoise",
     "DenseInverseNoise",
     "identity_noise",
-    "step_seed",
+    "raw_generator",
     "noise_for_factorization",
 ]
-
-_SEED_MASK = (1 << 63) - 1
-
 
 CHUNK_ENTRIES = 1 << 16
 
 
-def step_seed(seed: int, step: int, *key: int) -> int:
-    """The 63-bit seed of the raw noise z_step of a stream with ``seed`` (SeedSequence mix);
-    extra ``key`` integers (parameter, chunk) select one chunk of a ``ChunkedKeys`` stream."""
-    entropy = [int(seed), int(step), *(int(k) for k in key)]
-    state = np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)
-    return int(state[0]) & _SEED_MASK
+def raw_generator(key: int, step: int, *index: int) -> np.random.Generator:
+    """The generator of the raw noise z_step of a stream with ``key``: numpy ``Philox`` keyed by
+    ``dpmf.seeds.derive(key, "noise", step, *index)``; ``index`` = (parameter, chunk) selects
+    one chunk of a ``ChunkedKeys`` stream."""
+    return seeds.generator(key, "noise", int(step), *(int(i) for i in index))
 
 
 @dataclass(frozen=True)
 class ChunkedKeys:
-    """Raw noise keyed by (seed, step, parameter, chunk) instead of (seed, step).
+    """Raw noise keyed by (key, step, parameter, chunk) instead of (key, step).
 
     Coordinate i of parameter j at step t is entry i mod ``chunk`` of the ``chunk``-sized block
-    ⌊i/chunk⌋ drawn from a generator seeded by ``step_seed(seed, t, j, ⌊i/chunk⌋)``. A
+    ⌊i/chunk⌋ drawn from ``raw_generator(key, t, j, ⌊i/chunk⌋)``. A
     generator with these keys covers the parameters ``owned`` (in increasing order), their
     coordinates concatenated: d = Σ_{j∈owned} sizes[j].
 
@@ -167,11 +169,12 @@ class CorrelatedNoise(ABC):
 
     Args:
         dim: d ≥ 1, the number of noised coordinates (all trainable parameters together).
-        seed: integer seed of the raw noise stream.
+        seed: the run's key (an integer ≥ 0: a secret drawn key, ``dpmf.seeds``, or a given
+            seed); every raw noise is drawn from a subkey derived from it. Never shown.
         steps: n, the number of steps the strategy covers; ``next()`` refuses step n+1.
         device, dtype: where and in which precision the noise is produced.
-        keys: None (default): one raw stream keyed by (seed, step); a ``ChunkedKeys``: raw
-            noise keyed by (seed, step, parameter, chunk), for the owned parameters only
+        keys: None (default): one raw stream keyed by (key, step); a ``ChunkedKeys``: raw
+            noise keyed by (key, step, parameter, chunk), for the owned parameters only
             (then ``dim`` must equal ``keys.dim``, and may be 0).
     """
 
@@ -186,7 +189,9 @@ class CorrelatedNoise(ABC):
             raise ValueError(
                 f"dim={dim} is invalid: the keys cover {keys.dim} coordinates of the owned parameters"
             )
-        self.seed = check_int("seed", seed, minimum=0)
+        self.seed = seeds.check_seed(seed)
+        if self.seed is None:
+            raise TypeError("seed=None is invalid here: give the run's key (dpmf.seeds.draw_key())")
         self.steps = check_int("steps", steps, minimum=1)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype={dtype!r} is invalid: must be a floating torch.dtype")
@@ -195,24 +200,46 @@ class CorrelatedNoise(ABC):
         # half-precision models get their noise computed (and its state kept) in float32
         self.work_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
         self.step = 0
-        self._gen = torch.Generator(device=self.device)
+        self._np_dtype = np.float32 if self.work_dtype == torch.float32 else np.float64
 
     # -- raw noise ------------------------------------------------------------------------
     def raw_noise(self, step: int) -> torch.Tensor:
-        """z_step ~ N(0, I_d), regenerated exactly from (seed, step) — or, with ``ChunkedKeys``,
-        chunk by chunk from (seed, step, parameter, chunk). Shape (d,)."""
-        kw = {"generator": self._gen, "device": self.device, "dtype": self.work_dtype}
+        """z_step ~ N(0, I_d), regenerated exactly from (key, step) — or, with ``ChunkedKeys``,
+        chunk by chunk from (key, step, parameter, chunk). Shape (d,)."""
+        out = np.empty(self.dim, dtype=self._np_dtype)
         if self.keys is None:
-            self._gen.manual_seed(step_seed(self.seed, step))
-            return torch.randn(self.dim, **kw)
-        out = torch.empty(self.dim, device=self.device, dtype=self.work_dtype)
-        chunk = self.keys.chunk
-        for j, (start, stop) in self.keys.offsets().items():
-            for c, a in enumerate(range(start, stop, chunk)):
-                b = min(a + chunk, stop)
-                self._gen.manual_seed(step_seed(self.seed, step, j, c))
-                out[a:b] = torch.randn(b - a, **kw)
-        return out
+            raw_generator(self.seed, step).standard_normal(out=out, dtype=self._np_dtype)
+        else:
+            chunk = self.keys.chunk
+            for j, (start, stop) in self.keys.offsets().items():
+                for c, a in enumerate(range(start, stop, chunk)):
+                    b = min(a + chunk, stop)
+                    raw_generator(self.seed, step, j, c).standard_normal(out=out[a:b], dtype=self._np_dtype)
+        z = torch.from_numpy(out)
+        if z.dtype != self.work_dtype:  # float16/bfloat16 never reach here (work dtype float32)
+            z = z.to(self.work_dtype)
+        return z if self.device.type == "cpu" else z.to(self.device, non_blocking=False)
+
+    def use_key(self, key: int) -> None:
+        """Adopt ``key`` (a checkpoint's, on resume) for every later raw noise."""
+        key = seeds.check_seed(key, "key")
+        if key is None:
+            raise TypeError("key=None is invalid: give the checkpoint's key")
+        self.seed = key
+
+    def _key_check(self) -> dict:
+        salt = seeds.new_salt()
+        return {"salt": salt, "digest": seeds.key_digest(self.seed, salt)}
+
+    def _check_key(self, saved: dict | None) -> None:
+        """Refuse state saved under another key (compared by salted digest, never shown)."""
+        if not isinstance(saved, dict) or "salt" not in saved:
+            raise ValueError("noise state is invalid: it records no key check (not written by this dpmf)")
+        if seeds.key_digest(self.seed, saved["salt"]) != saved.get("digest"):
+            raise ValueError(
+                "noise state is invalid for this generator: it was saved under another noise key "
+                "(resume with the checkpoint's own key: the run adopts it when no other seed is given)"
+            )
 
     # -- streaming ------------------------------------------------------------------------
     def next(self) -> torch.Tensor:
@@ -256,16 +283,18 @@ class CorrelatedNoise(ABC):
 
     def fingerprint(self) -> dict:
         """What must match for a checkpoint to be loaded into this generator."""
-        out = {"kind": self.kind, "dim": self.dim, "seed": self.seed, "steps": self.steps}
+        out = {"kind": self.kind, "derivation": seeds.DERIVATION, "dim": self.dim, "steps": self.steps}
         if self.keys is not None:
             out.update(self.keys.describe())
         return out
 
     def state_dict(self) -> dict:
-        """The step counter, the fingerprint and copies of the buffers (on CPU)."""
+        """The step counter, the fingerprint, a salted digest of the key (``key_check``) and
+        copies of the buffers (on CPU)."""
         return {
             "step": self.step,
             "fingerprint": self.fingerprint(),
+            "key_check": self._key_check(),
             "tensors": {k: v.detach().cpu().clone() for k, v in self._state_tensors().items()},
         }
 
@@ -273,14 +302,11 @@ class CorrelatedNoise(ABC):
         """Restore a ``state_dict()``.
 
         Raises:
-            ValueError: the checkpoint belongs to a different generator (kind, d, seed, n or
-                coefficients differ).
+            ValueError: the checkpoint belongs to a different generator (derivation version,
+                kind, d, n or coefficients differ) or was saved under another key.
         """
-        if state.get("fingerprint") != self.fingerprint():
-            raise ValueError(
-                "noise state is invalid for this generator: checkpoint has "
-                f"{state.get('fingerprint')}, generator is {self.fingerprint()}"
-            )
+        _compare_fingerprints(state.get("fingerprint"), self.fingerprint())
+        self._check_key(state.get("key_check"))
         self.step = check_int("step", state["step"], minimum=0, maximum=self.steps)
         self._load_tensors({k: v.to(self.device, self.work_dtype) for k, v in state["tensors"].items()})
 
@@ -301,6 +327,7 @@ class CorrelatedNoise(ABC):
         return {
             "step": self.step,
             "fingerprint": _shared_fingerprint(self.fingerprint()),
+            "key_check": self._key_check(),
             "parameters": {
                 j: {k: v[..., a:b].detach().cpu().clone() for k, v in tensors.items()}
                 for j, (a, b) in offsets.items()
@@ -312,8 +339,8 @@ class CorrelatedNoise(ABC):
         (e.g. one per process of a run with another number of processes).
 
         Raises:
-            ValueError: another generator (kind, seed, steps, coefficients, sizes), steps that
-                disagree, or an owned parameter missing from ``states``.
+            ValueError: another generator (derivation, kind, steps, coefficients, sizes), another
+                key, steps that disagree, or an owned parameter missing from ``states``.
         """
         offsets = self._chunked_offsets("load_parameter_state")
         states = list(states)
@@ -321,11 +348,8 @@ class CorrelatedNoise(ABC):
         merged: dict = {}
         steps = set()
         for st in states:
-            if st.get("fingerprint") != mine:
-                raise ValueError(
-                    f"noise state is invalid for this generator: saved {st.get('fingerprint')}, "
-                    f"generator is {mine}"
-                )
+            _compare_fingerprints(st.get("fingerprint"), mine)
+            self._check_key(st.get("key_check"))
             steps.add(int(st["step"]))
             merged.update(st["parameters"])
         if len(steps) != 1:
@@ -347,6 +371,22 @@ class CorrelatedNoise(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(dim={self.dim}, steps={self.steps}, step={self.step})"
+
+
+def _compare_fingerprints(saved, mine: dict) -> None:
+    """One-line refusal naming what differs (a fingerprint holds nothing secret)."""
+    saved = saved if isinstance(saved, dict) else {}
+    if saved.get("derivation") != mine["derivation"]:
+        theirs = saved.get("derivation")
+        raise ValueError(
+            "noise state is invalid for this generator: it was written with the noise derivation "
+            f"{theirs if theirs is not None else 'of an older dpmf'!s}, this dpmf derives noise with "
+            f"{mine['derivation']}; such a checkpoint cannot be resumed (start the run again)"
+        )
+    if saved != mine:
+        diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
+        detail = ", ".join(f"{k}: {saved.get(k)!r} saved, {mine.get(k)!r} here" for k in diff)
+        raise ValueError(f"noise state is invalid for this generator: {detail}")
 
 
 def _shared_fingerprint(fp: dict) -> dict:
@@ -388,7 +428,7 @@ class ToeplitzInverseNoise(CorrelatedNoise):
             length p ≤ n, g_0 ≠ 0.
         row_scale, col_scale: r and s, shape (n,), non-zero; None for ones.
         mode: ``"buffer"`` keeps the p−1 previous scaled raw noises s·z ((p−1)·d state);
-            ``"regenerate"`` redraws them from their seeds at every step (no state, p× the
+            ``"regenerate"`` redraws them from their keys at every step (no state, p× the
             random-number work).
         dim, seed, steps, device, dtype: as ``CorrelatedNoise``.
 
@@ -737,7 +777,7 @@ def noise_for_factorization(
     Args:
         factorization: a ``dpmf.mechanisms.Factorization`` (n steps).
         dim: d, the number of noised coordinates.
-        seed: seed of the raw noise stream.
+        seed: the run's key (secret; ``dpmf.seeds``).
         device, dtype: of the produced noise (the model's).
         mode: ``"buffer"`` or ``"regenerate"`` for a Toeplitz-inverse generator; None picks
             buffer for a banded C⁻¹ (p < n) and regenerate for a full one.

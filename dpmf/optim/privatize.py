@@ -315,17 +315,21 @@ class Privatizer:
         """Called after each optimizer step (a distributed step returns the parameters to
         every process here); nothing in one process."""
 
+    def use_key(self, key: int) -> None:
+        """Adopt the run's ``key`` for the noise stream (a checkpoint's, on resume)."""
+        self.noise.use_key(key)
+
 
 def _check_noise_matches_plan(noise: CorrelatedNoise, plan) -> None:
     """Refuse a noise stream that is not the plan's strategy's (another generator, other
     coefficients, or another number of steps)."""
     expected = plan.noise(1, 0, device=noise.device, dtype=noise.dtype)  # d = 1: no large buffers
     theirs, ours = noise.fingerprint(), expected.fingerprint()
-    for key in ("seed", "dim", "mode", "keys", "chunk", "sizes", "owned"):
+    for key in ("dim", "mode", "keys", "chunk", "sizes", "owned"):
         theirs.pop(key, None)
         ours.pop(key, None)
     if theirs != ours:
         raise ValueError(
             f"noise is invalid for this plan: it streams {theirs}, the plan's strategy "
-            f"{plan.label!r} needs {ours}; build it with plan.noise(dim, seed)"
+            f"{plan.label!r} needs {ours}; build it with plan.noise(dim, key)"
         )

@@ -24,7 +24,10 @@ size B̄ (``expected_batch_size``: B for the Poisson schemes, N/b for bins and f
 public number, is what the private gradient is divided by. Every sampler returns index arrays
 (int64, sorted), one per step, for exactly ``steps`` steps; an empty array is a step too (a
 noise-only update, counted by the accountant). Randomness comes from one
-``numpy.random.Generator`` per sampler whose state is checkpointed with ``state_dict()``.
+``numpy.random.Generator`` per sampler — ``Philox`` keyed by the 128-bit subkey
+``dpmf.seeds.derive(key, "sampler")`` of the run's key — whose state is checkpointed with
+``state_dict()`` (a private file: batch membership is secret); the key is checked on load by
+a salted digest, never shown.
 
 Sources: Poisson subsampling — Abadi et al., CCS 2016; cyclic Poisson for banded strategies —
 Choquette-Choo et al., "Amplified Banded Matrix Factorization: A unified approach to private
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dpmf import seeds as _seeds
 from dpmf._validation import check_int
 
 __all__ = [
@@ -66,13 +70,14 @@ def steps_per_epoch(dataset_size: int, batch_size: int) -> int:
 
 
 class BatchSampler:
-    """Common part: N examples, T steps, a seeded generator, a step counter.
+    """Common part: N examples, T steps, a keyed generator, a step counter.
 
     Args:
         dataset_size: N ≥ 1.
         batch_size: B in [1, N], the (expected) batch size.
         steps: T ≥ 1, the number of steps of the run.
-        seed: integer ≥ 0.
+        seed: the run's key, an integer ≥ 0 (secret: ``dpmf.seeds``); the generator is keyed by
+            its subkey ``derive(seed, "sampler")``.
     """
 
     scheme = ""
@@ -82,8 +87,10 @@ class BatchSampler:
         self.dataset_size = int(dataset_size)
         self.batch_size = int(batch_size)
         self.steps = check_int("steps", steps, minimum=1)
-        self.seed = check_int("seed", seed, minimum=0)
-        self.rng = np.random.default_rng(self.seed)
+        self.seed = _seeds.check_seed(seed)
+        if self.seed is None:
+            raise TypeError("seed=None is invalid here: give the run's key (dpmf.seeds.draw_key())")
+        self.rng = _seeds.generator(self.seed, "sampler")
         self.step = 0
         self._setup()
 
@@ -132,13 +139,16 @@ class BatchSampler:
             yield self.next()
 
     def state_dict(self) -> dict:
-        """Step counter, generator state and the fixed structures of the run."""
+        """Step counter, generator state, the fixed structures of the run and a salted digest
+        of the key (``key_check``; the generator state itself is secret)."""
+        salt = _seeds.new_salt()
         return {
             "scheme": self.scheme,
             "dataset_size": self.dataset_size,
             "batch_size": self.batch_size,
             "steps": self.steps,
-            "seed": self.seed,
+            "derivation": _seeds.DERIVATION,
+            "key_check": {"salt": salt, "digest": _seeds.key_digest(self.seed, salt)},
             "step": self.step,
             "rng": self.rng.bit_generator.state,
             "fixed": {k: np.array(v) for k, v in self._fixed().items()},
@@ -148,14 +158,27 @@ class BatchSampler:
         """Restore ``state_dict()``.
 
         Raises:
-            ValueError: the state belongs to a sampler with other settings.
+            ValueError: the state belongs to a sampler with other settings, another key
+                derivation or another key (never shown).
         """
-        for key in ("scheme", "dataset_size", "batch_size", "steps", "seed"):
+        for key in ("scheme", "dataset_size", "batch_size", "steps"):
             if state.get(key) != getattr(self, key):
                 raise ValueError(
                     f"sampler state is invalid: {key}={state.get(key)!r} in the checkpoint, "
                     f"{getattr(self, key)!r} here"
                 )
+        if state.get("derivation") != _seeds.DERIVATION:
+            raise ValueError(
+                "sampler state is invalid: it was written with another key derivation "
+                f"({state.get('derivation') or 'of an older dpmf'}; this dpmf uses "
+                f"{_seeds.DERIVATION}); such a checkpoint cannot be resumed (start the run again)"
+            )
+        check = state.get("key_check") or {}
+        if "salt" not in check or _seeds.key_digest(self.seed, str(check["salt"])) != check.get("digest"):
+            raise ValueError(
+                "sampler state is invalid: it was saved under another key (resume with the "
+                "checkpoint's own key: the run adopts it when no other seed is given)"
+            )
         self.step = check_int("step", state["step"], minimum=0, maximum=self.steps)
         self.rng.bit_generator.state = state["rng"]
         for k, v in state["fixed"].items():
@@ -163,6 +186,21 @@ class BatchSampler:
 
     def _fixed(self) -> dict:
         return {}
+
+    def use_key(self, key: int) -> None:
+        """Adopt ``key`` (a checkpoint's, on resume, before ``load_state_dict``); the generator
+        state itself comes from the checkpoint."""
+        key = _seeds.check_seed(key, "key")
+        if key is None:
+            raise TypeError("key=None is invalid: give the checkpoint's key")
+        self.seed = key
+        self.rng = _seeds.generator(key, "sampler")
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(dataset_size={self.dataset_size}, batch_size={self.batch_size}, "
+            f"steps={self.steps}, step={self.step})"
+        )
 
 
 class PoissonSampler(BatchSampler):

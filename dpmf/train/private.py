@@ -26,13 +26,15 @@ out of the loader as empty tensors, and ``backward`` on it adds the noise only (
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
+from dpmf import seeds
 from dpmf._validation import check_choice, check_int, check_real
 from dpmf.mechanisms.registry import STRATEGIES, parse_factorization
 from dpmf.optim.clipping import trainable_parameters
@@ -181,7 +183,7 @@ class PrivateTraining:
         privatizer: the private step (clip → sum → noise → ÷ B̄).
         clip_norm: ζ.
         seed_given: whether the noise seed was given (then the noise is predictable to whoever
-            knows it).
+            knows it); False: the run's key is secret (``dpmf.seeds``).
     """
 
     model: nn.Module
@@ -191,7 +193,7 @@ class PrivateTraining:
     privatizer: Privatizer
     clip_norm: float
     seed_given: bool
-    _seed: int
+    _seed: int = field(repr=False)
     _delta: float | None
     _base_lrs: list
     _multipliers: object
@@ -300,12 +302,12 @@ class PrivateTraining:
         return export_files(out_dir, self.model, self.ledger(delta))
 
     def state_dict(self) -> dict:
-        """Everything needed to resume: weights, optimizer, sampler, noise stream and the seed.
+        """Everything needed to resume: weights, optimizer, sampler, noise stream and the key.
         It holds the run's secrets: keep it private (``export`` is what can be shared)."""
         return {
             "format": _FORMAT,
             "plan": self.plan.to_dict(),
-            "secret": {"seed": self._seed},
+            "secret": {"seed": self._seed, "given": self.seed_given},
             "step": self.steps_taken,
             "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
@@ -314,15 +316,18 @@ class PrivateTraining:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore ``state_dict()`` of the same plan.
+        """Restore ``state_dict()`` of the same plan. A run made with ``seed=None`` adopts the
+        state's key (secret or given); a run made with a seed refuses a state of another key.
 
         Raises:
-            ValueError: another format or plan, or an inconsistent state.
+            ValueError: another format or plan, another key than a given seed, or an
+                inconsistent state (no key is ever shown).
         """
         if not isinstance(state, dict) or state.get("format") != _FORMAT:
             raise ValueError("state is invalid: not a make_private state (format mismatch)")
         if state.get("plan") != self.plan.to_dict():
             raise ValueError("state is invalid: it belongs to another plan (data size, batches, scheme or σ)")
+        self._adopt_key(state.get("secret"))
         load_noise_state(self.privatizer.noise, state["noise"], "state")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -330,6 +335,24 @@ class PrivateTraining:
         keep_own_optimizer_state(self.optimizer, self.privatizer)
         if self.sampler.step != self.privatizer.noise.step:
             raise ValueError("state is invalid: sampler and noise stream are at different steps")
+
+    def _adopt_key(self, secret) -> None:
+        key = secret.get("seed") if isinstance(secret, dict) else None
+        if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+            raise ValueError("state is invalid: it holds no noise key to resume with")
+        given = bool(secret.get("given", False))
+        if self.seed_given:
+            if key != self._seed:
+                raise ValueError(
+                    "state is invalid for this run: it was saved under another key than the seed given "
+                    "to make_private (give that run's seed, or seed=None to adopt the saved key)"
+                )
+            return
+        if given:
+            print(seeds.NOTICE, file=sys.stderr)
+        self.seed_given, self._seed = given, key
+        self.privatizer.use_key(key)
+        self.sampler.use_key(key)
 
     def save(self, path: str) -> None:
         """``state_dict()`` to ``path``, atomically (a private file: it holds the secrets). In a
@@ -458,8 +481,11 @@ def make_private(
             built for the workload A_χ and ``backward`` sets each group's lr to η·χ_t.
         clip_norm: ζ > 0.
         accountant: None (the scheme's default) or pld/rdp/prv/monte_carlo.
-        seed: None (default): the noise and sampling seed is drawn from the operating system's
-            entropy; a given seed makes the noise predictable to whoever knows it.
+        seed: None (default): the run's key (noise and sampling) is 256 bits of the operating
+            system's entropy, kept only in memory and in ``state_dict``/``save`` (``resume``
+            adopts a saved key); a given seed (any integer ≥ 0) is the key: the run is
+            reproducible and its noise predictable to whoever knows it (``dpmf.seeds.NOTICE``
+            is printed to stderr).
         max_bands: the memory budget of ``factorization="auto"``.
         micro_batch_size: per-example gradients held at once (None: automatic).
         clipping: how per-example norms and the clipped sum are computed: ``"auto"`` (ghost
@@ -515,8 +541,7 @@ def make_private(
             "target_delta", target_delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False
         )
     clip_norm = check_real("clip_norm", clip_norm, low=0.0, low_inclusive=False)
-    if seed is not None:
-        seed = check_int("seed", seed, minimum=0)
+    policy = seeds.SeedPolicy.of(seed)
     num_workers = check_int("num_workers", num_workers, minimum=0)
     check_choice("noise_keys", noise_keys, NOISE_KEYS)
     check_choice("distributed_mode", distributed_mode, DISTRIBUTED_MODES)
@@ -545,7 +570,6 @@ def make_private(
             )
 
     from dpmf.optim.schedules import LearningRateSchedule
-    from dpmf.train.run import draw_seed, sub_seed
 
     spec, scheme_name = _resolve(
         N,
@@ -567,14 +591,15 @@ def make_private(
         plan = plan.with_noise(noise_multiplier, privacy=res)
     else:
         plan = plan.calibrate(target_epsilon, target_delta, **mc)
-    seed_given = seed is not None
-    master = seed if seed_given else draw_seed()
+    if policy.notice:
+        print(policy.notice, file=sys.stderr)
+    seed_given, master = not policy.is_secret, policy.key
     p0 = next(p for _, p in trainable_parameters(module))
     sizes = tuple(p.numel() for _, p in trainable_parameters(module))
     if comm is not None:
         from dpmf.distributed import DistributedPrivatizer, RankSlices
 
-        if not seed_given:  # rank 0's secret seed, sent in memory only
+        if not seed_given:  # rank 0's secret key, sent in memory only
             master = comm.all_gather_object(master if comm.rank == 0 else None)[0]
         privatizer = DistributedPrivatizer(
             module,
@@ -582,16 +607,16 @@ def make_private(
             collectives=comm,
             plan=plan,
             clip_norm=clip_norm,
-            seed=sub_seed(master, 2),
+            seed=master,
             mode=distributed_mode,
             optimizer=optimizer,
             micro_batch_size=micro_batch_size,
             clipping=clipping,
         )
-        sampler = RankSlices(plan.sampler(sub_seed(master, 1)), comm.rank, comm.world_size)
+        sampler = RankSlices(plan.sampler(master), comm.rank, comm.world_size)
     else:
         keys = ChunkedKeys(sizes) if noise_keys == "chunked" else None
-        noise = plan.noise(sum(sizes), sub_seed(master, 2), device=p0.device, dtype=p0.dtype, keys=keys)
+        noise = plan.noise(sum(sizes), master, device=p0.device, dtype=p0.dtype, keys=keys)
         privatizer = Privatizer(
             module,
             loss_fn,
@@ -601,7 +626,7 @@ def make_private(
             micro_batch_size=micro_batch_size,
             clipping=clipping,
         )
-        sampler = plan.sampler(sub_seed(master, 1))
+        sampler = plan.sampler(master)
     loader = DataLoader(
         dataset,
         batch_sampler=sampler,

@@ -11,28 +11,28 @@ Files in ``out_dir``: ``results.json`` (config, privacy, final metrics; written 
 and at the end), ``metrics.csv``, ``curves.png`` and ``checkpoint.pt`` (every epoch), all
 written atomically.
 
-Privacy note: the noise is a deterministic function of the seed (that is what makes a run
-resumable). By default (``seed=None``) the seed is drawn from the operating system's entropy
-and written only to the checkpoint (needed to resume), never to ``results.json`` or the export
-(``model.pt`` and ``privacy.json``); the checkpoint holds the run's secrets (seed, noise buffers,
-sampler state) and must not be published. A given seed makes the noise predictable to whoever
-knows it (the run says so).
+Privacy note: the noise is a deterministic function of the run's key (that is what makes a run
+resumable). By default (``seed=None``) the key is 256 bits drawn from the operating system's
+entropy (``dpmf.seeds``) and written only to the checkpoint (needed to resume; a resumed run
+adopts it), never to ``results.json`` (``seed: null``) or the export (``model.pt`` and
+``privacy.json``); the checkpoint holds the run's secrets (key, noise buffers, sampler state)
+and must not be published. A given seed is the key: the run is reproducible and its noise
+predictable to whoever knows the seed (the run prints ``dpmf.seeds.NOTICE``).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import secrets
 import time
 import warnings
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpmf import seeds
 from dpmf._io import atomic_write_json
 from dpmf.optim import (
     DPSGD,
@@ -104,9 +104,15 @@ class TrainResult:
         return float(self.metrics[-1]["test_accuracy"])
 
 
+_PURPOSES = ("model", "sampler", "noise", "probes")
+
+
 def sub_seed(seed: int, purpose: int) -> int:
-    """An independent 31-bit seed for one purpose (0 model, 1 sampler, 2 noise, 3 probes)."""
-    return int(np.random.SeedSequence([int(seed), int(purpose)]).generate_state(1)[0] & 0x7FFFFFFF)
+    """A 63-bit seed for one purpose (0 model, 1 sampler, 2 noise, 3 probes) derived from the
+    run's key by ``dpmf.seeds.derive_int`` (for ``torch.manual_seed``-style consumers: the
+    model's initial weights, DP-MuonBC's public probes; the sampler and the noise derive their
+    own 128-bit subkeys from the key itself)."""
+    return seeds.derive_int(int(seed), _PURPOSES[purpose], bits=63)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -222,8 +228,8 @@ def _mc_seed(config: TrainConfig) -> int:
 
 
 def draw_seed() -> int:
-    """A 31-bit seed from the operating system's entropy (``secrets``)."""
-    return secrets.randbits(31)
+    """A secret key of ``dpmf.seeds.KEY_BITS`` bits from the operating system's entropy."""
+    return seeds.draw_key()
 
 
 def choose_strategy(config: TrainConfig, dataset_size: int, steps: int, *, progress=True, log=print):
@@ -276,8 +282,8 @@ def train(
     Args:
         config: the run (validated).
         out_dir: output folder (created).
-        resume: continue from ``out_dir/checkpoint.pt`` (same config and seed); the final
-            weights equal those of an uninterrupted run.
+        resume: continue from ``out_dir/checkpoint.pt`` (same config and seed; a secret key is
+            adopted from the checkpoint); the final weights equal those of an uninterrupted run.
         progress: show progress bars.
         on_epoch_end: callables ``f(epoch, row)`` after each epoch's checkpoint.
         log: where to print notices and the summary (``print``; a no-op silences them).
@@ -335,16 +341,18 @@ def train(
                 + (" (or --distributed)" if saved_keys == "chunked" else "")
             )
         check_resumable(saved, config.run_identity(), checkpoint)
-    seed_given = config.seed is not None
-    if seed_given:
-        seed = config.seed
-        log(f"notice: seed {seed} was given: the noise is predictable to whoever knows it")
-    elif saved is not None:
-        seed = saved_seed(checkpoint, saved)
+    if config.seed is not None:
+        policy = seeds.SeedPolicy.of(config.seed)
+        log(policy.notice)
+    elif saved is not None:  # resume adopts the checkpoint's secret key
+        policy = seeds.SeedPolicy.adopt(saved_seed(checkpoint, saved), given=False)
     else:
-        seed = draw_seed()
-    if collectives is not None and not seed_given:  # rank 0's secret seed, in memory only
-        seed = collectives.all_gather_object(seed if collectives.rank == 0 else None)[0]
+        policy = seeds.SeedPolicy.of(None)
+    if collectives is not None and policy.is_secret:  # rank 0's secret key, in memory only
+        policy = seeds.SeedPolicy.adopt(
+            collectives.all_gather_object(policy.key if collectives.rank == 0 else None)[0], given=False
+        )
+    seed_given, seed = not policy.is_secret, policy.key
     if data is None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -369,7 +377,7 @@ def train(
     model = build_model(config.model, data.input_shape, data.num_classes, seed=sub_seed(seed, 0))
     model = model.to(device)
     dtype = next(model.parameters()).dtype
-    sampler = plan.sampler(sub_seed(seed, 1))
+    sampler = plan.sampler(seed)  # keyed by derive(seed, "sampler")
     optimizer = build_optimizer(config, model, log=log, seed=seed)
     if collectives is not None:
         from dpmf.distributed.step import DistributedPrivatizer
@@ -380,7 +388,7 @@ def train(
             collectives=collectives,
             plan=plan,
             clip_norm=config.clip_norm,
-            seed=sub_seed(seed, 2),
+            seed=seed,
             mode=config.distributed_mode,
             optimizer=optimizer,
             micro_batch_size=config.micro_batch_size,
@@ -390,7 +398,7 @@ def train(
     else:
         sizes = tuple(p.numel() for _, p in trainable_parameters(model))
         keys = ChunkedKeys(sizes) if config.noise_keys == "chunked" else None
-        noise = plan.noise(sum(sizes), sub_seed(seed, 2), device=device, dtype=dtype, keys=keys)
+        noise = plan.noise(sum(sizes), seed, device=device, dtype=dtype, keys=keys)
         privatizer = Privatizer(
             model,
             F.cross_entropy,
