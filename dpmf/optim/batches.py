@@ -20,15 +20,19 @@ twice (gradient accumulation by two backward calls, or the same batch in adjacen
 
 Fingerprints: each tensor of a batch with one row per example is reduced to two random
 projections per example, f_i = x_i·W (x_i flattened, W ∈ R^{D×2} a fixed N(0, 1) matrix,
-float64), and a_i = |x_i|·|W|. A received tensor matches a recorded one if its projections
-agree within the rounding of its dtype: |f_i − f'_i| ≤ (eps(dtype) + 10⁻¹⁰)·a_i (plus the
-smallest normal number times Σ|W| for flushed subnormals), so moving a batch to another device
-or dtype (float32 → bfloat16, uint8 → float32) is accepted, while any other change of an
-example's values, order or count is refused (two different examples agree on both projections
-with probability about (eps·‖x‖₁/‖x − x'‖₂)², per example). The cost is two float64
-matrix–vector products per example and tensor, O(B·D), against the forward and backward of
-B examples. It is a guard against mistakes in a loop, not against a user who forges batches:
-whoever runs the loop can always break the guarantee on purpose.
+float64), and its norm r_i = ‖x_i‖₂. A received tensor matches a recorded one if its
+projections agree within the rounding of its dtype: converting x_i to a dtype of machine
+epsilon eps moves each entry by at most eps/2·|x_ij|, so f_i by at most
+eps/2·Σ_j|W_jk||x_ij| ≤ eps/2·‖W_k‖₂·r_i (Cauchy–Schwarz); the test is
+|f_ik − f'_ik| ≤ (eps + 10⁻¹⁰)·‖W_k‖₂·r_i, plus the smallest normal number times ‖W_k‖₁ for
+flushed subnormals. So moving a batch to another device or dtype (float32 → bfloat16, uint8 →
+float32) is accepted, while any other change of an example's values, order or count is refused
+(two different examples agree on both projections with probability about
+(eps·‖x‖₂·√D/‖x − x'‖₂)², per example: about 10⁻¹⁰ in float32). The cost is a float64 copy,
+two projections and a norm per example and tensor, O(B·D), against the forward and backward of
+B examples (``benchmarks/bench_door_checks.py``). It is a guard against mistakes in a loop, not
+against a user who forges batches: whoever runs the loop can always break the guarantee on
+purpose.
 """
 
 from __future__ import annotations
@@ -63,8 +67,8 @@ class _Leaf:
     """One batched tensor of a batch: D entries per example, its projections (float64, CPU)."""
 
     width: int
-    f: torch.Tensor  # (n, 2)
-    a: torch.Tensor  # (n, 2)
+    f: torch.Tensor  # (n, 2) projections
+    r: torch.Tensor  # (n, 1) ℓ2 norms of the examples
 
 
 @dataclass(eq=False)
@@ -78,13 +82,15 @@ class _Record:
 _WEIGHTS: dict = {}
 
 
-def _weights(width: int, device: torch.device) -> torch.Tensor:
-    """The fixed projection matrix W (width × 2, float64) on ``device`` (cached)."""
+def _weights(width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fixed projection matrix W (width × 2, float64) on ``device``, with its columns' ℓ2
+    and ℓ1 norms (CPU), cached."""
     key = (width, str(device))
     w = _WEIGHTS.get(key)
     if w is None:
         gen = torch.Generator().manual_seed(0x5EED0000 + width)
-        w = torch.randn(width, _PROJECTIONS, generator=gen, dtype=torch.float64).to(device)
+        cpu = torch.randn(width, _PROJECTIONS, generator=gen, dtype=torch.float64)
+        w = (cpu.to(device), torch.linalg.vector_norm(cpu, dim=0), cpu.abs().sum(0))
         if len(_WEIGHTS) > 64:
             _WEIGHTS.clear()
         _WEIGHTS[key] = w
@@ -129,21 +135,23 @@ def batch_fingerprints(batch, n: int | None = None) -> tuple:
             if int(t.shape[0]) != n:
                 continue
             x = _rows(t, n)
-            w = _weights(x.shape[1], x.device)
-            out.append(_Leaf(int(x.shape[1]), (x @ w).cpu(), (x.abs() @ w.abs()).cpu()))
+            w = _weights(x.shape[1], x.device)[0]
+            r = torch.linalg.vector_norm(x, dim=1, keepdim=True)
+            out.append(_Leaf(int(x.shape[1]), (x @ w).cpu(), r.cpu()))
     return tuple(out)
 
 
-def _received(tensors: list[torch.Tensor], n: int) -> list[tuple[int, torch.Tensor, float, torch.Tensor]]:
-    """(D, f, relative tolerance, absolute slack) of each received tensor."""
+def _received(tensors: list[torch.Tensor], n: int) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(D, f, relative tolerance per projection, absolute slack per projection) of each
+    received tensor."""
     out = []
     with torch.no_grad():
         for t in tensors:
             x = _rows(t, n)
-            w = _weights(x.shape[1], x.device)
+            w, l2, l1 = _weights(x.shape[1], x.device)
             info = torch.finfo(t.dtype) if t.is_floating_point() else None
-            rel = (info.eps if info is not None else 0.0) + _SLACK
-            floor = (info.smallest_normal if info is not None else 0.0) * w.abs().sum(0).cpu()
+            rel = ((info.eps if info is not None else 0.0) + _SLACK) * l2
+            floor = (info.smallest_normal if info is not None else 0.0) * l1
             out.append((int(x.shape[1]), (x @ w).cpu(), rel, floor))
     return out
 
@@ -152,7 +160,7 @@ def _matches(received, leaves) -> bool:
     """Every received tensor equals (up to its dtype's rounding) one recorded tensor."""
     for width, f, rel, floor in received:
         if not any(
-            leaf.width == width and bool(((leaf.f - f).abs() <= rel * leaf.a + floor).all()) for leaf in leaves
+            leaf.width == width and bool(((leaf.f - f).abs() <= leaf.r * rel + floor).all()) for leaf in leaves
         ):
             return False
     return True
