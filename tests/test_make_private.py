@@ -462,7 +462,9 @@ def test_dict_inputs_give_the_private_gradient_of_model_kwargs(digits):
             seed=9,
             # the dict of keyword inputs is built per example by the loader (a batch built in
             # the loop would be refused)
-            transform=(lambda ex: ({"pixels": ex[0], "scale": torch.tensor(1.0)}, ex[1])) if as_dict else None,
+            transform=(lambda ex: ({"pixels": ex[0], "scale": torch.tensor(1.0)}, ex[1]))
+            if as_dict
+            else None,
         )
         batch, y = next(iter(private.data_loader))
         x = batch["pixels"] if as_dict else batch

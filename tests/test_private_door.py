@@ -366,7 +366,9 @@ def test_changes_to_the_model_or_optimizer_are_named():
     it = iter(private.data_loader)
     xb, yb = next(it)
     model[0].bias.requires_grad_(True)
-    with pytest.raises(ModelChangedError, match=r"parameter '0.bias' changed frozen → trainable.*make_private"):
+    with pytest.raises(
+        ModelChangedError, match=r"parameter '0.bias' changed frozen → trainable.*make_private"
+    ):
         private.backward(xb, target=yb)
     model[0].bias.requires_grad_(False)
     with pytest.raises(RuntimeError, match="add_param_group refused"):

@@ -141,7 +141,9 @@ def batch_fingerprints(batch, n: int | None = None) -> tuple:
     return tuple(out)
 
 
-def _received(tensors: list[torch.Tensor], n: int) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+def _received(
+    tensors: list[torch.Tensor], n: int
+) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(D, f, relative tolerance per projection, absolute slack per projection) of each
     received tensor."""
     out = []
@@ -160,7 +162,8 @@ def _matches(received, leaves) -> bool:
     """Every received tensor equals (up to its dtype's rounding) one recorded tensor."""
     for width, f, rel, floor in received:
         if not any(
-            leaf.width == width and bool(((leaf.f - f).abs() <= leaf.r * rel + floor).all()) for leaf in leaves
+            leaf.width == width and bool(((leaf.f - f).abs() <= leaf.r * rel + floor).all())
+            for leaf in leaves
         ):
             return False
     return True

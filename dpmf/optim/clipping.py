@@ -131,8 +131,8 @@ def check_per_example_safe(model: nn.Module) -> None:
     if bad:
         raise ValueError(
             "model is invalid for per-example clipping: these modules couple the examples of a "
-            f"batch or write the batch into the model: {', '.join(bad)}. Replace BatchNorm with GroupNorm (e.g. "
-            "nn.GroupNorm(num_groups, num_channels)) or LayerNorm, use "
+            f"batch or write the batch into the model: {', '.join(bad)}. Replace BatchNorm with "
+            "GroupNorm (e.g. nn.GroupNorm(num_groups, num_channels)) or LayerNorm, use "
             "track_running_stats=False for instance norms, and max_norm=None for embeddings (their "
             "in-place renormalization writes the batch's rows into the weights without noise)."
         )

@@ -22,9 +22,17 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["ModelChangedError", "ModelStateChangedError", "ModelStructure", "state_versions", "check_state_unchanged"]
+__all__ = [
+    "ModelChangedError",
+    "ModelStateChangedError",
+    "ModelStructure",
+    "state_versions",
+    "check_state_unchanged",
+]
 
-_FIX_STRUCTURE = "call make_private (or build the private step) again after changing the model or the optimizer"
+_FIX_STRUCTURE = (
+    "call make_private (or build the private step) again after changing the model or the optimizer"
+)
 
 
 class ModelChangedError(RuntimeError):
@@ -105,7 +113,10 @@ class ModelStructure:
                         "bound (add_param_group after make_private?)"
                     )
                 elif len(groups) < len(self._groups):
-                    what = f"the optimizer has {len(groups)} parameter groups, {len(self._groups)} when it was bound"
+                    what = (
+                        f"the optimizer has {len(groups)} parameter groups, {len(self._groups)} when it "
+                        "was bound"
+                    )
                 else:
                     i = next(i for i, (a, b) in enumerate(zip(groups, self._groups, strict=True)) if a != b)
                     what = f"the parameters of optimizer group {i} changed"

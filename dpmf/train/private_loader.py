@@ -92,7 +92,9 @@ class PrivateDataLoader(DataLoader):
     """
 
     def __init__(self, dataset, drawn: DrawnBatches, *, collate_fn=None, num_workers: int = 0):
-        super().__init__(dataset, batch_sampler=_Epochs(drawn), collate_fn=collate_fn, num_workers=num_workers)
+        super().__init__(
+            dataset, batch_sampler=_Epochs(drawn), collate_fn=collate_fn, num_workers=num_workers
+        )
         self.__dict__["_drawn"] = drawn
 
     def __iter__(self):
