@@ -129,11 +129,14 @@ def test_plain_backward_then_step_is_refused(digits):
     F.cross_entropy(model(x), y).backward()
     with pytest.raises(RuntimeError, match="no private gradient"):
         private.optimizer.step()
+    batches = iter(private.data_loader)  # backward accepts only the loader's batches
+    x, y = next(batches)
     private.backward(x, target=y)
     F.cross_entropy(model(x), y).backward()  # accumulates into the private gradient
     with pytest.raises(RuntimeError, match="modified"):
         private.optimizer.step()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    x, y = next(batches)
     private.backward(x, target=y)
     private.optimizer.step()
     with pytest.raises(RuntimeError, match="no private gradient"):
@@ -198,15 +201,21 @@ def test_data_loader_len_epochs_empty_batches_and_workers(digits):
         ds,
         loss_fn=F.cross_entropy,
         batch_size=1,
-        steps=2,
+        steps=40,
         noise_multiplier=1.0,
         target_delta=1e-5,
         factorization="identity",
         seed=2,
     )
-    x0, y0 = ds[:0]
-    assert private2.backward(x0, target=y0) == 0.0
-    assert private2.steps_taken == 1
+    taken = 0
+    for x0, y0 in private2.data_loader:  # privatize the loader's batches up to an empty one
+        loss = private2.backward(x0, target=y0)
+        taken += 1
+        if y0.shape[0] == 0:
+            break
+        private2.optimizer.step()
+    assert y0.shape == (0,) and loss == 0.0  # P(no empty batch in 40 steps) = 0.37^40
+    assert private2.steps_taken == taken
     assert all(p.grad is not None and torch.count_nonzero(p.grad) > 0 for p in private2.model.parameters())
     # worker processes
     model3 = _model(digits)
@@ -410,12 +419,14 @@ def test_learning_rate_schedule_multiplies_the_base_rate(digits):
         seed=0,
     )
     lrs = []
+    # the lr in force inside the wrapped optimizer's step; the group shows 0.2 outside it
+    opt.register_step_pre_hook(lambda o, args, kwargs: lrs.append(o.param_groups[0]["lr"]))
     it = iter(private.data_loader)
     for _ in range(5):
         x, y = next(it)
         private.backward(x, target=y)
-        lrs.append(opt.param_groups[0]["lr"])
         private.optimizer.step()
+        assert opt.param_groups[0]["lr"] == 0.2
     assert np.allclose(lrs, 0.2 * 0.1 ** (np.arange(5) / 4))
     assert isinstance(nn.Module, type)
 
@@ -449,9 +460,14 @@ def test_dict_inputs_give_the_private_gradient_of_model_kwargs(digits):
             factorization="identity",
             scheme="fixed_order",
             seed=9,
+            # the dict of keyword inputs is built per example by the loader (a batch built in
+            # the loop would be refused)
+            transform=(lambda ex: ({"pixels": ex[0], "scale": torch.tensor(1.0)}, ex[1]))
+            if as_dict
+            else None,
         )
-        x, y = next(iter(private.data_loader))
-        batch = {"pixels": x, "scale": torch.ones(x.shape[0])} if as_dict else x
+        batch, y = next(iter(private.data_loader))
+        x = batch["pixels"] if as_dict else batch
         loss = private.backward(batch, target=y)
         assert loss == pytest.approx(float(F.cross_entropy(inner(x), y).detach()), rel=1e-6)
         grads.append([p.grad.clone() for p in inner.parameters()])

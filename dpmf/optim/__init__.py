@@ -3,7 +3,9 @@ DP optimizers and their update stages.
 
 Private gradient: ``clipped_sum`` (per-example gradients by ``torch.func``, global ℓ2 clipping,
 sum), the noise streams of ``dpmf.optim.noise`` (``noise_for_factorization``) and ``Privatizer``
-(clip → sum → add σ·ζ·sens·(C⁻¹Z)_t → divide by the expected batch size).
+(clip → sum → add σ·ζ·sens·(C⁻¹Z)_t → divide by the expected batch size), with its checks:
+the batch drawn for the step, once (``DrawnBatches``), the model unchanged and unwritten
+(``dpmf.optim.model_guard``).
 
 Optimizers (post-processing of the privatized gradient): ``DPSGD``, ``DPAdam``, ``DPMuon``,
 ``DPMuonS``, ``DPMuonBC``; parameter routing ``route_parameters``; learning-rate schedules
@@ -15,6 +17,7 @@ orthogonalization and its bias correction.
 
 # The private gradient.
 # Optimizers and their building blocks.
+from dpmf.optim.batches import BatchCheckError, DrawnBatches
 from dpmf.optim.bias_correction import bias_corrected, newton_schulz_bc, richardson_weights
 from dpmf.optim.clipping import (
     NonFiniteGradientError,
@@ -33,6 +36,7 @@ from dpmf.optim.filters import (
 )
 from dpmf.optim.lookahead import EvaluationPoint
 from dpmf.optim.matrix import aspect_factor, check_matrix_parameter, matrix_shape, matrix_view
+from dpmf.optim.model_guard import ModelChangedError, ModelStateChangedError
 from dpmf.optim.newton_schulz import QUINTIC_COEFFICIENTS, newton_schulz
 from dpmf.optim.noise import (
     BandedSqrtNoise,
@@ -96,6 +100,10 @@ __all__ = [
     "noise_for_factorization",
     "Privatizer",
     "PrivateStep",
+    "DrawnBatches",
+    "BatchCheckError",
+    "ModelChangedError",
+    "ModelStateChangedError",
     # optimizers
     "DPOptimizer",
     "DPSGD",

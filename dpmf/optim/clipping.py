@@ -109,10 +109,14 @@ def check_per_example_safe(model: nn.Module) -> None:
     normalises with batch statistics, so one example's output — and gradient — depends on the
     others: there is no per-example gradient to clip and the sensitivity bound fails. Instance
     norms that track running statistics update those statistics from the whole batch as well.
+    ``nn.Embedding``/``nn.EmbeddingBag`` with ``max_norm`` renormalize, in place and without
+    noise, exactly the rows of the batch's tokens. (Any other write to a parameter or buffer
+    during the private forward is caught at the step by ``dpmf.optim.model_guard``.)
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
-        ValueError: naming every offending module and the fix (GroupNorm, or LayerNorm).
+        ValueError: naming every offending module and the fix (GroupNorm, or LayerNorm;
+            ``max_norm=None``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model={type(model).__name__} is invalid: must be a torch.nn.Module")
@@ -122,12 +126,15 @@ def check_per_example_safe(model: nn.Module) -> None:
             bad.append(f"{name or '<model>'} ({type(module).__name__})")
         elif isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats:
             bad.append(f"{name or '<model>'} ({type(module).__name__} with track_running_stats=True)")
+        elif isinstance(module, nn.Embedding | nn.EmbeddingBag) and module.max_norm is not None:
+            bad.append(f"{name or '<model>'} ({type(module).__name__} with max_norm={module.max_norm!r})")
     if bad:
         raise ValueError(
             "model is invalid for per-example clipping: these modules couple the examples of a "
-            f"batch: {', '.join(bad)}. Replace BatchNorm with GroupNorm (e.g. "
-            "nn.GroupNorm(num_groups, num_channels)) or LayerNorm, and use "
-            "track_running_stats=False for instance norms."
+            f"batch or write the batch into the model: {', '.join(bad)}. Replace BatchNorm with "
+            "GroupNorm (e.g. nn.GroupNorm(num_groups, num_channels)) or LayerNorm, use "
+            "track_running_stats=False for instance norms, and max_norm=None for embeddings (their "
+            "in-place renormalization writes the batch's rows into the weights without noise)."
         )
 
 

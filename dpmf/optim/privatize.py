@@ -13,6 +13,12 @@ everything an optimizer does with g̃_t afterwards is post-processing.
 A logical batch may be processed in physical micro-batches (gradient accumulation): the clipped
 sums are added and the noise is added once, so each logical batch is one step of the
 mechanism and of the accountant.
+
+Before any work, each step checks that the model and the bound optimizer are those the step
+was built for (``dpmf.optim.model_guard.ModelStructure``) and, once the step draws its batches
+from the plan's sampler (``draw_from``: ``make_private`` and ``dpmf train`` do), that the batch is
+the one the sampler drew for this step, not yet privatized (``dpmf.optim.batches``); after the
+forward and backward, that no parameter or buffer was written (``check_state_unchanged``).
 """
 
 from __future__ import annotations
@@ -24,8 +30,15 @@ import torch
 from torch import nn
 
 from dpmf._validation import check_choice, check_int, check_real
+from dpmf.optim.batches import DrawnBatches
 from dpmf.optim.clipping import check_per_example_safe, clipped_sum, trainable_parameters
 from dpmf.optim.ghost import CLIPPING_MODES
+from dpmf.optim.model_guard import (
+    ModelStateChangedError,
+    ModelStructure,
+    check_state_unchanged,
+    state_versions,
+)
 from dpmf.optim.noise import CorrelatedNoise
 
 __all__ = ["AUTO_MICRO_BATCH_ENTRIES", "PrivateStep", "Privatizer"]
@@ -88,6 +101,14 @@ class Privatizer:
             same sum up to rounding, the same sensitivity ζ). Under ``torch.autocast`` (bf16)
             the norms and sums are taken in float32 and the noise is added in the parameters'
             dtype.
+
+    What every step checks, before any work: the model's parameters (which, their shapes,
+    trainable or frozen) and submodules, and the groups of a bound optimizer, are those of
+    construction (``ModelChangedError`` names the change); with ``draw_from(sampler)``, the
+    batch is the one the sampler drew for this step, handed out by the door and not yet
+    privatized (``dpmf.optim.batches.BatchCheckError``). After the forward and backward: no
+    parameter or buffer was written (``ModelStateChangedError``). Without ``draw_from`` the
+    caller is responsible for giving each step its sampled batch (the low-level API).
 
     Raises:
         ValueError: any argument outside its range, a batch-coupled model, a noise stream
@@ -168,6 +189,8 @@ class Privatizer:
                 f"{p0.device}/{p0.dtype}: create the stream with the model's device and dtype"
             )
         self.noise = noise
+        self.structure = ModelStructure(model)
+        self.drawn: DrawnBatches | None = None
         self._micro_batch_given = micro_batch_size is not None
         entries = sum(p.numel() for _, p in named)  # one per-example gradient
         self.micro_batch_size = micro_batch_size or max(8, AUTO_MICRO_BATCH_ENTRIES // entries)
@@ -195,6 +218,7 @@ class Privatizer:
             "call the private backward (PrivateTraining.backward or Privatizer.privatize) once "
             "before each optimizer.step(), and do not call loss.backward() yourself"
         )
+        self.structure.check("optimizer.step()")
         if self._written is None:
             raise RuntimeError(f"optimizer.step() refused: no private gradient for this step; {fix}")
         for p, g, version in self._written:
@@ -221,9 +245,29 @@ class Privatizer:
 
     def bind(self, optimizer) -> None:
         """Let a dpmf DP optimizer read each step's fresh-noise std from this privatizer
-        (``DPOptimizer.bind``); other optimizers need nothing."""
+        (``DPOptimizer.bind``), and record the optimizer's parameter groups: a group added or
+        changed later is refused at the next step."""
+        self.structure.bind(optimizer)
         if hasattr(optimizer, "bind"):
             optimizer.bind(self)
+
+    def draw_from(self, sampler) -> DrawnBatches:
+        """Take every step's batch from ``sampler`` (the plan's, at this privatizer's step):
+        from now on ``privatize`` accepts at step t only the batch drawn for step t
+        (``DrawnBatches.draw``) and handed out (``DrawnBatches.record``), once. Returns the
+        ``DrawnBatches`` to draw from.
+
+        Raises:
+            ValueError: the sampler is at another step than the noise stream, or its number of
+                steps is not the plan's.
+        """
+        if self.plan is not None and int(sampler.steps) != int(self.plan.steps):
+            raise ValueError(
+                f"sampler is invalid: it covers {sampler.steps} steps and the plan {self.plan.steps}; use "
+                "plan.sampler(seed)"
+            )
+        self.drawn = DrawnBatches(sampler, self.noise.step)
+        return self.drawn
 
     @property
     def step(self) -> int:
@@ -253,29 +297,52 @@ class Privatizer:
             ``PrivateStep`` with the step's public numbers and logging figures.
 
         Raises:
+            ModelChangedError: the model or the bound optimizer changed since construction.
+            BatchCheckError: (with ``draw_from``) not the batch drawn for this step, or one
+                already privatized.
+            ModelStateChangedError: the forward/backward wrote a parameter or buffer (nothing
+                is released, the step does not advance; the model state is tainted).
             NonFiniteGradientError: a per-example gradient is NaN/inf; no ``p.grad`` is touched
                 and the step does not advance.
         """
         t = self.noise.step
-        summed = clipped_sum(
-            self.model,
-            self.loss_fn,
-            inputs,
-            targets,
-            clip_norm=self.clip_norm,
-            micro_batch_size=self.micro_batch_size if self._micro_batch_given else None,
-            micro_batch_entries=AUTO_MICRO_BATCH_ENTRIES,
-            step=t,
-            example_ids=example_ids,
-            points=points,
-            clipping=self.clipping,
-        )
+        self.structure.check("private step")
+        if self.drawn is not None:
+            self.drawn.check(t, inputs, targets, example_ids)
+        before = state_versions(self.model)
+        try:
+            summed = clipped_sum(
+                self.model,
+                self.loss_fn,
+                inputs,
+                targets,
+                clip_norm=self.clip_norm,
+                micro_batch_size=self.micro_batch_size if self._micro_batch_given else None,
+                micro_batch_entries=AUTO_MICRO_BATCH_ENTRIES,
+                step=t,
+                example_ids=example_ids,
+                points=points,
+                clipping=self.clipping,
+            )
+        except RuntimeError as err:  # torch.func refuses some in-place writes itself
+            check_state_unchanged(self.model, before, "the private forward/backward", t)
+            text = str(err)
+            if "in-place" in text or "inplace" in text or "mutate" in text:
+                raise ModelStateChangedError(
+                    f"private step refused at step {t}: the model's forward writes a tensor in place "
+                    f"(torch.func: {text.splitlines()[0][:160]}); a parameter or buffer written by the "
+                    "forward releases the batch without noise: remove the write from the forward"
+                ) from err
+            raise
+        check_state_unchanged(self.model, before, "the private forward/backward", t)
         params = [p for _, p in trainable_parameters(self.model)]
         written = self._release(params, list(summed.grads))
         batch_size, clipped, norm_sum = self._batch_figures(summed)
         scale = self.noise_std
         fresh = scale * abs(self.noise.innovation(t)) / self.expected_batch_size
         self._written = [(p, p.grad, p.grad._version) for p in written]
+        if self.drawn is not None:
+            self.drawn.consume(t)
         self.last_step = PrivateStep(
             t,
             batch_size,

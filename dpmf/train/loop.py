@@ -3,7 +3,9 @@ atomic checkpoints that resume bit-for-bit.
 
 Each step t (0-based, T = epochs·steps_per_epoch in all):
 
-1. the sampler gives the step's example indices (possibly none);
+1. the sampler gives the step's example indices (possibly none), drawn through the
+   privatizer's ``DrawnBatches`` (``Privatizer.draw_from``), which then accepts at step t only
+   those indices, once;
 2. the learning rate of every parameter group is set to its base rate η_g times χ_t;
 3. the ``Privatizer`` writes g̃_t = (Σ clip_ζ(g_i) + σζ·sens·(C⁻¹Z)_t)/B̄ into ``p.grad``
    (with a ``lookahead``, e.g. DiSK's, g_i is the per-example combination of gradients at the
@@ -32,6 +34,7 @@ from torch import nn
 
 from dpmf._validation import check_int, check_real, check_vector
 from dpmf.optim.clipping import trainable_parameters
+from dpmf.optim.model_guard import check_state_unchanged, state_versions
 from dpmf.optim.privatize import Privatizer
 from dpmf.train.checkpoint import as_numpy, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from dpmf.train.data import Dataset
@@ -246,6 +249,8 @@ class Trainer:
             raise ValueError(
                 f"noise stream covers {privatizer.noise.steps} steps: the run has {self.total_steps}"
             )
+        # every step privatizes exactly the batch drawn for it, once (checked by the privatizer)
+        self.drawn = privatizer.draw_from(sampler)
         self.out_dir = out_dir
         self.device = torch.device(device)
         self.run_identity = dict(run_identity)
@@ -269,10 +274,10 @@ class Trainer:
             "run_identity": self.run_identity,
             "secret": self.secrets,
             "epoch": epoch,
-            "step": self.sampler.step,
+            "step": self.privatizer.step,
             "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
-            "sampler": self.sampler.state_dict(),
+            "sampler": self.drawn.sampler_state(self.privatizer.step),
             "noise": noise_state(self.privatizer.noise),
             "rng": rng_state(),
             "metrics": list(self.outcome.metrics),
@@ -296,6 +301,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.sampler.load_state_dict(as_numpy(state["sampler"]))
         load_noise_state(self.privatizer.noise, state["noise"], f"checkpoint {self.checkpoint_path!r}")
+        self.drawn.reset()
         keep_own_optimizer_state(self.optimizer, self.privatizer)
         if self.lookahead is not None:
             if "lookahead" not in state:
@@ -310,12 +316,13 @@ class Trainer:
 
     # -- one step -----------------------------------------------------------------------------
     def _step(self, t: int) -> int:
-        batch = self.sampler.next()
+        drawn_at, batch = self.drawn.draw()
         idx = batch
         if self.collectives is not None:  # this rank's slice of the global batch
             from dpmf.distributed.sharding import rank_slice
 
             idx = rank_slice(batch, self.collectives.rank, self.collectives.world_size)
+        self.drawn.record(drawn_at, ids=idx, n=int(idx.shape[0]))  # what privatize must receive
         ids = torch.from_numpy(idx)
         x = self.data.train_x[ids].to(self.device, non_blocking=True)
         y = self.data.train_y[ids].to(self.device, non_blocking=True)
@@ -327,7 +334,9 @@ class Trainer:
         info = self.privatizer.privatize(x, y, example_ids=ids, points=points)
         if self.step_log is not None and self.step_log.due(t + 1):  # weights still θ_t here
             epoch = t // self.sampler.steps_per_epoch + 1
+            before = state_versions(self.model)
             loss = batch_loss(self.model, x, y)
+            check_state_unchanged(self.model, before, "the logged loss's forward pass", t)
             self.step_log.record(t + 1, epoch, loss, info.clipped_fraction, lr)
         params = [p for _, p in trainable_parameters(self.model)]
         before = [p.detach().clone() for p in params]

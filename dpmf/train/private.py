@@ -21,6 +21,13 @@ them and must stay private.
 Inputs may be tensors, or tuples/dicts of tensors batched along dimension 0 (a dict is passed as
 ``model(**batch)``); a Dataset may return tensors, tuples or dicts. An empty Poisson batch comes
 out of the loader as empty tensors, and ``backward`` on it adds the noise only (the step counts).
+
+What ``backward`` accepts: at step t, only the batch ``data_loader`` yielded for step t (the
+plan's sampler's draw: same examples, same values, possibly moved to another device or dtype),
+once; per-example transformations go into ``make_private(transform=…)``. The model and the
+optimizer must stay as they were given (no parameter unfrozen, group or submodule added), and
+the forward pass must write no parameter or buffer. Each refusal names what was wrong and the
+fix (``dpmf.optim.batches``, ``dpmf.optim.model_guard``).
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ from torch.utils.data._utils.collate import default_collate
 from dpmf import seeds
 from dpmf._validation import check_choice, check_int, check_real
 from dpmf.mechanisms.registry import STRATEGIES, parse_factorization
-from dpmf.optim.clipping import trainable_parameters
+from dpmf.optim.clipping import check_per_example_safe, trainable_parameters
+from dpmf.optim.model_guard import check_state_unchanged, state_versions
 from dpmf.optim.noise import ChunkedKeys
 from dpmf.optim.privatize import Privatizer
 from dpmf.plan.plan import PrivatePlan, steps_per_epoch
@@ -46,6 +54,7 @@ from dpmf.train.checkpoint import as_numpy, load_checkpoint, save_checkpoint
 from dpmf.train.config import DISTRIBUTED_MODES, NOISE_KEYS
 from dpmf.train.ledger import export as export_files
 from dpmf.train.ledger import privacy_ledger
+from dpmf.train.private_loader import PrivateDataLoader, TransformedDataset
 from dpmf.train.shards import (
     keep_own_optimizer_state,
     load_noise_state,
@@ -96,20 +105,25 @@ class PrivateOptimizer(torch.optim.Optimizer):
     """The user's optimizer behind a guard: ``step()`` runs only on the private gradients of the
     current step (written by ``PrivateTraining.backward``), once.
 
-    It is a ``torch.optim.Optimizer`` (learning-rate schedulers accept it) whose
-    ``param_groups``, ``state`` and ``defaults`` are those of the wrapped optimizer.
+    It is a ``torch.optim.Optimizer`` whose ``param_groups``, ``state`` and ``defaults`` are
+    those of the wrapped optimizer. Learning rates: the step of private step t uses each
+    group's ``lr`` times the plan's schedule multiplier χ_t (``lr_multipliers``), and puts the
+    group's ``lr`` back afterwards; so a torch learning-rate scheduler on this optimizer works,
+    and χ_t is applied on top of the rate it sets (with a constant schedule χ_t = 1).
 
     Raises (from ``step``):
         RuntimeError: no private gradient for this step, a ``p.grad`` replaced or modified after
-            the private step (for instance by a plain ``loss.backward()``), or a second ``step``
-            on the same private gradient.
+            the private step (for instance by a plain ``loss.backward()``), a second ``step``
+            on the same private gradient, or a model or parameter group changed since
+            ``make_private`` (``ModelChangedError``).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, privatizer: Privatizer):
+    def __init__(self, optimizer: torch.optim.Optimizer, privatizer: Privatizer, lr_multipliers=None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer={optimizer!r} is invalid: must be a torch.optim.Optimizer")
         self.original = optimizer
         self.privatizer = privatizer
+        self.lr_multipliers = lr_multipliers
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
         self._optimizer_state_dict_pre_hooks = {}
@@ -149,7 +163,16 @@ class PrivateOptimizer(torch.optim.Optimizer):
                 "closure is invalid for a private step: compute the loss with PrivateTraining.backward"
             )
         self.privatizer.check_gradients()
-        loss = self.original.step()
+        last = self.privatizer.last_step
+        chi = 1.0 if self.lr_multipliers is None or last is None else float(self.lr_multipliers[last.step])
+        lrs = [g["lr"] for g in self.param_groups]
+        for g in self.param_groups:
+            g["lr"] = g["lr"] * chi
+        try:
+            loss = self.original.step()
+        finally:
+            for g, lr in zip(self.param_groups, lrs, strict=True):
+                g["lr"] = lr
         self.privatizer.consume()
         self.privatizer.after_step()  # distributed: every rank gets the owners' parameters
         return loss
@@ -164,7 +187,16 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self.original.load_state_dict(state_dict)
 
     def add_param_group(self, param_group) -> None:
-        self.original.add_param_group(param_group)
+        """Refused: the private step covers the parameters given to ``make_private``.
+
+        Raises:
+            RuntimeError: always (the fix: call ``make_private`` with the optimizer that has
+                the group).
+        """
+        raise RuntimeError(
+            "add_param_group refused after make_private: the noise and clipping cover the trainable "
+            "parameters of that time; add the group to the optimizer first, then call make_private"
+        )
 
     def __repr__(self) -> str:
         return f"PrivateOptimizer({self.original!r})"
@@ -177,8 +209,9 @@ class PrivateTraining:
     Attributes:
         model: the user's module (trained in place).
         optimizer: the guarded optimizer (``PrivateOptimizer``).
-        data_loader: a ``torch.utils.data.DataLoader`` driven by the plan's sampler: ``len()`` is
-            the steps per epoch; iterate it once per epoch (the plan's steps continue).
+        data_loader: a ``torch.utils.data.DataLoader`` driven by the plan's sampler
+            (``PrivateDataLoader``): ``len()`` is the steps per epoch; iterate it once per
+            epoch (the plan's steps continue); ``backward`` accepts only its batches, in order.
         plan: the calibrated ``PrivatePlan``.
         privatizer: the private step (clip → sum → noise → ÷ B̄).
         clip_norm: ζ.
@@ -195,8 +228,6 @@ class PrivateTraining:
     seed_given: bool
     _seed: int = field(repr=False)
     _delta: float | None
-    _base_lrs: list
-    _multipliers: object
 
     @property
     def noise_multiplier(self) -> float:
@@ -223,7 +254,13 @@ class PrivateTraining:
     def backward(self, *inputs, target, return_loss: bool = True) -> float | None:
         """The private gradient of one batch into ``p.grad``: per-example gradients, clipping to
         ζ, sum, the step's correlated noise σ·ζ·s·(C⁻¹Z)_t, division by the expected batch size
-        B̄; also sets the learning rate η·χ_t of the plan's schedule.
+        B̄. The optimizer's next ``step`` uses each group's lr times χ_t of the plan's schedule.
+
+        Only the batch ``data_loader`` yielded for this step is accepted (its tensors, or the
+        same tensors moved to another device or dtype), once: not a batch of another loader,
+        the whole data set, a part of the batch (gradient accumulation: one backward per batch;
+        ``micro_batch_size`` bounds memory), a batch not yet yielded or already privatized.
+        Transform examples with ``make_private(transform=…)``, not in the loop.
 
         Args:
             inputs: the model's inputs for the batch (one tensor, several tensors, or one dict
@@ -238,6 +275,11 @@ class PrivateTraining:
 
         Raises:
             RuntimeError: every step of the plan was taken.
+            BatchCheckError: not the batch ``data_loader`` yielded for this step, or already
+                privatized (nothing is computed).
+            ModelChangedError: a parameter unfrozen, frozen or replaced, a submodule or an
+                optimizer group added since ``make_private``.
+            ModelStateChangedError: the forward pass wrote a parameter or buffer.
             NonFiniteGradientError: a per-example gradient is NaN/inf (nothing is written).
         """
         t = self.privatizer.step
@@ -251,14 +293,12 @@ class PrivateTraining:
                 "inputs are invalid: give the model's input (a tensor, several tensors or a dict)"
             )
         x = inputs[0] if len(inputs) == 1 else tuple(inputs)  # several tensors: model(*inputs)
-        chi = float(self._multipliers[t])
-        for group, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
-            group["lr"] = base * chi
         self.privatizer.privatize(x, target)
         if not return_loss:
             return None
         if target.shape[0] == 0:
             return 0.0
+        before = state_versions(self.model)
         with torch.no_grad():  # still at θ_t: the optimizer has not stepped yet
             if isinstance(x, dict):
                 out = self.model(**x)
@@ -266,7 +306,9 @@ class PrivateTraining:
                 out = self.model(*x)
             else:
                 out = self.model(x)
-            return float(self.privatizer.loss_fn(out, target))
+            loss = float(self.privatizer.loss_fn(out, target))
+        check_state_unchanged(self.model, before, "the loss's forward pass", t)
+        return loss
 
     def privacy(self, delta: float | None = None):
         """The ``PrivacyResult`` of the steps taken so far (``PrivatePlan.epsilon_after``).
@@ -311,7 +353,8 @@ class PrivateTraining:
             "step": self.steps_taken,
             "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
-            "sampler": self.sampler.state_dict(),
+            # the sampler at the privatized step, not where a prefetching loader has drawn to
+            "sampler": self.privatizer.drawn.sampler_state(self.steps_taken),
             "noise": noise_state(self.privatizer.noise),
         }
 
@@ -332,6 +375,7 @@ class PrivateTraining:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.sampler.load_state_dict(as_numpy(state["sampler"]))
+        self.privatizer.drawn.reset()  # earlier draws and loader iterations are void
         keep_own_optimizer_state(self.optimizer, self.privatizer)
         if self.sampler.step != self.privatizer.noise.step:
             raise ValueError("state is invalid: sampler and noise stream are at different steps")
@@ -453,6 +497,7 @@ def make_private(
     clipping: str = "auto",
     num_workers: int = 0,
     collate_fn=None,
+    transform=None,
     progress: bool = False,
     process_group=None,
     distributed_mode: str = "sharded",
@@ -460,12 +505,21 @@ def make_private(
 ) -> PrivateTraining:
     """Make ``module``, ``optimizer`` and ``dataset`` a private run with correlated noise.
 
+    The returned ``PrivateTraining`` accepts at each step only the batch its ``data_loader``
+    yielded for that step, once (``backward`` refuses the user's own loader, the whole data set,
+    split or re-used batches, with the reason); the batch may be moved to another device or
+    dtype in the loop, anything else is done per example by ``transform``. Changing the model or
+    the optimizer afterwards (unfreezing a parameter, ``add_param_group``, a new submodule) is
+    refused at the next ``backward``/``step``: call ``make_private`` again. A forward pass that
+    writes a parameter or buffer (``nn.Embedding(max_norm=…)``, running statistics) is refused.
+
     Args:
         module: the model; per-example gradients need layers that do not couple examples (no
             BatchNorm: use GroupNorm/LayerNorm).
         optimizer: any ``torch.optim.Optimizer`` over the module's parameters (SGD, Adam, AdamW,
-            ``torch.optim.Muon`` on 2-D weights, …) or a dpmf DP optimizer; its learning rates
-            are the base rates η (the plan's schedule multiplies them by χ_t).
+            ``torch.optim.Muon`` on 2-D weights, …) or a dpmf DP optimizer; the step of private
+            step t uses each group's current ``lr`` times the plan's χ_t, so a torch
+            learning-rate scheduler on ``private.optimizer`` works and χ_t applies on top of it.
         dataset: a map-style Dataset of N examples returning tensors, tuples or dicts.
         loss_fn: ``loss_fn(output, target)`` → mean loss of a batch.
         batch_size: B, the expected batch size, in [1, N].
@@ -478,7 +532,8 @@ def make_private(
         scheme: ``"auto"`` (pick's scheme; with a given strategy: Poisson for DP-SGD, cyclic
             Poisson for a banded C that fits, else fixed order) or a scheme name.
         schedule: the learning-rate schedule χ (``dpmf.workloads.Schedule``); the strategy is
-            built for the workload A_χ and ``backward`` sets each group's lr to η·χ_t.
+            built for the workload A_χ and the step of private step t multiplies each group's lr
+            by χ_t (the group's ``lr`` is put back after the step).
         clip_norm: ζ > 0.
         accountant: None (the scheme's default) or pld/rdp/prv/monte_carlo.
         seed: None (default): the run's key (noise and sampling) is 256 bits of the operating
@@ -491,8 +546,14 @@ def make_private(
         clipping: how per-example norms and the clipped sum are computed: ``"auto"`` (ghost
             norms / book-keeping where the layers allow, else ``torch.func``), ``"vmap"``,
             ``"ghost"`` or ``"bk"`` (``dpmf.optim.clipping.clipped_sum``).
-        num_workers: DataLoader worker processes.
+        num_workers: DataLoader worker processes (the batches are drawn and fingerprinted in
+            the main process; a checkpoint holds the sampler at the privatized step even when
+            the workers have prefetched ahead).
         collate_fn: collate function for non-empty batches (default ``default_collate``).
+        transform: None, or a callable applied to each example as the loader fetches it
+            (``transform(dataset[i])``, in the worker processes): data augmentation,
+            conversion, normalization or extra per-example inputs. The batches ``backward``
+            accepts are the transformed ones; transforming a batch in the loop is refused.
         progress: progress bars of pick and the Monte Carlo accountant.
         process_group: None (one process), a ``torch.distributed`` process group
             (``torch.distributed.group.WORLD`` for the default one) or a
@@ -509,8 +570,9 @@ def make_private(
         ``PrivateTraining``.
 
     Raises:
-        ValueError / TypeError: any invalid argument (named, before any work), or a strategy the
-            scheme cannot account.
+        ValueError / TypeError: any invalid argument (named, before any work), a strategy the
+            scheme cannot account, or a module that couples examples or writes the batch into
+            itself (BatchNorm, ``nn.Embedding(max_norm=…)``).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module={module!r} is invalid: must be a torch.nn.Module")
@@ -518,6 +580,7 @@ def make_private(
         raise TypeError(f"optimizer={optimizer!r} is invalid: must be a torch.optim.Optimizer")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn={loss_fn!r} is invalid: must be callable(output, target)")
+    check_per_example_safe(module)  # before pick and calibration
     try:
         N = len(dataset)
     except TypeError:
@@ -543,6 +606,8 @@ def make_private(
     clip_norm = check_real("clip_norm", clip_norm, low=0.0, low_inclusive=False)
     policy = seeds.SeedPolicy.of(seed)
     num_workers = check_int("num_workers", num_workers, minimum=0)
+    if transform is not None and not callable(transform):
+        raise TypeError(f"transform={transform!r} is invalid: must be callable(example) -> example, or None")
     check_choice("noise_keys", noise_keys, NOISE_KEYS)
     check_choice("distributed_mode", distributed_mode, DISTRIBUTED_MODES)
     schedule = schedule if schedule is not None else Schedule("constant")
@@ -627,16 +692,20 @@ def make_private(
             clipping=clipping,
         )
         sampler = plan.sampler(master)
-    loader = DataLoader(
+    for g in optimizer.param_groups:
+        check_real("lr", g["lr"], low=0.0)
+    if transform is not None:
+        dataset = TransformedDataset(dataset, transform)
+    loader = PrivateDataLoader(
         dataset,
-        batch_sampler=sampler,
+        privatizer.draw_from(sampler),
         collate_fn=EmptySafeCollate(dataset, collate_fn),
         num_workers=num_workers,
     )
-    base_lrs = [check_real("lr", g["lr"], low=0.0) for g in optimizer.param_groups]
+    multipliers = LearningRateSchedule(schedule, n).multipliers
     return PrivateTraining(
         model=module,
-        optimizer=PrivateOptimizer(optimizer, privatizer),
+        optimizer=PrivateOptimizer(optimizer, privatizer, multipliers),
         data_loader=loader,
         plan=plan,
         privatizer=privatizer,
@@ -644,6 +713,4 @@ def make_private(
         seed_given=seed_given,
         _seed=master,
         _delta=target_delta,
-        _base_lrs=base_lrs,
-        _multipliers=LearningRateSchedule(schedule, n).multipliers,
     )
