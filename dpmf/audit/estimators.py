@@ -500,12 +500,35 @@ def epsilon_one_run_fdp(
 # -- Gaussian DP ------------------------------------------------------------------------------
 
 
+def _gdp_mu_direction(c: _Counts, alpha: float, delta: float) -> float:
+    k = len(c.fn)
+    fpr_ub = clopper_pearson_upper(c.n_out - c.tn, c.n_out, alpha / (2 * k))
+    fnr_ub = clopper_pearson_upper(c.fn, c.n_in, alpha / (2 * k))
+    ok = np.maximum(fpr_ub, fnr_ub) < 1 - delta
+    if not ok.any():
+        return 0.0
+    return max(0.0, float(np.max(_norm.isf(fpr_ub[ok]) - _norm.ppf(fnr_ub[ok]))))
+
+
+def _gdp_mu(ins, outs, alpha: float, delta: float, one_sided: bool) -> float:
+    """The largest valid μ lower bound over the hull's thresholds (see ``epsilon_from_gdp``)."""
+    if one_sided:
+        return _gdp_mu_direction(_counts(ins, outs), alpha, delta)
+    # the reversed test "in if score < τ" is the test "in if −score ≥ −τ" (on its own hull);
+    # each direction at α/2
+    return max(
+        _gdp_mu_direction(_counts(ins, outs), alpha / 2, delta),
+        _gdp_mu_direction(_counts(-_scores("in_scores", ins), -_scores("out_scores", outs)), alpha / 2, delta),
+    )
+
+
 def epsilon_from_gdp(
     in_scores,
     out_scores,
     *,
     delta: float,
     significance: float = 0.05,
+    one_sided: bool = True,
     eps_tol: float = 1e-6,
 ) -> float:
     """ε lower bound assuming the attack's trade-off curve is Gaussian (μ-GDP).
@@ -514,8 +537,17 @@ def epsilon_from_gdp(
     Security 2023 (arXiv 2302.07956), as described in arXiv 2406.04827. At each hull threshold,
     one-sided Clopper–Pearson upper bounds on FPR and FNR (Bonferroni over 2k tests for k
     thresholds) give μ ≥ Φ⁻¹(1 − FPR_ub) − Φ⁻¹(FNR_ub) (Dong, Roth & Su 2022, Eq. 6); the
-    largest |μ| is converted to ε at δ with the Gaussian profile δ(ε) = Φ(−ε/μ + μ/2) −
-    e^ε·Φ(−ε/μ − μ/2) (their Cor. 2.13), ε searched in [0, 100].
+    largest μ is converted to ε at δ with the Gaussian profile δ(ε) = Φ(−ε/μ + μ/2) −
+    e^ε·Φ(−ε/μ − μ/2) (their Cor. 2.13), ε searched in [0, 100] by Brent's method.
+
+    Deliberate difference from jax-privacy 2.0.0: jax-privacy takes the largest |μ|, reading a
+    negative value as a bound for the reversed test. A negative value computed from UPPER bounds
+    on FPR and FNR is not a bound for the reversed test (that needs upper bounds on TNR and TPR),
+    and on scores with no signal at all it yields large ε (e.g. ε̂ ≈ 2–11 at δ = 1e-5 for two
+    N(0, 1) samples of 200–20000 scores: every run a false alarm). Here only the direction
+    "in if score ≥ τ" is used (``one_sided=True``), or both directions, each on its own ROC hull
+    with its own upper bounds at α/2, with ``one_sided=False``. Where jax-privacy's maximum is
+    attained in the valid direction the two agree exactly.
 
     Threat model: independent trials, as ``epsilon_clopper_pearson``, and a mechanism whose
     trade-off curve is (close to) Gaussian — true of the Gaussian mechanisms of dpmf without
@@ -523,8 +555,9 @@ def epsilon_from_gdp(
 
     Args:
         in_scores: shape (m_in,); out_scores: shape (m_out,) (see the module's conventions).
-        delta: δ in (0, 1].
+        delta: δ in (0, 1).
         significance: α in (0, 0.5).
+        one_sided: only "in if score ≥ τ" (True) or also its reverse.
         eps_tol: Brent's tolerance on ε (> 0).
 
     Returns:
@@ -536,16 +569,8 @@ def epsilon_from_gdp(
     sig = _significance(significance, 0.5)
     d = _delta(delta, allow_zero=False)
     tol = check_real("eps_tol", eps_tol, low=0.0, low_inclusive=False)
-    c = _counts(in_scores, out_scores)
-    k = len(c.fn)
-    fnr_ub = clopper_pearson_upper(c.fn, c.n_in, sig / (2 * k))
-    fpr_ub = clopper_pearson_upper(c.n_out - c.tn, c.n_out, sig / (2 * k))
-    bounds = np.stack([fpr_ub, fnr_ub], axis=1)
-    bounds = bounds[np.max(bounds, axis=1) < 1 - d]
-    if not bounds.size:
-        return 0.0
-    mu = float(np.max(np.abs(_norm.isf(bounds[:, 0]) - _norm.ppf(bounds[:, 1]))))
-    if mu == 0:
+    mu = _gdp_mu(in_scores, out_scores, sig, d, bool(one_sided))
+    if mu <= 0:
         return 0.0
 
     def gap(eps):
@@ -561,22 +586,15 @@ def epsilon_from_gdp(
     return float(scipy.optimize.brentq(gap, 0.0, 100.0, xtol=tol))
 
 
-def gdp_mu_lower_bound(in_scores, out_scores, *, significance: float = 0.05) -> float:
-    """The μ of ``epsilon_from_gdp`` before its conversion to ε (δ = 0 filter): the largest
-    Φ⁻¹(1 − FPR_ub) − Φ⁻¹(FNR_ub) over the hull's thresholds, Bonferroni over 2k tests.
+def gdp_mu_lower_bound(in_scores, out_scores, *, significance: float = 0.05, one_sided: bool = True) -> float:
+    """The μ lower bound of ``epsilon_from_gdp`` before its conversion to ε (thresholds whose
+    bounds are 1 skipped), ≥ 0.
 
     Raises:
         ValueError: α outside (0, 0.5), bad score arrays.
     """
     sig = _significance(significance, 0.5)
-    c = _counts(in_scores, out_scores)
-    k = len(c.fn)
-    fnr_ub = clopper_pearson_upper(c.fn, c.n_in, sig / (2 * k))
-    fpr_ub = clopper_pearson_upper(c.n_out - c.tn, c.n_out, sig / (2 * k))
-    ok = np.maximum(fnr_ub, fpr_ub) < 1
-    if not ok.any():
-        return 0.0
-    return float(np.max(np.abs(_norm.isf(fpr_ub[ok]) - _norm.ppf(fnr_ub[ok]))))
+    return _gdp_mu(in_scores, out_scores, sig, 0.0, bool(one_sided))
 
 
 # -- threshold strategies, applied ------------------------------------------------------------
