@@ -46,12 +46,13 @@ import numpy as np
 
 from dpmf._validation import check_int, check_real
 from dpmf.audit import estimators as E
+from dpmf.plan.schemes import CyclicPoisson, FixedOrder, SingleRelease
 
 __all__ = ["MechanismAudit", "METHODS", "audit_mechanism", "empirical_precision", "mechanism_scores", "precision_matrix"]
 
 METHODS = ("gdp", "clopper-pearson", "one-run", "one-run-fdp")
 # schemes whose batches are public to the adversary (no amplification claimed)
-PUBLIC_BATCHES = ("fixed_order", "single_release")
+PUBLIC_BATCHES = (FixedOrder, SingleRelease)
 
 
 def _correlated_noise(strategy, steps: int, dim: int, rng: np.random.Generator) -> np.ndarray:
@@ -78,10 +79,9 @@ def _participation(plan, seed: int) -> np.ndarray:
 
 def _possible_steps(plan, sampler, participation: np.ndarray) -> np.ndarray:
     """The steps the auditor may score each example at, (steps, N) boolean (see the module doc)."""
-    name = plan.scheme.name
-    if name in PUBLIC_BATCHES:
+    if isinstance(plan.scheme, PUBLIC_BATCHES):
         return participation
-    if name == "cyclic_poisson":
+    if isinstance(plan.scheme, CyclicPoisson):
         groups = plan.scheme.groups(plan)
         t = np.arange(plan.steps)[:, None]
         return (t % groups) == np.asarray(sampler.assignment)[None, :]
