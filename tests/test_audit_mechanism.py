@@ -156,3 +156,15 @@ def test_correct_runs_are_not_flagged(strategy, scheme, method, sigma):
         alarms += res.epsilon_lower_bound > claimed
     # a valid audit at α = 0.05 alarms with probability ≤ 0.05 per seed
     assert scipy.stats.binomtest(alarms, seeds, 0.05, alternative="greater").pvalue > 0.01, alarms
+
+
+@pytest.mark.parametrize("strategy", ["bsr:4", "blt:2", "bisr:4"])
+def test_the_training_noise_generator_gives_the_claimed_privacy(strategy):
+    # noise="stream": dpmf's streaming generator of the private step (BandedSqrtNoise, BLTNoise,
+    # ToeplitzInverseNoise) instead of a triangular solve: out-scores N(0, 1), in-scores N(1/σ, 1)
+    p = _plan(strategy).with_noise(1.5)
+    ins, outs, mu = M.mechanism_scores(p, runs=15, seed=4, noise="stream")
+    assert mu == pytest.approx(1 / 1.5, rel=1e-6)
+    assert np.std(outs) == pytest.approx(1.0, abs=0.03)
+    assert np.mean(ins) == pytest.approx(mu, abs=0.04)
+    assert np.mean(outs) == pytest.approx(0.0, abs=0.04)

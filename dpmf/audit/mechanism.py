@@ -33,7 +33,8 @@ N examples are the canaries of one sampler draw, and ``runs`` draws are stacked,
 (in/out, score) pairs are independent trials of the one-canary mechanism — the setting of the
 many-run estimators (``epsilon_from_gdp``, ``epsilon_clopper_pearson``).
 
-The components below (``_correlated_noise``, ``_clip``, ``_participation``, ``_possible_steps``)
+The components below (``_correlated_noise``/``_stream_noise``, ``_clip``, ``_participation``,
+``_possible_steps``)
 are module functions so that tests can plant a bug in one of them.
 """
 
@@ -59,6 +60,17 @@ def _correlated_noise(strategy, steps: int, dim: int, rng: np.random.Generator) 
     """Unit-scale correlated noise (C⁻¹Z), shape (steps, dim), Z standard normal (float64)."""
     z = rng.standard_normal((steps, dim))
     return strategy.C.inverse().matmul(z)
+
+
+def _stream_noise(strategy, steps: int, dim: int, rng: np.random.Generator) -> np.ndarray:
+    """The same noise from dpmf's training generator (``dpmf.optim.noise``, torch, float64),
+    seeded from ``rng``: audits the streaming generator the private step uses."""
+    from dpmf.optim.noise import noise_for_factorization
+
+    import torch
+
+    gen = noise_for_factorization(strategy, dim, seed=int(rng.integers(2**31 - 1)), dtype=torch.float64)
+    return np.stack([gen.next().numpy() for _ in range(steps)])
 
 
 def _clip(norm: float, clip_norm: float) -> float:
@@ -147,6 +159,7 @@ def mechanism_scores(
     canary_norm: float | None = None,
     canaries: str = "worst",
     score: str = "strategy",
+    noise: str = "numpy",
 ) -> tuple[np.ndarray, np.ndarray, float]:
     """Scores of ``runs``·N independent canaries through the plan's mechanism.
 
@@ -170,6 +183,8 @@ def mechanism_scores(
             accounting assumes; the auditor may choose them as π is public whenever it is
             used), ``all`` keeps every canary.
         score: ``strategy`` or ``empirical`` (see above).
+        noise: ``numpy`` (C⁻¹Z by a triangular solve of the plan's C) or ``stream`` (dpmf's
+            streaming generator of the private step, ``plan.noise``; needs torch).
 
     Returns:
         (in_scores, out_scores, mu): the scores (in units of the noise) and
@@ -188,6 +203,9 @@ def mechanism_scores(
         raise ValueError(f"canaries={canaries!r} is invalid: must be 'worst' or 'all'")
     if score not in ("strategy", "empirical"):
         raise ValueError(f"score={score!r} is invalid: must be 'strategy' or 'empirical'")
+    if noise not in ("numpy", "stream"):
+        raise ValueError(f"noise={noise!r} is invalid: must be 'numpy' or 'stream'")
+    draw = _correlated_noise if noise == "numpy" else _stream_noise
     std = plan.noise_std(zeta)
     contribution = _clip(raw, zeta)
     n = plan.steps
@@ -196,7 +214,7 @@ def mechanism_scores(
         P = precision_matrix(plan, std)
     else:
         blank = max(50 * n, 10_000)
-        P = empirical_precision(std * _correlated_noise(plan.strategy, n, blank, rng))
+        P = empirical_precision(std * draw(plan.strategy, n, blank, rng))
     C = plan.strategy.C
     ins, outs, best = [], [], 0.0
     for r in range(runs):
@@ -209,7 +227,7 @@ def mechanism_scores(
             keep = np.flatnonzero(q >= q.max() * (1 - 1e-9))
         bits = rng.random(keep.size) < 0.5
         g = part[:, keep] * (bits[None, :] * contribution)  # clipped canary sums, (n, k)
-        noisy = g + std * _correlated_noise(plan.strategy, n, keep.size, rng)
+        noisy = g + std * draw(plan.strategy, n, keep.size, rng)
         s = np.einsum("tk,tk->k", Pv[:, keep], noisy) / np.sqrt(q[keep])
         ins.append(s[bits])
         outs.append(s[~bits])
@@ -243,6 +261,7 @@ def audit_mechanism(
     canary_norm: float | None = None,
     canaries: str = "worst",
     score: str = "strategy",
+    noise: str = "numpy",
     claimed_epsilon: float | None = None,
 ) -> MechanismAudit:
     """Audit the plan's mechanism: ε̂ from ``mechanism_scores`` against the accounted ε.
@@ -250,7 +269,7 @@ def audit_mechanism(
     Args:
         plan: a ``PrivatePlan`` with its σ (e.g. ``plan.calibrate(ε, δ)``).
         delta: δ of the claim.
-        runs, seed, clip_norm, canary_norm, canaries, score: as ``mechanism_scores``.
+        runs, seed, clip_norm, canary_norm, canaries, score, noise: as ``mechanism_scores``.
         method: one of ``METHODS`` (``gdp``: the many-run GDP bound; the trials are independent).
         significance: α.
         claimed_epsilon: the claim to compare with; default ``plan.account(delta=delta)``.
@@ -270,7 +289,7 @@ def audit_mechanism(
         claimed_epsilon = float(plan.account(delta=delta).epsilon)
     ins, outs, mu = mechanism_scores(
         plan, runs=runs, seed=seed, clip_norm=clip_norm, canary_norm=canary_norm, canaries=canaries,
-        score=score,
+        score=score, noise=noise,
     )
     eps = _estimate(method, ins, outs, delta, significance)
     return MechanismAudit(
