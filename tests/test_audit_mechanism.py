@@ -135,12 +135,15 @@ def test_bug_one_noise_draw_reused_for_two_steps_is_caught(monkeypatch):
 
 # -- correct runs are not flagged --------------------------------------------------------------
 
+# amplified schemes: the exact likelihood-ratio score (the strongest single-canary attack) and
+# Clopper–Pearson (valid for any trade-off curve); fixed order: the linear score and GDP
 FALSE_ALARM_CONFIGS = [
     ("identity", "poisson", "clopper-pearson", None),
     ("bsr:4", "cyclic_poisson", "clopper-pearson", None),
     ("dense", "fixed_order", "gdp", None),
     pytest.param("blt:2", "balls_in_bins", "clopper-pearson", 3.0, marks=pytest.mark.slow),
 ]
+_SCORE = {"clopper-pearson": "likelihood", "gdp": "strategy"}
 
 
 @pytest.mark.parametrize("strategy, scheme, method, sigma", FALSE_ALARM_CONFIGS)
@@ -152,7 +155,7 @@ def test_correct_runs_are_not_flagged(strategy, scheme, method, sigma):
     alarms = 0
     for seed in range(seeds):
         res = M.audit_mechanism(plan, delta=DELTA, runs=8, method=method, seed=100 + seed,
-                                claimed_epsilon=claimed, canaries="all")
+                                claimed_epsilon=claimed, canaries="all", score=_SCORE[method])
         alarms += res.epsilon_lower_bound > claimed
     # a valid audit at α = 0.05 alarms with probability ≤ 0.05 per seed
     assert scipy.stats.binomtest(alarms, seeds, 0.05, alternative="greater").pvalue > 0.01, alarms
@@ -168,3 +171,36 @@ def test_the_training_noise_generator_gives_the_claimed_privacy(strategy):
     assert np.std(outs) == pytest.approx(1.0, abs=0.03)
     assert np.mean(ins) == pytest.approx(mu, abs=0.04)
     assert np.mean(outs) == pytest.approx(0.0, abs=0.04)
+
+
+def test_likelihood_score_closed_forms():
+    # Poisson, C = I: Σ_t log(1 − q + q·exp(c·ĝ_t/std² − c²/(2std²)))
+    p = _plan("identity", scheme="poisson").with_noise(2.0)
+    std = p.noise_std(1.0)
+    P = M.precision_matrix(p, std)
+    g = np.random.default_rng(1).normal(0, std, size=(p.steps, 3))
+    q = p.sampling_rate
+    got = M.likelihood_scores(p, None, g, np.ones_like(g, dtype=bool), 1.0, P)
+    want = np.log(1 - q + q * np.exp(g / std**2 - 1 / (2 * std**2))).sum(axis=0)
+    np.testing.assert_allclose(got, want, rtol=1e-10)
+    # balls-in-bins: log of the mean over bins of the Gaussian likelihood ratios
+    b = _plan("blt:2", scheme="balls_in_bins").with_noise(3.0)
+    std = b.noise_std(1.0)
+    P = M.precision_matrix(b, std)
+    g = np.random.default_rng(2).normal(0, std, size=(b.steps, 2))
+    bins = b.steps_per_epoch
+    want = []
+    for k in range(2):
+        lr = [np.exp(P[:, j::bins].sum(1) @ g[:, k] - P[j::bins][:, j::bins].sum() / 2) for j in range(bins)]
+        want.append(np.log(np.mean(lr)))
+    got = M.likelihood_scores(b, None, g, np.ones_like(g, dtype=bool), 1.0, P)
+    np.testing.assert_allclose(got, want, rtol=1e-9)
+
+
+def test_likelihood_score_is_stronger_than_the_linear_one_under_poisson():
+    plan = _plan("identity", scheme="poisson").calibrate(2.0, DELTA)
+    kw = dict(delta=DELTA, runs=60, method="clopper-pearson", seed=3, canaries="all", claimed_epsilon=2.0)
+    lin = M.audit_mechanism(plan, score="strategy", **kw)
+    lik = M.audit_mechanism(plan, score="likelihood", **kw)
+    assert lik.auroc > lin.auroc and lik.epsilon_lower_bound > lin.epsilon_lower_bound
+    assert lik.epsilon_lower_bound <= 2.0

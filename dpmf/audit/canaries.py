@@ -12,7 +12,10 @@ the audit runner (``dpmf.audit.runner``); training has no canary option.
 Score: the released noisy gradient of step t (B̄·p.grad) is projected on each unit direction
 u_j/ζ; the projections y_j ∈ ℝⁿ are combined over the canary's possible steps π_j with the
 mechanism-aware weighting of ``dpmf.audit.mechanism``: score_j = ⟨P1_π, y_j⟩/√(1_πᵀP1_π) with
-P = CᵀC/(σζs)² (for DP-SGD, the sum of the projections over π, divided by σζs·√|π|).
+P = CᵀC/(σζs)² (``white_box_scores``; for DP-SGD, the sum of the projections over π, divided by
+σζs·√|π|) when the batches are public, and the scheme's likelihood ratio built on the same
+whitened statistics under amplified sampling (``dpmf.audit.mechanism.likelihood_scores``; the
+runner uses it, which is the linear score when the batches are public).
 
 Black-box input canaries: m training examples copied with a wrong label (uniform among the
 other classes); each copy is a pseudo-example sampled like the others and "in" with probability

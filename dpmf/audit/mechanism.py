@@ -47,9 +47,17 @@ import numpy as np
 
 from dpmf._validation import check_int, check_real
 from dpmf.audit import estimators as E
-from dpmf.plan.schemes import CyclicPoisson, FixedOrder, SingleRelease
+from dpmf.plan.schemes import BallsInBins, CyclicPoisson, FixedOrder, Poisson, SingleRelease
 
-__all__ = ["MechanismAudit", "METHODS", "audit_mechanism", "empirical_precision", "mechanism_scores", "precision_matrix"]
+__all__ = [
+    "MechanismAudit",
+    "METHODS",
+    "audit_mechanism",
+    "empirical_precision",
+    "likelihood_scores",
+    "mechanism_scores",
+    "precision_matrix",
+]
 
 METHODS = ("gdp", "clopper-pearson", "one-run", "one-run-fdp")
 # schemes whose batches are public to the adversary (no amplification claimed)
@@ -117,6 +125,52 @@ def empirical_precision(noise_only: np.ndarray) -> np.ndarray:
     return (vec / lam) @ vec.T
 
 
+def likelihood_scores(plan, sampler, noisy: np.ndarray, possible: np.ndarray, contribution: float,
+                      P: np.ndarray) -> np.ndarray:
+    """The exact log-likelihood ratio of "in" against "out" under the scheme's sampling.
+
+    With a_t = c·(Pĝ)_t − c²·P_tt/2 (c the clipped contribution, P the noise's inverse
+    covariance):
+
+    * Poisson (C = I) and cyclic Poisson (bands ≤ min_sep, so the columns C·e_t of a group's
+      steps do not overlap and the steps' statistics are independent): the canary joins each
+      possible step with probability q, so log LR = Σ_{t∈π} log(1 − q + q·e^{a_t});
+    * balls-in-bins: the canary is in one of b bins (uniform), at the steps t ≡ j (mod b), so
+      log LR = log (1/b) Σ_j exp(c·⟨P1_{S_j}, ĝ⟩ − c²·1_{S_j}ᵀP1_{S_j}/2);
+    * schemes with public batches: ``possible`` are the canary's steps and the log LR is
+      affine in the linear score ⟨P1_π, ĝ⟩/√(1_πᵀP1_π), which is returned.
+
+    Args:
+        plan, sampler: the run's plan and the sampler of the draw.
+        noisy: shape (n, k), each canary's noisy gradients (projections).
+        possible: shape (n, k), boolean, the canaries' possible steps.
+        contribution: c, the clipped canary norm (in the units of ``noisy``).
+        P: shape (n, n).
+
+    Returns:
+        shape (k,): the scores (higher ⇒ "in").
+    """
+    Pg = P @ noisy
+    w = possible.astype(np.float64)
+    if isinstance(plan.scheme, (Poisson, CyclicPoisson)):
+        q = float(plan.sampling_rate)
+        a = contribution * Pg - contribution**2 * np.diag(P)[:, None] / 2
+        with np.errstate(divide="ignore"):
+            terms = np.logaddexp(np.log1p(-q) if q < 1 else -np.inf, np.log(q) + a)
+        return (terms * w).sum(axis=0)
+    if isinstance(plan.scheme, BallsInBins):
+        from scipy.special import logsumexp
+
+        b = plan.steps_per_epoch
+        bins = np.zeros((plan.steps, b))
+        bins[np.arange(plan.steps), np.arange(plan.steps) % b] = 1.0
+        lin = bins.T @ Pg
+        quad = np.einsum("tj,tj->j", bins, P @ bins)
+        return logsumexp(contribution * lin - contribution**2 * quad[:, None] / 2, axis=0) - np.log(b)
+    q = np.einsum("tk,tk->k", w, P @ w)
+    return np.einsum("tk,tk->k", P @ w, noisy) / np.sqrt(np.where(q > 0, q, 1.0))
+
+
 @dataclass(frozen=True)
 class MechanismAudit:
     """The result of ``audit_mechanism``.
@@ -182,7 +236,9 @@ def mechanism_scores(
         canaries: ``worst`` keeps only the canaries with the largest vᵀPv (the worst case the
             accounting assumes; the auditor may choose them as π is public whenever it is
             used), ``all`` keeps every canary.
-        score: ``strategy`` or ``empirical`` (see above).
+        score: ``strategy`` or ``empirical`` (see above), or ``likelihood``: the exact
+            likelihood ratio under the scheme's sampling (``likelihood_scores``; stronger under
+            amplification, the linear score when the batches are public).
         noise: ``numpy`` (C⁻¹Z by a triangular solve of the plan's C) or ``stream`` (dpmf's
             streaming generator of the private step, ``plan.noise``; needs torch).
 
@@ -201,8 +257,8 @@ def mechanism_scores(
     raw = zeta if canary_norm is None else check_real("canary_norm", canary_norm, low=0.0, low_inclusive=False)
     if canaries not in ("worst", "all"):
         raise ValueError(f"canaries={canaries!r} is invalid: must be 'worst' or 'all'")
-    if score not in ("strategy", "empirical"):
-        raise ValueError(f"score={score!r} is invalid: must be 'strategy' or 'empirical'")
+    if score not in ("strategy", "empirical", "likelihood"):
+        raise ValueError(f"score={score!r} is invalid: must be 'strategy', 'empirical' or 'likelihood'")
     if noise not in ("numpy", "stream"):
         raise ValueError(f"noise={noise!r} is invalid: must be 'numpy' or 'stream'")
     draw = _correlated_noise if noise == "numpy" else _stream_noise
@@ -210,7 +266,7 @@ def mechanism_scores(
     contribution = _clip(raw, zeta)
     n = plan.steps
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), 0xA0D17]))
-    if score == "strategy":
+    if score in ("strategy", "likelihood"):
         P = precision_matrix(plan, std)
     else:
         blank = max(50 * n, 10_000)
@@ -228,7 +284,10 @@ def mechanism_scores(
         bits = rng.random(keep.size) < 0.5
         g = part[:, keep] * (bits[None, :] * contribution)  # clipped canary sums, (n, k)
         noisy = g + std * draw(plan.strategy, n, keep.size, rng)
-        s = np.einsum("tk,tk->k", Pv[:, keep], noisy) / np.sqrt(q[keep])
+        if score == "likelihood":
+            s = likelihood_scores(plan, sampler, noisy, possible[:, keep] > 0, contribution, P)
+        else:
+            s = np.einsum("tk,tk->k", Pv[:, keep], noisy) / np.sqrt(q[keep])
         ins.append(s[bits])
         outs.append(s[~bits])
         wn = np.linalg.norm(C.matmul(possible[:, keep] * part[:, keep]), axis=0)

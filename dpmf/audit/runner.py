@@ -94,7 +94,7 @@ def run_audit(
     from dpmf._io import atomic_write_json
     from dpmf.audit import canaries as K
     from dpmf.audit import estimators as E
-    from dpmf.audit.mechanism import _possible_steps
+    from dpmf.audit.mechanism import _possible_steps, likelihood_scores, precision_matrix
     from dpmf.optim import LearningRateSchedule
     from dpmf.train.config import TrainConfig
     from dpmf.train.data import load_dataset
@@ -162,7 +162,8 @@ def run_audit(
 
     if kind == "white-box":
         possible = _possible_steps(plan, sampler, participation)[:, N:]
-        scores = K.white_box_scores(np.stack(privatizer.projections), possible, plan, config.clip_norm)
+        P = precision_matrix(plan, plan.noise_std(config.clip_norm))
+        scores = likelihood_scores(plan, sampler, np.stack(privatizer.projections), possible, config.clip_norm, P)
     else:
         scores = -K.canary_losses(model, cx, cy)
     ins, outs = scores[included], scores[~included]
