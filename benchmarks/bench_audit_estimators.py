@@ -36,16 +36,20 @@ def dpmf_values(ins, outs):
     d = 1e-5
     return {
         "epsilon_one_run": E.epsilon_one_run(ins, outs, delta=d, significance=0.05),
-        "epsilon_one_run_split": E.epsilon_one_run(ins, outs, delta=d, significance=0.05,
-                                                   threshold_strategy=E.Split(0.5, seed=7)),
+        "epsilon_one_run_split": E.epsilon_one_run(
+            ins, outs, delta=d, significance=0.05, threshold_strategy=E.Split(0.5, seed=7)
+        ),
         "epsilon_one_run_fdp": E.epsilon_one_run_fdp(ins, outs, delta=d, significance=0.05),
         "epsilon_clopper_pearson": E.epsilon_clopper_pearson(ins, outs, delta=d, significance=0.05),
         "epsilon_clopper_pearson_two_sided": E.epsilon_clopper_pearson(
-            ins, outs, delta=0.0, significance=0.05, one_sided=False),
+            ins, outs, delta=0.0, significance=0.05, one_sided=False
+        ),
         "epsilon_clopper_pearson_split": E.epsilon_clopper_pearson(
-            ins, outs, delta=d, significance=0.05, threshold_strategy=E.Split(0.5, seed=7)),
+            ins, outs, delta=d, significance=0.05, threshold_strategy=E.Split(0.5, seed=7)
+        ),
         "epsilon_clopper_pearson_explicit": E.epsilon_clopper_pearson(
-            ins, outs, delta=d, significance=0.05, threshold_strategy=E.Explicit(1.0)),
+            ins, outs, delta=d, significance=0.05, threshold_strategy=E.Explicit(1.0)
+        ),
         "epsilon_from_gdp": E.epsilon_from_gdp(ins, outs, delta=d, significance=0.05),
         "attack_auroc": E.attack_auroc(ins, outs),
         "tpr_at_fpr_0.01": E.tpr_at_given_fpr(ins, outs, 0.01),
@@ -64,8 +68,12 @@ def jax_values(ins, outs):
         "epsilon_one_run_fdp": a.epsilon_one_run_fdp(0.05, d),
         "epsilon_clopper_pearson": a.epsilon_clopper_pearson(0.05, d),
         "epsilon_clopper_pearson_two_sided": a.epsilon_clopper_pearson(0.05, 0.0, one_sided=False),
-        "epsilon_clopper_pearson_split": a.epsilon_clopper_pearson(0.05, d, threshold_strategy=A.Split(0.5, seed=7)),
-        "epsilon_clopper_pearson_explicit": a.epsilon_clopper_pearson(0.05, d, threshold_strategy=A.Explicit(1.0)),
+        "epsilon_clopper_pearson_split": a.epsilon_clopper_pearson(
+            0.05, d, threshold_strategy=A.Split(0.5, seed=7)
+        ),
+        "epsilon_clopper_pearson_explicit": a.epsilon_clopper_pearson(
+            0.05, d, threshold_strategy=A.Explicit(1.0)
+        ),
         "epsilon_from_gdp": a.epsilon_from_gdp(0.05, d),
         "attack_auroc": a.attack_auroc(),
         "tpr_at_fpr_0.01": a.tpr_at_given_fpr(0.01),
@@ -129,8 +137,10 @@ def main(argv=None) -> int:
         for key in ours:
             a, b = float(ours[key]), float(theirs[key])
             if key == "epsilon_from_gdp" and a < b:
-                print(f"{name:20s} {key:36s} dpmf={a:.12g} jax-privacy={b:.12g} (differs by design when "
-                      "jax-privacy's |mu| comes from the reverse direction; see the next line)")
+                print(
+                    f"{name:20s} {key:36s} dpmf={a:.12g} jax-privacy={b:.12g} (differs by design when "
+                    "jax-privacy's |mu| comes from the reverse direction; see the next line)"
+                )
                 continue
             rel = abs(a - b) / max(abs(b), 1e-12) if a != b else 0.0
             worst = max(worst, rel)
@@ -139,7 +149,9 @@ def main(argv=None) -> int:
     ours, theirs = null_false_alarms()
     print("no-signal scores (in, out ~ N(0,1), m=2000 each, 20 draws), epsilon_from_gdp at delta=1e-5:")
     print(f"  dpmf:        {np.round(ours, 2).tolist()} (false alarms: {(ours > 0.5).sum()}/20 above 0.5)")
-    print(f"  jax-privacy: {np.round(theirs, 2).tolist()} (false alarms: {(theirs > 0.5).sum()}/20 above 0.5)")
+    print(
+        f"  jax-privacy: {np.round(theirs, 2).tolist()} (false alarms: {(theirs > 0.5).sum()}/20 above 0.5)"
+    )
     if args.record:
         print(repr(record))
     return 0 if worst <= 1e-6 else 1

@@ -38,10 +38,12 @@ def tightness(trials: int) -> None:
             ins, outs, mu = M.mechanism_scores(plan, runs=runs, seed=11)
             gdp = M.E.epsilon_from_gdp(ins, outs, delta=DELTA)
             cp = M.E.epsilon_clopper_pearson(ins, outs, delta=DELTA)
-            print(f"{strategy:9s} eps={eps:g} sigma={plan.noise_multiplier:.4f} trials={ins.size + outs.size} "
-                  f"mu_claimed={mu:.4f} mu_lb={M.E.gdp_mu_lower_bound(ins, outs):.4f} "
-                  f"gdp={gdp:.4f} ({gdp / eps:.3f}x) clopper-pearson={cp:.4f} ({cp / eps:.3f}x) "
-                  f"[{time.perf_counter() - t0:.1f}s]")
+            print(
+                f"{strategy:9s} eps={eps:g} sigma={plan.noise_multiplier:.4f} trials={ins.size + outs.size} "
+                f"mu_claimed={mu:.4f} mu_lb={M.E.gdp_mu_lower_bound(ins, outs):.4f} "
+                f"gdp={gdp:.4f} ({gdp / eps:.3f}x) clopper-pearson={cp:.4f} ({cp / eps:.3f}x) "
+                f"[{time.perf_counter() - t0:.1f}s]"
+            )
 
 
 def bugs(runs: int) -> None:
@@ -49,10 +51,13 @@ def bugs(runs: int) -> None:
     real_std = PrivatePlan.noise_std
 
     def show(name, plan, claimed=None, **kw):
-        r = M.audit_mechanism(plan, delta=DELTA, runs=kw.pop("runs", runs), method="gdp", seed=5,
-                              claimed_epsilon=claimed, **kw)
-        print(f"{name:44s} claimed={r.claimed_epsilon:.3f} lower_bound={r.epsilon_lower_bound:.3f} "
-              f"flagged={r.epsilon_lower_bound > r.claimed_epsilon}")
+        r = M.audit_mechanism(
+            plan, delta=DELTA, runs=kw.pop("runs", runs), method="gdp", seed=5, claimed_epsilon=claimed, **kw
+        )
+        print(
+            f"{name:44s} claimed={r.claimed_epsilon:.3f} lower_bound={r.epsilon_lower_bound:.3f} "
+            f"flagged={r.epsilon_lower_bound > r.claimed_epsilon}"
+        )
 
     b4 = _plan("bsr:4").calibrate(4.0, DELTA)
     show("correct bsr:4 (reference)", b4)
@@ -63,7 +68,9 @@ def bugs(runs: int) -> None:
         show("clipping skipped, canary norm 3 zeta (identity)", ident, canary_norm=3.0)
     dense = _plan("dense").calibrate(4.0, DELTA)
     show("correct dense, empirical whitening (reference)", dense, score="empirical", runs=10)
-    with mock.patch.object(M, "_correlated_noise", lambda f, n, d, rng: f.C.matmul(rng.standard_normal((n, d)))):
+    with mock.patch.object(
+        M, "_correlated_noise", lambda f, n, d, rng: f.C.matmul(rng.standard_normal((n, d)))
+    ):
         show("C and C^-1 swapped in the noise (dense)", dense, score="empirical", runs=10)
     claimed = b4.account(delta=DELTA).epsilon
     s = b4.sensitivity
@@ -83,23 +90,41 @@ def bugs(runs: int) -> None:
 
 
 def false_alarms(seeds: int, with_bins: bool) -> None:
-    print(f"== false alarms of correct runs over {seeds} seeds (8 sampler draws = 8000 canaries each; amplified "
-          "schemes: the likelihood-ratio score)")
-    configs = [("identity", "poisson", "clopper-pearson", None), ("bsr:4", "cyclic_poisson", "clopper-pearson", None),
-               ("dense", "fixed_order", "gdp", None)]
+    print(
+        f"== false alarms of correct runs over {seeds} seeds (8 sampler draws = 8000 canaries each; "
+        "amplified "
+        "schemes: the likelihood-ratio score)"
+    )
+    configs = [
+        ("identity", "poisson", "clopper-pearson", None),
+        ("bsr:4", "cyclic_poisson", "clopper-pearson", None),
+        ("dense", "fixed_order", "gdp", None),
+    ]
     if with_bins:
         configs.append(("blt:2", "balls_in_bins", "clopper-pearson", 3.0))
     for strategy, scheme, method, sigma in configs:
         plan = _plan(strategy, scheme)
         plan = plan.calibrate(2.0, DELTA) if sigma is None else plan.with_noise(sigma)
         claimed = plan.account(delta=DELTA).epsilon
-        lbs = [M.audit_mechanism(plan, delta=DELTA, runs=8, method=method, seed=100 + s, claimed_epsilon=claimed,
-                                 canaries="all", score="likelihood" if method == "clopper-pearson" else "strategy").epsilon_lower_bound
-               for s in range(seeds)]
+        lbs = [
+            M.audit_mechanism(
+                plan,
+                delta=DELTA,
+                runs=8,
+                method=method,
+                seed=100 + s,
+                claimed_epsilon=claimed,
+                canaries="all",
+                score="likelihood" if method == "clopper-pearson" else "strategy",
+            ).epsilon_lower_bound
+            for s in range(seeds)
+        ]
         alarms = int(sum(lb > claimed for lb in lbs))
         p = scipy.stats.binomtest(alarms, seeds, 0.05, alternative="greater").pvalue
-        print(f"{strategy}/{scheme} ({method}): claimed={claimed:.3f} max lower bound={max(lbs):.3f} "
-              f"median={np.median(lbs):.3f} alarms={alarms}/{seeds} binomial p={p:.3f}")
+        print(
+            f"{strategy}/{scheme} ({method}): claimed={claimed:.3f} max lower bound={max(lbs):.3f} "
+            f"median={np.median(lbs):.3f} alarms={alarms}/{seeds} binomial p={p:.3f}"
+        )
 
 
 def main() -> None:
@@ -107,7 +132,9 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=1_000_000)
     p.add_argument("--seeds", type=int, default=20)
     p.add_argument("--bug-runs", type=int, default=40)
-    p.add_argument("--no-bins", action="store_true", help="skip balls-in-bins (its Monte Carlo accounting takes ~20 s)")
+    p.add_argument(
+        "--no-bins", action="store_true", help="skip balls-in-bins (its Monte Carlo accounting takes ~20 s)"
+    )
     a = p.parse_args()
     tightness(a.trials)
     bugs(a.bug_runs)

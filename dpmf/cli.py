@@ -966,7 +966,9 @@ def _add_audit(sub):
         "AUROC, and writes OUT/audit.json and OUT/audit.png.",
     )
     p.add_argument("--canaries", type=int, default=1000, help="number of canaries M (default 1000)")
-    p.add_argument("--canary", default="white-box", help="white-box (gradient canaries) | input (mislabeled examples)")
+    p.add_argument(
+        "--canary", default="white-box", help="white-box (gradient canaries) | input (mislabeled examples)"
+    )
     p.add_argument(
         "--method",
         default="one-run",
@@ -980,7 +982,9 @@ def _add_audit(sub):
 def _run_audit(args) -> int:
     if args.resume or args.distributed:
         flag = "--resume" if args.resume else "--distributed"
-        raise UsageError(f"{flag} is invalid for dpmf audit: an audit is one uninterrupted process; drop {flag}")
+        raise UsageError(
+            f"{flag} is invalid for dpmf audit: an audit is one uninterrupted process; drop {flag}"
+        )
     from dpmf.audit.runner import check_audit_args, run_audit
 
     check_audit_args(args.canaries, args.canary, args.method, args.significance)

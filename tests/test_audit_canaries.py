@@ -51,8 +51,12 @@ def test_canaries_are_added_to_the_clipped_sum_and_projected():
         want = canaries[[1, 3]].sum(0) if t != 1 else torch.zeros(d)
         torch.testing.assert_close(added, want, atol=1e-5, rtol=0)
         # the recorded projections are those of the released noisy sum on the unit directions
-        np.testing.assert_allclose(b.projections[t], (canaries @ gb).double().numpy() * plan.expected_batch_size,
-                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            b.projections[t],
+            (canaries @ gb).double().numpy() * plan.expected_batch_size,
+            rtol=1e-5,
+            atol=1e-5,
+        )
 
 
 def test_white_box_score_for_dpsgd_is_the_sum_of_projections():
@@ -63,7 +67,11 @@ def test_white_box_score_for_dpsgd_is_the_sum_of_projections():
     possible[[1, 4], 1] = True
     possible[:, 2] = True
     std = plan.noise_std(1.0)
-    want = [y[[0, 3], 0].sum() / (std * np.sqrt(2)), y[[1, 4], 1].sum() / (std * np.sqrt(2)), y[:, 2].sum() / (std * np.sqrt(6))]
+    want = [
+        y[[0, 3], 0].sum() / (std * np.sqrt(2)),
+        y[[1, 4], 1].sum() / (std * np.sqrt(2)),
+        y[:, 2].sum() / (std * np.sqrt(6)),
+    ]
     np.testing.assert_allclose(K.white_box_scores(y, possible, plan, 1.0), want, rtol=1e-12)
 
 
@@ -78,16 +86,31 @@ def test_input_canaries_have_wrong_labels():
 
 
 def _config(**kw):
-    base = dict(dataset="digits", epochs=2, batch_size=256, epsilon=4.0, seed=0, scheme="fixed_order",
-                device="cpu", clipping="vmap")
+    base = dict(
+        dataset="digits",
+        epochs=2,
+        batch_size=256,
+        epsilon=4.0,
+        seed=0,
+        scheme="fixed_order",
+        device="cpu",
+        clipping="vmap",
+    )
     base.update(kw)
     return TrainConfig(**base)
 
 
 @pytest.mark.parametrize("kind", ["white-box", "input"])
 def test_runner_writes_the_audit_and_claims_the_plans_epsilon(kind, tmp_path):
-    res = run_audit(_config(), str(tmp_path), canaries=200, kind=kind, method="one-run", progress=False,
-                    log=lambda *a: None)
+    res = run_audit(
+        _config(),
+        str(tmp_path),
+        canaries=200,
+        kind=kind,
+        method="one-run",
+        progress=False,
+        log=lambda *a: None,
+    )
     saved = json.loads((tmp_path / "audit.json").read_text())
     assert saved["epsilon_lower_bound"] == res["epsilon_lower_bound"]
     assert (tmp_path / "audit.png").stat().st_size > 1000
@@ -104,8 +127,14 @@ def test_white_box_training_audit_catches_noise_far_below_the_plans(monkeypatch,
     # a training-level planted bug: the released noise at 1/10 of σ·ζ·s
     real = Privatizer.noise_std
     monkeypatch.setattr(Privatizer, "noise_std", property(lambda self: real.fget(self) / 10))
-    res = run_audit(_config(epsilon=1.0), str(tmp_path), canaries=300, method="one-run", progress=False,
-                    log=lambda *a: None)
+    res = run_audit(
+        _config(epsilon=1.0),
+        str(tmp_path),
+        canaries=300,
+        method="one-run",
+        progress=False,
+        log=lambda *a: None,
+    )
     assert res["claimed"]["epsilon"] == pytest.approx(1.0, rel=1e-6)
     assert res["epsilon_lower_bound"] > 1.0
 
@@ -128,9 +157,28 @@ def test_cli_bad_input_is_one_line_exit_2(flags, word, tmp_path, capsys):
 
 
 def test_cli_audit_prints_claim_bound_and_auroc(tmp_path, capsys):
-    rc = main(["audit", "--dataset", "digits", "--epochs", "1", "--batch-size", "256", "--epsilon", "2",
-               "--seed", "1", "--canaries", "100", "--method", "one-run-fdp", "--no-progress",
-               "--out", str(tmp_path)])
+    rc = main(
+        [
+            "audit",
+            "--dataset",
+            "digits",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "256",
+            "--epsilon",
+            "2",
+            "--seed",
+            "1",
+            "--canaries",
+            "100",
+            "--method",
+            "one-run-fdp",
+            "--no-progress",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "claimed: ε = 2 at δ = 1e-05" in out and "AUROC" in out and "one-run-fdp" in out

@@ -16,7 +16,73 @@ from dpmf.audit import estimators as E
 # difference 0) except epsilon_from_gdp on gauss_mu1_m200, gauss_mu0.5_m5000 and separated,
 # where jax-privacy's largest |μ| comes from the reverse direction (see epsilon_from_gdp): its
 # values there are 4.37160231461, 4.6074395056, 0.366952698322.
-JAX_PRIVACY = {'gauss_mu1_m200': {'epsilon_one_run': 0.3797085907718429, 'epsilon_one_run_split': 0.34194600985237267, 'epsilon_one_run_fdp': 0.5658170958810044, 'epsilon_clopper_pearson': 0.2552101105662199, 'epsilon_clopper_pearson_two_sided': 0.326687358783619, 'epsilon_clopper_pearson_split': 0.05117142630829774, 'epsilon_clopper_pearson_explicit': 0.3673982297513736, 'epsilon_from_gdp': 1.1406706131501263, 'attack_auroc': 0.7666000000000001, 'tpr_at_fpr_0.01': 0.09, 'tpr_at_fpr_0.1': 0.37111111111111117}, 'gauss_mu2_m1000': {'epsilon_one_run': 2.8071392875528423, 'epsilon_one_run_split': 2.818693778890626, 'epsilon_one_run_fdp': 4.109569668759814, 'epsilon_clopper_pearson': 2.674547336319348, 'epsilon_clopper_pearson_two_sided': 2.6745857726424687, 'epsilon_clopper_pearson_split': 2.504111926947539, 'epsilon_clopper_pearson_explicit': 1.2568859677697004, 'epsilon_from_gdp': 7.966827485606491, 'attack_auroc': 0.9220799999999999, 'tpr_at_fpr_0.01': 0.458, 'tpr_at_fpr_0.1': 0.7421538461538462}, 'gauss_mu0.5_m5000': {'epsilon_one_run': 0.6347271225542449, 'epsilon_one_run_split': 1.1336488439562395, 'epsilon_one_run_fdp': 1.2200175308886945, 'epsilon_clopper_pearson': 0.70674648800984, 'epsilon_clopper_pearson_two_sided': 0.813710229897727, 'epsilon_clopper_pearson_split': 0.696536206040645, 'epsilon_clopper_pearson_explicit': 0.4742556706125005, 'epsilon_from_gdp': 1.5367386562910172, 'attack_auroc': 0.6455564102564102, 'tpr_at_fpr_0.01': 0.04493406593406593, 'tpr_at_fpr_0.1': 0.22445241199478486}, 'ties_int': {'epsilon_one_run': 2.1154849084351306, 'epsilon_one_run_split': 1.9160655995933065, 'epsilon_one_run_fdp': 3.0381499583553624, 'epsilon_clopper_pearson': 1.5995881803673484, 'epsilon_clopper_pearson_two_sided': 1.5996959277794645, 'epsilon_clopper_pearson_split': 1.287608719065835, 'epsilon_clopper_pearson_explicit': 0.048097317938120936, 'epsilon_from_gdp': 3.1791594606040627, 'attack_auroc': 0.6183571428571428, 'tpr_at_fpr_0.01': 0.1510990990990991, 'tpr_at_fpr_0.1': 0.250990990990991}, 'separated': {'epsilon_one_run': 0.5813412758002368, 'epsilon_one_run_split': 0.0, 'epsilon_one_run_fdp': 0.7571930996258922, 'epsilon_clopper_pearson': 0.0, 'epsilon_clopper_pearson_two_sided': 0.0, 'epsilon_clopper_pearson_split': 0.0, 'epsilon_clopper_pearson_explicit': 0.0, 'epsilon_from_gdp': 0.0, 'attack_auroc': 0.595, 'tpr_at_fpr_0.01': 0.11, 'tpr_at_fpr_0.1': 0.2}}
+JAX_PRIVACY = {
+    "gauss_mu1_m200": {
+        "epsilon_one_run": 0.3797085907718429,
+        "epsilon_one_run_split": 0.34194600985237267,
+        "epsilon_one_run_fdp": 0.5658170958810044,
+        "epsilon_clopper_pearson": 0.2552101105662199,
+        "epsilon_clopper_pearson_two_sided": 0.326687358783619,
+        "epsilon_clopper_pearson_split": 0.05117142630829774,
+        "epsilon_clopper_pearson_explicit": 0.3673982297513736,
+        "epsilon_from_gdp": 1.1406706131501263,
+        "attack_auroc": 0.7666000000000001,
+        "tpr_at_fpr_0.01": 0.09,
+        "tpr_at_fpr_0.1": 0.37111111111111117,
+    },
+    "gauss_mu2_m1000": {
+        "epsilon_one_run": 2.8071392875528423,
+        "epsilon_one_run_split": 2.818693778890626,
+        "epsilon_one_run_fdp": 4.109569668759814,
+        "epsilon_clopper_pearson": 2.674547336319348,
+        "epsilon_clopper_pearson_two_sided": 2.6745857726424687,
+        "epsilon_clopper_pearson_split": 2.504111926947539,
+        "epsilon_clopper_pearson_explicit": 1.2568859677697004,
+        "epsilon_from_gdp": 7.966827485606491,
+        "attack_auroc": 0.9220799999999999,
+        "tpr_at_fpr_0.01": 0.458,
+        "tpr_at_fpr_0.1": 0.7421538461538462,
+    },
+    "gauss_mu0.5_m5000": {
+        "epsilon_one_run": 0.6347271225542449,
+        "epsilon_one_run_split": 1.1336488439562395,
+        "epsilon_one_run_fdp": 1.2200175308886945,
+        "epsilon_clopper_pearson": 0.70674648800984,
+        "epsilon_clopper_pearson_two_sided": 0.813710229897727,
+        "epsilon_clopper_pearson_split": 0.696536206040645,
+        "epsilon_clopper_pearson_explicit": 0.4742556706125005,
+        "epsilon_from_gdp": 1.5367386562910172,
+        "attack_auroc": 0.6455564102564102,
+        "tpr_at_fpr_0.01": 0.04493406593406593,
+        "tpr_at_fpr_0.1": 0.22445241199478486,
+    },
+    "ties_int": {
+        "epsilon_one_run": 2.1154849084351306,
+        "epsilon_one_run_split": 1.9160655995933065,
+        "epsilon_one_run_fdp": 3.0381499583553624,
+        "epsilon_clopper_pearson": 1.5995881803673484,
+        "epsilon_clopper_pearson_two_sided": 1.5996959277794645,
+        "epsilon_clopper_pearson_split": 1.287608719065835,
+        "epsilon_clopper_pearson_explicit": 0.048097317938120936,
+        "epsilon_from_gdp": 3.1791594606040627,
+        "attack_auroc": 0.6183571428571428,
+        "tpr_at_fpr_0.01": 0.1510990990990991,
+        "tpr_at_fpr_0.1": 0.250990990990991,
+    },
+    "separated": {
+        "epsilon_one_run": 0.5813412758002368,
+        "epsilon_one_run_split": 0.0,
+        "epsilon_one_run_fdp": 0.7571930996258922,
+        "epsilon_clopper_pearson": 0.0,
+        "epsilon_clopper_pearson_two_sided": 0.0,
+        "epsilon_clopper_pearson_split": 0.0,
+        "epsilon_clopper_pearson_explicit": 0.0,
+        "epsilon_from_gdp": 0.0,
+        "attack_auroc": 0.595,
+        "tpr_at_fpr_0.01": 0.11,
+        "tpr_at_fpr_0.1": 0.2,
+    },
+}
 
 
 def _score_sets():
@@ -34,14 +100,18 @@ def _ours(ins, outs):
     d = 1e-5
     return {
         "epsilon_one_run": lambda: E.epsilon_one_run(ins, outs, delta=d),
-        "epsilon_one_run_split": lambda: E.epsilon_one_run(ins, outs, delta=d, threshold_strategy=E.Split(0.5, seed=7)),
+        "epsilon_one_run_split": lambda: E.epsilon_one_run(
+            ins, outs, delta=d, threshold_strategy=E.Split(0.5, seed=7)
+        ),
         "epsilon_one_run_fdp": lambda: E.epsilon_one_run_fdp(ins, outs, delta=d),
         "epsilon_clopper_pearson": lambda: E.epsilon_clopper_pearson(ins, outs, delta=d),
         "epsilon_clopper_pearson_two_sided": lambda: E.epsilon_clopper_pearson(ins, outs, one_sided=False),
         "epsilon_clopper_pearson_split": lambda: E.epsilon_clopper_pearson(
-            ins, outs, delta=d, threshold_strategy=E.Split(0.5, seed=7)),
+            ins, outs, delta=d, threshold_strategy=E.Split(0.5, seed=7)
+        ),
         "epsilon_clopper_pearson_explicit": lambda: E.epsilon_clopper_pearson(
-            ins, outs, delta=d, threshold_strategy=E.Explicit(1.0)),
+            ins, outs, delta=d, threshold_strategy=E.Explicit(1.0)
+        ),
         "epsilon_from_gdp": lambda: E.epsilon_from_gdp(ins, outs, delta=d),
         "attack_auroc": lambda: E.attack_auroc(ins, outs),
         "tpr_at_fpr_0.01": lambda: E.tpr_at_given_fpr(ins, outs, 0.01),
@@ -105,7 +175,9 @@ def test_clopper_pearson_upper_is_the_beta_quantile_and_covers():
 def test_clopper_pearson_epsilon_at_an_explicit_threshold_is_the_closed_form():
     ins = np.r_[np.ones(90), np.zeros(10)]
     outs = np.r_[np.ones(5), np.zeros(95)]
-    eps = E.epsilon_clopper_pearson(ins, outs, delta=0.0, significance=0.1, threshold_strategy=E.Explicit(0.5))
+    eps = E.epsilon_clopper_pearson(
+        ins, outs, delta=0.0, significance=0.1, threshold_strategy=E.Explicit(0.5)
+    )
     tpr_lb = 1 - scipy.stats.beta.ppf(0.95, 11, 90)
     fpr_ub = scipy.stats.beta.ppf(0.95, 6, 95)
     assert eps == pytest.approx(math.log(tpr_lb / fpr_ub), rel=1e-12)

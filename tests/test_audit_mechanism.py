@@ -9,8 +9,8 @@ import pytest
 import scipy.stats
 
 from dpmf.audit import mechanism as M
-from dpmf.plan.plan import PrivatePlan
 from dpmf.plan import schemes as S
+from dpmf.plan.plan import PrivatePlan
 
 DELTA = 1e-5
 
@@ -66,8 +66,9 @@ def test_empirical_whitening_is_tight_too():
 
 def _flagged(plan, claimed=None, **kw):
     kw.setdefault("runs", 40)
-    res = M.audit_mechanism(plan, delta=DELTA, method="gdp", significance=0.05, seed=5,
-                            claimed_epsilon=claimed, **kw)
+    res = M.audit_mechanism(
+        plan, delta=DELTA, method="gdp", significance=0.05, seed=5, claimed_epsilon=claimed, **kw
+    )
     assert res.claimed_epsilon <= 8.0
     return res
 
@@ -154,8 +155,16 @@ def test_correct_runs_are_not_flagged(strategy, scheme, method, sigma):
     seeds = 20
     alarms = 0
     for seed in range(seeds):
-        res = M.audit_mechanism(plan, delta=DELTA, runs=8, method=method, seed=100 + seed,
-                                claimed_epsilon=claimed, canaries="all", score=_SCORE[method])
+        res = M.audit_mechanism(
+            plan,
+            delta=DELTA,
+            runs=8,
+            method=method,
+            seed=100 + seed,
+            claimed_epsilon=claimed,
+            canaries="all",
+            score=_SCORE[method],
+        )
         alarms += res.epsilon_lower_bound > claimed
     # a valid audit at α = 0.05 alarms with probability ≤ 0.05 per seed
     assert scipy.stats.binomtest(alarms, seeds, 0.05, alternative="greater").pvalue > 0.01, alarms

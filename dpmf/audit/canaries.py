@@ -137,7 +137,9 @@ def canary_losses(model, x: torch.Tensor, y: torch.Tensor, batch_size: int = 102
         dev = next(model.parameters()).device
         for i in range(0, x.shape[0], batch_size):
             logits = model(x[i : i + batch_size].to(dev))
-            out.append(torch.nn.functional.cross_entropy(logits, y[i : i + batch_size].to(dev), reduction="none"))
+            out.append(
+                torch.nn.functional.cross_entropy(logits, y[i : i + batch_size].to(dev), reduction="none")
+            )
     model.train()
     return torch.cat(out).double().cpu().numpy()
 

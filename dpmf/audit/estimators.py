@@ -94,8 +94,10 @@ def _scores(name: str, values) -> np.ndarray:
         raise TypeError(f"{name} is invalid: dtype {arr.dtype}; must be real numbers")
     arr = arr.astype(np.float64)
     if np.isnan(arr).any():
-        raise ValueError(f"{name} is invalid: it holds NaN at index {int(np.flatnonzero(np.isnan(arr))[0])}; "
-                         "scores must be numbers (drop or fix the canaries whose score is NaN)")
+        raise ValueError(
+            f"{name} is invalid: it holds NaN at index {int(np.flatnonzero(np.isnan(arr))[0])}; "
+            "scores must be numbers (drop or fix the canaries whose score is NaN)"
+        )
     return arr
 
 
@@ -320,8 +322,11 @@ def epsilon_clopper_pearson(
     sig = _significance(significance, 0.5)
     d = _delta(delta, allow_zero=True)
     return _with_strategy(
-        in_scores, out_scores, threshold_strategy,
-        lambda c, a, t: _cp_all(c, a, d, bool(one_sided), t), sig,
+        in_scores,
+        out_scores,
+        threshold_strategy,
+        lambda c, a, t: _cp_all(c, a, d, bool(one_sided), t),
+        sig,
     )
 
 
@@ -471,7 +476,9 @@ def epsilon_one_run(
     """
     sig = _significance(significance, 1.0)
     d = _delta(delta, allow_zero=False)
-    return _with_strategy(in_scores, out_scores, threshold_strategy, lambda c, a, t: _one_run_all(c, a, d, t, False), sig)
+    return _with_strategy(
+        in_scores, out_scores, threshold_strategy, lambda c, a, t: _one_run_all(c, a, d, t, False), sig
+    )
 
 
 def epsilon_one_run_fdp(
@@ -494,7 +501,9 @@ def epsilon_one_run_fdp(
     """
     sig = _significance(significance, 1.0)
     d = _delta(delta, allow_zero=False)
-    return _with_strategy(in_scores, out_scores, threshold_strategy, lambda c, a, t: _one_run_all(c, a, d, t, True), sig)
+    return _with_strategy(
+        in_scores, out_scores, threshold_strategy, lambda c, a, t: _one_run_all(c, a, d, t, True), sig
+    )
 
 
 # -- Gaussian DP ------------------------------------------------------------------------------
@@ -518,7 +527,9 @@ def _gdp_mu(ins, outs, alpha: float, delta: float, one_sided: bool) -> float:
     # each direction at α/2
     return max(
         _gdp_mu_direction(_counts(ins, outs), alpha / 2, delta),
-        _gdp_mu_direction(_counts(-_scores("in_scores", ins), -_scores("out_scores", outs)), alpha / 2, delta),
+        _gdp_mu_direction(
+            _counts(-_scores("in_scores", ins), -_scores("out_scores", outs)), alpha / 2, delta
+        ),
     )
 
 

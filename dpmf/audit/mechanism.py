@@ -73,9 +73,9 @@ def _correlated_noise(strategy, steps: int, dim: int, rng: np.random.Generator) 
 def _stream_noise(strategy, steps: int, dim: int, rng: np.random.Generator) -> np.ndarray:
     """The same noise from dpmf's training generator (``dpmf.optim.noise``, torch, float64),
     seeded from ``rng``: audits the streaming generator the private step uses."""
-    from dpmf.optim.noise import noise_for_factorization
-
     import torch
+
+    from dpmf.optim.noise import noise_for_factorization
 
     gen = noise_for_factorization(strategy, dim, seed=int(rng.integers(2**31 - 1)), dtype=torch.float64)
     return np.stack([gen.next().numpy() for _ in range(steps)])
@@ -125,8 +125,9 @@ def empirical_precision(noise_only: np.ndarray) -> np.ndarray:
     return (vec / lam) @ vec.T
 
 
-def likelihood_scores(plan, sampler, noisy: np.ndarray, possible: np.ndarray, contribution: float,
-                      P: np.ndarray) -> np.ndarray:
+def likelihood_scores(
+    plan, sampler, noisy: np.ndarray, possible: np.ndarray, contribution: float, P: np.ndarray
+) -> np.ndarray:
     """The exact log-likelihood ratio of "in" against "out" under the scheme's sampling.
 
     With a_t = c·(Pĝ)_t − c²·P_tt/2 (c the clipped contribution, P the noise's inverse
@@ -254,7 +255,9 @@ def mechanism_scores(
     sigma = plan.require_noise_multiplier()
     runs = check_int("runs", runs, minimum=1)
     zeta = check_real("clip_norm", clip_norm, low=0.0, low_inclusive=False)
-    raw = zeta if canary_norm is None else check_real("canary_norm", canary_norm, low=0.0, low_inclusive=False)
+    raw = (
+        zeta if canary_norm is None else check_real("canary_norm", canary_norm, low=0.0, low_inclusive=False)
+    )
     if canaries not in ("worst", "all"):
         raise ValueError(f"canaries={canaries!r} is invalid: must be 'worst' or 'all'")
     if score not in ("strategy", "empirical", "likelihood"):
@@ -347,8 +350,14 @@ def audit_mechanism(
     if claimed_epsilon is None:
         claimed_epsilon = float(plan.account(delta=delta).epsilon)
     ins, outs, mu = mechanism_scores(
-        plan, runs=runs, seed=seed, clip_norm=clip_norm, canary_norm=canary_norm, canaries=canaries,
-        score=score, noise=noise,
+        plan,
+        runs=runs,
+        seed=seed,
+        clip_norm=clip_norm,
+        canary_norm=canary_norm,
+        canaries=canaries,
+        score=score,
+        noise=noise,
     )
     eps = _estimate(method, ins, outs, delta, significance)
     return MechanismAudit(

@@ -41,10 +41,10 @@ import numpy as np
 import pandas as pd
 from IPython.display import Image, display
 
+from dpmf.accountants.gaussian import gaussian_epsilon
 from dpmf.audit import estimators as E
 from dpmf.audit import mechanism as M
 from dpmf.audit.runner import run_audit
-from dpmf.accountants.gaussian import gaussian_epsilon
 from dpmf.plan import schemes as S
 from dpmf.plan.plan import PrivatePlan
 from dpmf.train.config import TrainConfig
@@ -62,14 +62,18 @@ rows = []
 for mu in (0.5, 1.0, 2.0):
     for m in (1000, 10000):
         ins, outs = rng.normal(mu, 1, m // 2), rng.normal(0, 1, m // 2)
-        rows.append({
-            "μ": mu, "canaries": m, "true ε": gaussian_epsilon(mu, DELTA),
-            "one-run": E.epsilon_one_run(ins, outs, delta=DELTA, significance=ALPHA),
-            "one-run f-DP": E.epsilon_one_run_fdp(ins, outs, delta=DELTA, significance=ALPHA),
-            "Clopper–Pearson": E.epsilon_clopper_pearson(ins, outs, delta=DELTA, significance=ALPHA),
-            "GDP": E.epsilon_from_gdp(ins, outs, delta=DELTA, significance=ALPHA),
-            "AUROC": E.attack_auroc(ins, outs),
-        })
+        rows.append(
+            {
+                "μ": mu,
+                "canaries": m,
+                "true ε": gaussian_epsilon(mu, DELTA),
+                "one-run": E.epsilon_one_run(ins, outs, delta=DELTA, significance=ALPHA),
+                "one-run f-DP": E.epsilon_one_run_fdp(ins, outs, delta=DELTA, significance=ALPHA),
+                "Clopper–Pearson": E.epsilon_clopper_pearson(ins, outs, delta=DELTA, significance=ALPHA),
+                "GDP": E.epsilon_from_gdp(ins, outs, delta=DELTA, significance=ALPHA),
+                "AUROC": E.attack_auroc(ins, outs),
+            }
+        )
 pd.DataFrame(rows).round(3)
 
 # %% [markdown]
@@ -80,6 +84,7 @@ pd.DataFrame(rows).round(3)
 # from the plan's sampler and the claimed ε from the plan's accounting. The coordinates are
 # independent, so the canaries are independent trials and the GDP and Clopper–Pearson bounds
 # apply. Only the worst-case canaries (largest ‖C1_π‖) are kept.
+
 
 # %%
 def plan_of(strategy, scheme="fixed_order"):
@@ -93,9 +98,18 @@ for strategy in ("identity", "bsr:4"):
         ins, outs, mu = M.mechanism_scores(plan, runs=RUNS, seed=1)
         gdp = E.epsilon_from_gdp(ins, outs, delta=DELTA, significance=ALPHA)
         cp = E.epsilon_clopper_pearson(ins, outs, delta=DELTA, significance=ALPHA)
-        tight.append({"strategy": strategy, "claimed ε": eps, "σ": plan.noise_multiplier,
-                      "trials": ins.size + outs.size, "GDP ε̂": gdp, "GDP / claimed": gdp / eps,
-                      "C–P ε̂": cp, "C–P / claimed": cp / eps})
+        tight.append(
+            {
+                "strategy": strategy,
+                "claimed ε": eps,
+                "σ": plan.noise_multiplier,
+                "trials": ins.size + outs.size,
+                "GDP ε̂": gdp,
+                "GDP / claimed": gdp / eps,
+                "C–P ε̂": cp,
+                "C–P / claimed": cp / eps,
+            }
+        )
 tight = pd.DataFrame(tight)
 display(tight.round(3))
 
@@ -103,8 +117,9 @@ fig, ax = plt.subplots(figsize=(5, 4))
 lim = max(EPSILONS) * 1.1
 ax.plot([0, lim], [0, lim], "k--", lw=1, label="bound = claim")
 ax.plot([0, lim], [0, 0.8 * lim], ":", color="gray", lw=1, label="0.8 × claim")
-for (strategy, method), marker in zip([(s, m) for s in ("identity", "bsr:4") for m in ("GDP ε̂", "C–P ε̂")],
-                                      "osv^"):
+for (strategy, method), marker in zip(
+    [(s, m) for s in ("identity", "bsr:4") for m in ("GDP ε̂", "C–P ε̂")], "osv^", strict=True
+):
     t = tight[tight.strategy == strategy]
     ax.plot(t["claimed ε"], t[method], marker, label=f"{strategy}, {method[:-3]}")
 ax.set_xlabel("claimed ε (dpmf's accounting)")
@@ -138,27 +153,69 @@ dense = plan_of("dense").calibrate(4.0, DELTA)
 s_b4 = b4.sensitivity
 bugs = [
     ("none (bsr:4)", b4, {}, None),
-    ("noise at half σ", b4, {}, mock.patch.object(PrivatePlan, "noise_std", lambda self, z: real_std(self, z) / 2)),
-    ("clipping skipped (canary norm 3ζ)", ident, {"canary_norm": 3.0},
-     mock.patch.object(M, "_clip", lambda norm, clip_norm: norm)),
+    (
+        "noise at half σ",
+        b4,
+        {},
+        mock.patch.object(PrivatePlan, "noise_std", lambda self, z: real_std(self, z) / 2),
+    ),
+    (
+        "clipping skipped (canary norm 3ζ)",
+        ident,
+        {"canary_norm": 3.0},
+        mock.patch.object(M, "_clip", lambda norm, clip_norm: norm),
+    ),
     ("none (dense, empirical whitening)", dense, {"score": "empirical"}, None),
-    ("C and C⁻¹ swapped in the noise (dense)", dense, {"score": "empirical"},
-     mock.patch.object(M, "_correlated_noise", lambda f, n, d, rng: f.C.matmul(rng.standard_normal((n, d))))),
-    ("sensitivity halved", b4, {}, mock.patch.object(PrivatePlan, "sensitivity", property(lambda self: s_b4 / 2))),
-    ("fixed order accounted as Poisson (σ = 1)", None, {},
-     mock.patch.object(S.FixedOrder, "event", lambda self, run, sigma: S.Poisson().event(run, sigma))),
-    ("one noise draw reused for two steps", b4, {"score": "empirical"},
-     mock.patch.object(M, "_correlated_noise", reused)),
+    (
+        "C and C⁻¹ swapped in the noise (dense)",
+        dense,
+        {"score": "empirical"},
+        mock.patch.object(
+            M, "_correlated_noise", lambda f, n, d, rng: f.C.matmul(rng.standard_normal((n, d)))
+        ),
+    ),
+    (
+        "sensitivity halved",
+        b4,
+        {},
+        mock.patch.object(PrivatePlan, "sensitivity", property(lambda self: s_b4 / 2)),
+    ),
+    (
+        "fixed order accounted as Poisson (σ = 1)",
+        None,
+        {},
+        mock.patch.object(S.FixedOrder, "event", lambda self, run, sigma: S.Poisson().event(run, sigma)),
+    ),
+    (
+        "one noise draw reused for two steps",
+        b4,
+        {"score": "empirical"},
+        mock.patch.object(M, "_correlated_noise", reused),
+    ),
 ]
 rows = []
 for name, plan, kw, patch in bugs:
     with patch if patch is not None else contextlib.nullcontext():
         p = plan if plan is not None else plan_of("identity").with_noise(1.0)
         claimed = p.account(delta=DELTA).epsilon
-        r = M.audit_mechanism(p, delta=DELTA, runs=BUG_RUNS, method="gdp", significance=ALPHA, seed=5,
-                              claimed_epsilon=claimed, **kw)
-    rows.append({"bug": name, "claimed ε": r.claimed_epsilon, "audited ε̂": r.epsilon_lower_bound,
-                 "caught": r.epsilon_lower_bound > r.claimed_epsilon})
+        r = M.audit_mechanism(
+            p,
+            delta=DELTA,
+            runs=BUG_RUNS,
+            method="gdp",
+            significance=ALPHA,
+            seed=5,
+            claimed_epsilon=claimed,
+            **kw,
+        )
+    rows.append(
+        {
+            "bug": name,
+            "claimed ε": r.claimed_epsilon,
+            "audited ε̂": r.epsilon_lower_bound,
+            "caught": r.epsilon_lower_bound > r.claimed_epsilon,
+        }
+    )
 pd.DataFrame(rows).round(3)
 
 # %% [markdown]
@@ -173,13 +230,30 @@ pd.DataFrame(rows).round(3)
 results = []
 for scheme in ("poisson", "fixed_order"):
     out = tempfile.mkdtemp()
-    cfg = TrainConfig(dataset="digits", epochs=EPOCHS, batch_size=512, epsilon=8.0, seed=1, scheme=scheme,
-                      device="cpu")
-    r = run_audit(cfg, out, canaries=CANARIES, kind="white-box", method="one-run-fdp", significance=ALPHA,
-                  progress=False, log=lambda *a: None)
-    results.append({"scheme": scheme, "claimed ε": r["claimed"]["epsilon"], "audited ε̂": r["epsilon_lower_bound"],
-                    "AUROC": r["auroc"], "TPR at 1 % FPR": r["tpr_at_fpr"]["0.01"],
-                    "test accuracy": r["test_accuracy"], "seconds": r["seconds"]})
+    cfg = TrainConfig(
+        dataset="digits", epochs=EPOCHS, batch_size=512, epsilon=8.0, seed=1, scheme=scheme, device="cpu"
+    )
+    r = run_audit(
+        cfg,
+        out,
+        canaries=CANARIES,
+        kind="white-box",
+        method="one-run-fdp",
+        significance=ALPHA,
+        progress=False,
+        log=lambda *a: None,
+    )
+    results.append(
+        {
+            "scheme": scheme,
+            "claimed ε": r["claimed"]["epsilon"],
+            "audited ε̂": r["epsilon_lower_bound"],
+            "AUROC": r["auroc"],
+            "TPR at 1 % FPR": r["tpr_at_fpr"]["0.01"],
+            "test accuracy": r["test_accuracy"],
+            "seconds": r["seconds"],
+        }
+    )
     display(Image(os.path.join(out, "audit.png")))
 pd.DataFrame(results).round(3)
 
