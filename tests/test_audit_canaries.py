@@ -147,6 +147,7 @@ def test_white_box_training_audit_catches_noise_far_below_the_plans(monkeypatch,
         (["--method", "bayes"], "method"),
         (["--significance", "0.7"], "significance"),
         (["--resume"], "--resume"),
+        (["--filter", "disk"], "disk"),
     ],
 )
 def test_cli_bad_input_is_one_line_exit_2(flags, word, tmp_path, capsys):
@@ -183,3 +184,14 @@ def test_cli_audit_prints_claim_bound_and_auroc(tmp_path, capsys):
     assert rc == 0
     assert "claimed: ε = 2 at δ = 1e-05" in out and "AUROC" in out and "one-run-fdp" in out
     assert json.loads((tmp_path / "audit.json").read_text())["method"] == "one-run-fdp"
+
+
+def test_runner_scores_cyclic_poisson_canaries_over_their_group(tmp_path):
+    # bsr:4 under cyclic Poisson: each canary is scored at the steps of its (public) group only
+    cfg = _config(scheme="cyclic_poisson", factorization="bsr:4", epochs=4, batch_size=128, epsilon=8.0)
+    res = run_audit(
+        cfg, str(tmp_path), canaries=300, method="one-run-fdp", progress=False, log=lambda *a: None
+    )
+    assert res["plan"]["scheme"].startswith("cyclic_poisson")
+    assert res["auroc"] > 0.6
+    assert 0 <= res["epsilon_lower_bound"] <= res["claimed"]["epsilon"]
