@@ -86,7 +86,7 @@ def _clip(norm: float, clip_norm: float) -> float:
     return norm * min(1.0, clip_norm / norm) if norm > 0 else 0.0
 
 
-def _participation(plan, seed: int) -> np.ndarray:
+def _participation(plan, seed: int) -> tuple[np.ndarray, object]:
     """The batches of one run of the plan's sampler, a read-only boolean (steps, N) matrix, and
     the sampler (its public structure: groups)."""
     sampler = plan.sampler(seed)
