@@ -304,12 +304,19 @@ def real_list(text: str) -> tuple[float, ...]:
     return tuple(_csv_list(text, float))
 
 
+def _optimizer_choices() -> str:
+    """The registered optimizer names, "a|b|c" (``dpmf.optim.registry``)."""
+    from dpmf.optim.registry import optimizer_names
+
+    return "|".join(optimizer_names())
+
+
 _TRAIN_FLAGS = (
     # (flag, type, help); defaults are None so that only the flags given override the config
     ("--dataset", str, "fashion-mnist|cifar10|digits (default fashion-mnist; digits when absent)"),
     ("--data-dir", str, "folder with the data set's files (must exist when given)"),
     ("--model", str, "cnn|cnn3|mlp|wrn16-4 (default cnn)"),
-    ("--optimizer", str, "dp-sgd|dp-adam|dp-muon|dp-muon-s|dp-muon-bc (default dp-sgd)"),
+    ("--optimizer", str, lambda: f"{_optimizer_choices()} (default dp-sgd)"),
     (
         "--factorization",
         str,
@@ -392,7 +399,7 @@ def _add_train(sub):
     budget.add_argument("--epsilon", type=float, default=None, help="target ε (σ is calibrated)")
     budget.add_argument("--noise-multiplier", type=float, default=None, help="σ (ε is computed)")
     for flag, kind, text in _TRAIN_FLAGS:
-        p.add_argument(flag, type=kind, default=None, help=text)
+        p.add_argument(flag, type=kind, default=None, help=text() if callable(text) else text)
     p.add_argument("--no-epsilon-each-epoch", action="store_true", help="account ε only for the whole run")
     p.add_argument("--threads", type=int, default=None, help="threads of torch and of the BLAS/OpenMP pools")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -782,7 +789,7 @@ _FL_FLAGS = (
     ("--local-steps", "local_steps", int, "local steps per round L (default 5)"),
     ("--local-batch-size", "local_batch_size", int, "local (expected) batch size (default 16)"),
     ("--local-lr", "local_lr", float, "local learning rate (default 0.1)"),
-    ("--local-optimizer", "local_optimizer", str, "record mode: dp-sgd|dp-adam|dp-muon|dp-muon-s|dp-muon-bc"),
+    ("--local-optimizer", "local_optimizer", str, lambda: f"record mode: {_optimizer_choices()}"),
     ("--local-factorization", "local_factorization", str, "record mode: strategy of the local noise"),
     ("--local-scheme", "local_scheme", str, "record mode: batch-sampling scheme (default poisson)"),
     ("--clip-norm", "clip_norm", float, "per-example clip norm ζ (record and aggregator modes; default 1)"),
@@ -848,7 +855,7 @@ def _add_fl(sub):
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--out", required=True, help="output folder")
     for flag, _, kind, text in _FL_FLAGS:
-        p.add_argument(flag, type=kind, default=None, help=text)
+        p.add_argument(flag, type=kind, default=None, help=text() if callable(text) else text)
     return p
 
 

@@ -45,7 +45,7 @@ from dpmf.distributed.collectives import Collectives
 from dpmf.distributed.sharding import assign_owners, owned_by, parameter_cost
 from dpmf.optim.clipping import trainable_parameters
 from dpmf.optim.noise import CHUNK_ENTRIES, ChunkedKeys
-from dpmf.optim.optimizers import MATRIX_RULES
+from dpmf.optim.registry import matrix_rule_names
 from dpmf.optim.privatize import Privatizer
 
 __all__ = ["MODES", "DistributedPrivatizer", "DivergenceError", "newton_schulz_parameters", "seed_digest"]
@@ -67,7 +67,7 @@ def newton_schulz_parameters(optimizer) -> set[int]:
     (empty for any other optimizer or None)."""
     out: set[int] = set()
     for group in getattr(optimizer, "param_groups", ()):
-        if group.get("rule") in MATRIX_RULES and group.get("transform") is None:
+        if group.get("rule") in matrix_rule_names() and group.get("transform") is None:
             for p in group["params"]:
                 out.add(id(p[1] if isinstance(p, tuple) else p))
     return out

@@ -47,6 +47,7 @@ from dpmf.accountants import (
 from dpmf.federated.models import add_proximal_gradient, get_weights, set_weights
 from dpmf.mechanisms import factorize, parse_factorization
 from dpmf.optim.noise import identity_noise, noise_for_factorization
+from dpmf.optim.registry import optimizer_names
 from dpmf.optim.privatize import Privatizer
 from dpmf.plan.plan import build_strategy
 from dpmf.plan.schemes import CyclicPoisson, FixedOrder, Poisson, get_scheme, strategy_bandwidth
@@ -64,7 +65,14 @@ __all__ = [
     "LOCAL_OPTIMIZERS",
 ]
 
-LOCAL_OPTIMIZERS = ("dp-sgd", "dp-adam", "dp-muon", "dp-muon-s", "dp-muon-bc")
+
+
+def __getattr__(name):
+    # the local optimizers are the optimizer registry's (``dpmf.optim.registry``)
+    if name == "LOCAL_OPTIMIZERS":
+        return optimizer_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 
 def _strategy(spec: str, steps: int, scheme: str, steps_per_epoch: int):
@@ -203,7 +211,8 @@ class PrivateLocalRun:
         steps: total private steps n = rounds × local steps.
         delta: δ in (0, 1).
         scheme, factorization, accountant: as ``dpmf epsilon``.
-        optimizer: one of ``LOCAL_OPTIMIZERS``; ``lr`` its learning rate.
+        optimizer: a name of the optimizer registry (``dpmf.optim.registry``); ``lr`` its
+            learning rate.
         seed: seeds the sampler and the noise (keep it secret for a released model).
 
     Raises:

@@ -113,7 +113,7 @@ class FLConfig:
     seed: int = 0
 
     def __post_init__(self):
-        from dpmf.federated.local import LOCAL_OPTIMIZERS
+        from dpmf.optim.registry import optimizer_names
 
         check_choice("dataset", self.dataset, DATASETS)
         check_int("num_clients", self.num_clients, minimum=2)
@@ -135,7 +135,7 @@ class FLConfig:
         if self.accountant is not None:
             check_choice("accountant", self.accountant, ("pld", "rdp", "prv"))
         check_int("seed", self.seed, minimum=0)
-        check_choice("local_optimizer", self.local_optimizer, LOCAL_OPTIMIZERS)
+        check_choice("local_optimizer", self.local_optimizer, optimizer_names())
         if self.privacy == "client" and self.strategy not in MEAN_STRATEGIES:
             raise ValueError(
                 f"strategy={self.strategy!r} is invalid with privacy='client': client-level noise is "
