@@ -14,7 +14,8 @@ from scipy.stats import norm
 
 from dpmf import cli
 from dpmf._io import atomic_write_csv, atomic_write_text, check_out_dir
-from dpmf.accountants import calibrate, samples_needed
+from dpmf import calibrate
+from dpmf.accountants import samples_needed
 from dpmf.accountants.calibration import check_monte_carlo
 from dpmf.accountants.events import GaussianEvent, PoissonGaussianEvent
 from dpmf.accountants.gaussian import EXACT_MAX_MU, gaussian_delta, gaussian_epsilon, gaussian_mu

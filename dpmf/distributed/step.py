@@ -42,6 +42,7 @@ from torch import nn
 
 from dpmf._validation import check_choice, check_int
 from dpmf.distributed.collectives import Collectives
+from dpmf.distributed.modes import MODES
 from dpmf.distributed.sharding import assign_owners, owned_by, parameter_cost
 from dpmf.optim.clipping import trainable_parameters
 from dpmf.optim.noise import CHUNK_ENTRIES, ChunkedKeys
@@ -50,7 +51,6 @@ from dpmf.optim.privatize import Privatizer
 
 __all__ = ["MODES", "DistributedPrivatizer", "DivergenceError", "newton_schulz_parameters", "seed_digest"]
 
-MODES = ("sharded", "replicated", "rank0")
 
 
 class DivergenceError(RuntimeError):

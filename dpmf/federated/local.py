@@ -36,19 +36,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dpmf.accountants import (
-    ComposedEvent,
-    PLDAccountant,
-    PoissonGaussianEvent,
-    PrivacyResult,
-    account,
-    account_segments,
-)
+from dpmf.accountants import ComposedEvent, PLDAccountant, PoissonGaussianEvent, PrivacyResult
 from dpmf.federated.models import add_proximal_gradient, get_weights, set_weights
 from dpmf.mechanisms import factorize, parse_factorization
 from dpmf.optim.noise import identity_noise, noise_for_factorization
 from dpmf.optim.registry import optimizer_names
 from dpmf.optim.privatize import Privatizer
+from dpmf.plan.api import account, account_segments
 from dpmf.plan.plan import build_strategy
 from dpmf.plan.schemes import CyclicPoisson, FixedOrder, Poisson, get_scheme, strategy_bandwidth
 from dpmf.train.config import TrainConfig

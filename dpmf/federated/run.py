@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from dpmf._validation import check_choice, check_int, check_real
+from dpmf.accountants.events import PoissonGaussianEvent
+from dpmf.accountants.registry import accountants_for
 from dpmf.federated.compliance import ComplianceSet, NoiseMap, example_profiles, uniform_control
 from dpmf.federated.data import DATASETS, PARTITIONS, FederatedData, load_federated
 from dpmf.federated.ledger import MODES, UNITS, PrivacyEntry, format_entry
@@ -133,7 +135,7 @@ class FLConfig:
             check_real("fedopt_eta", self.fedopt_eta, low=0.0, low_inclusive=False)
         check_real("delta", self.delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
         if self.accountant is not None:
-            check_choice("accountant", self.accountant, ("pld", "rdp", "prv"))
+            check_choice("accountant", self.accountant, accountants_for(PoissonGaussianEvent))
         check_int("seed", self.seed, minimum=0)
         check_choice("local_optimizer", self.local_optimizer, optimizer_names())
         if self.privacy == "client" and self.strategy not in MEAN_STRATEGIES:

@@ -13,18 +13,17 @@ import os
 from dataclasses import dataclass, fields
 
 from dpmf._validation import check_choice, check_int, check_real
-from dpmf.distributed.step import MODES
+from dpmf.accountants.registry import ACCOUNTANTS
+from dpmf.distributed.modes import MODES
 from dpmf.mechanisms.registry import parse_factorization
-from dpmf.optim.ghost import CLIPPING_MODES
+from dpmf.optim.choices import CLIPPING_MODES
 from dpmf.optim.registry import DEFAULT_LR, optimizer_names
 from dpmf.plan.schemes import SCHEMES, Poisson, scheme_names
-from dpmf.train.data import DATASETS
-from dpmf.train.models import MODELS
+from dpmf.train.choices import DATASETS, MODELS
 from dpmf.workloads.schedules import SCHEDULES
 
 __all__ = ["OPTIMIZERS", "ACCOUNTANTS", "DEFAULT_LR", "TrainConfig"]
 
-ACCOUNTANTS = ("pld", "rdp", "prv", "monte_carlo", "allocation_pld")
 DEVICES = ("auto", "cpu", "cuda")
 NOISE_KEYS = ("stream", "chunked")
 DISTRIBUTED_MODES = MODES
@@ -90,7 +89,8 @@ class TrainConfig:
             ghost clipping when every layer allows it, else ``vmap``), ``vmap``, ``ghost`` or
             ``bk`` (``dpmf.optim.clipping.clipped_sum``). The same sum up to rounding, so not
             part of the run's identity.
-        accountant: ``pld``, ``rdp``, ``prv`` or ``monte_carlo``; None: the scheme's default
+        accountant: a name of ``dpmf.accountants.ACCOUNTANTS`` the scheme supports (``pld``,
+            ``rdp``, ``prv``, ``monte_carlo``, ``allocation_pld``); None: the scheme's default
             (Monte Carlo for the balls-in-bins schemes, PLD otherwise).
         samples: Monte Carlo samples for balls-in-bins accounting (None: the accountant's default).
         eval_batch_size: batch size of the test evaluation (no privacy cost).

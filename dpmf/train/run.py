@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpmf._io import atomic_write_json
+from dpmf.accountants.events import PoissonGaussianEvent
+from dpmf.accountants.registry import accountants_for
 from dpmf.optim import (
     Disk,
     LearningRateSchedule,
@@ -235,7 +237,7 @@ def choose_strategy(config: TrainConfig, dataset_size: int, steps: int, *, progr
         schedule=Schedule(config.schedule, config.beta, config.gamma),
         max_bands=config.max_bands,
         scheme="auto" if config.scheme == Poisson.name else config.scheme,
-        accountant=config.accountant if config.accountant in ("pld", "rdp", "prv") else None,
+        accountant=config.accountant if config.accountant in accountants_for(PoissonGaussianEvent) else None,
         samples=config.samples,
         seed=_mc_seed(config),
         progress=progress,
