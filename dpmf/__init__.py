@@ -1,9 +1,10 @@
 """dpmf: differentially private training with correlated noise.
 
 ``dpmf.PrivatePlan`` (one private run: N, B, steps, scheme, strategy, schedule, σ) and its
-accounting (``account``, ``calibrate``, ``max_steps``, ``max_batch_size``, ``account_segments``:
-on a plan, or keywords that build one) are numpy-only; ``dpmf.make_private`` (a private step for any PyTorch loop) imports
-torch when first used. Every name is imported on first use.
+accounting (``account``, ``calibrate``, ``max_steps``, ``max_batch_size``,
+``account_segments``: on a plan, or keywords that build one) are numpy-only;
+``dpmf.make_private`` (a private step for any PyTorch loop) imports torch when first used.
+Every name is imported on first use.
 """
 
 __version__ = "0.1.0"

@@ -2,6 +2,7 @@
 measures, its own settings) in one ``ACCOUNTANTS``; the names are spelled nowhere else."""
 
 import ast
+import dataclasses
 import math
 import pathlib
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ def test_specifications_hold_the_settings_and_build_the_accountants():
     assert make_accountant("pld", value_discretization_interval=1e-3).value_discretization_interval == 1e-3
     spec = MonteCarlo(samples=10, confidence=0.95)
     assert spec.build().confidence == 0.95 and MonteCarlo.randomized and not PLD.randomized
-    with pytest.raises(Exception):  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
         spec.samples = 11
     assert PRV().build().eps_error == 0.01
 

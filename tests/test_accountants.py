@@ -10,8 +10,7 @@ import pytest
 from scipy.optimize import brentq
 from scipy.stats import norm
 
-from dpmf import cli
-from dpmf import account, account_segments, calibrate, max_batch_size, max_steps
+from dpmf import account, account_segments, calibrate, cli, max_batch_size, max_steps
 from dpmf.accountants import gaussian_epsilon
 from dpmf.mechanisms import Participation, factorize, sensitivity
 from dpmf.plan import accounting as plan_accounting

@@ -27,7 +27,11 @@ def test_every_dpmf_name_a_benchmark_imports_exists(script):
     attributes that exist."""
     missing = []
     for node in ast.walk(ast.parse(script.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "dpmf":
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and (node.module or "").split(".")[0] == "dpmf"
+        ):
             module = importlib.import_module(node.module)
             for alias in node.names:
                 name = alias.name

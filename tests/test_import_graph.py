@@ -4,8 +4,6 @@ functions included), the packages import only the layers below them (edges into 
 
 import ast
 import pathlib
-import subprocess
-import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "dpmf"
 
@@ -124,7 +122,7 @@ def _layer_violations(mods):
 
 def _package_cycles(mods):
     graph = {}
-    for (a, b) in _package_edges(mods):
+    for a, b in _package_edges(mods):
         graph.setdefault(a, set()).add(b)
         graph.setdefault(b, set())
     return _cycles(graph)

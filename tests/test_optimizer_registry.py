@@ -58,7 +58,13 @@ def test_the_builtin_entries_hold_the_four_names_of_each_optimizer():
         True,
         True,
     )
-    assert dict(DEFAULT_LR) == {"dp-sgd": 0.5, "dp-adam": 2e-3, "dp-muon": 0.05, "dp-muon-s": 0.05, "dp-muon-bc": 0.05}
+    assert dict(DEFAULT_LR) == {
+        "dp-sgd": 0.5,
+        "dp-adam": 2e-3,
+        "dp-muon": 0.05,
+        "dp-muon-s": 0.05,
+        "dp-muon-bc": 0.05,
+    }
     assert optimizers_module.RULES == ("sgd", "adam", "muon", "muon_s", "muon_bc")
     assert optimizers_module.MATRIX_RULES == ("muon", "muon_s", "muon_bc")
 
@@ -71,11 +77,11 @@ def test_a_registered_optimizer_is_usable_by_the_train_config_and_builder(sign_r
     assert {g["rule"] for g in opt.param_groups} == {"sign"}
     before = [p.detach().clone() for p in model.parameters()]
     grads = [torch.tensor([[1.0, -2.0, 0.5], [-0.1, 0.0, 3.0]]), torch.tensor([-4.0, 0.2])]
-    for p, g in zip(model.parameters(), grads):
+    for p, g in zip(model.parameters(), grads, strict=True):
         p.grad = g
     opt.bind(SimpleNamespace(fresh_noise_std=0.0, check_gradients=lambda: None, consume=lambda: None))
     opt.step()
-    for p, b, g in zip(model.parameters(), before, grads):
+    for p, b, g in zip(model.parameters(), before, grads, strict=True):
         torch.testing.assert_close(p.detach(), b - 0.25 * torch.sign(g))
 
 

@@ -16,6 +16,14 @@ from dpmf.accountants.events import (
 )
 from dpmf.accountants.gaussian import gaussian_delta, gaussian_epsilon, gaussian_mu
 from dpmf.accountants.library import PLDAccountant, PRVAccountant, RDPAccountant, to_dp_event
+from dpmf.accountants.montecarlo import (
+    MonteCarloAccountant,
+    PrivacyLossSample,
+    certified_delta,
+    kl_bernoulli,
+    sample_privacy_losses,
+    samples_needed,
+)
 from dpmf.accountants.registry import (
     ACCOUNTANTS,
     PLD,
@@ -29,14 +37,6 @@ from dpmf.accountants.registry import (
     get_accountant,
     make_accountant,
     register_accountant,
-)
-from dpmf.accountants.montecarlo import (
-    MonteCarloAccountant,
-    PrivacyLossSample,
-    certified_delta,
-    kl_bernoulli,
-    sample_privacy_losses,
-    samples_needed,
 )
 from dpmf.accountants.result import GUARANTEES, Measurement, PrivacyResult
 

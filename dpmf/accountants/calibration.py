@@ -51,6 +51,7 @@ __all__ = [
     "check_monte_carlo",
 ]
 
+
 def check_delta(delta) -> float:
     """δ in (0, 1); raises ValueError naming it otherwise."""
     return check_real("delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)

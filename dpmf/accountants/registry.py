@@ -217,5 +217,6 @@ class AllocationPLD(AccountantSpec):
     tail_fraction: float = 1e-3
 
     def build(self):
-        return AllocationPLDAccountant(self.value_discretization_interval, self.resolution, self.tail_fraction)
-
+        return AllocationPLDAccountant(
+            self.value_discretization_interval, self.resolution, self.tail_fraction
+        )

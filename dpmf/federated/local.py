@@ -40,8 +40,8 @@ from dpmf.accountants import ComposedEvent, PLDAccountant, PoissonGaussianEvent,
 from dpmf.federated.models import add_proximal_gradient, get_weights, set_weights
 from dpmf.mechanisms import factorize, parse_factorization
 from dpmf.optim.noise import identity_noise, noise_for_factorization
-from dpmf.optim.registry import optimizer_names
 from dpmf.optim.privatize import Privatizer
+from dpmf.optim.registry import optimizer_names
 from dpmf.plan.api import account, account_segments
 from dpmf.plan.plan import build_strategy
 from dpmf.plan.schemes import CyclicPoisson, FixedOrder, Poisson, get_scheme, strategy_bandwidth
@@ -56,9 +56,7 @@ __all__ = [
     "PrivateLocalRun",
     "AggregatorDPSGD",
     "ClientLevelNoise",
-    "LOCAL_OPTIMIZERS",
 ]
-
 
 
 def __getattr__(name):
@@ -66,7 +64,6 @@ def __getattr__(name):
     if name == "LOCAL_OPTIMIZERS":
         return optimizer_names()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 
 def _strategy(spec: str, steps: int, scheme: str, steps_per_epoch: int):

@@ -52,8 +52,6 @@ from dpmf.optim.transforms import (
 )
 
 __all__ = [
-    "RULES",
-    "MATRIX_RULES",
     "PLACEHOLDER_RULES",
     "DPOptimizer",
     "DPSGD",
@@ -79,6 +77,7 @@ def __getattr__(name):
     if name == "MATRIX_RULES":
         return matrix_rule_names()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: Placeholders a group may use as its rule, resolved by the optimizer: "matrix" and "vector"
 #: become its ``matrix_rule`` and ``vector_rule``; "auto" splits the group into the

@@ -126,9 +126,7 @@ def register_optimizer(spec: OptimizerSpec, *, replace: bool = False) -> Optimiz
             raise ValueError(f"optimizer {spec.name!r} is already registered (pass replace=True)")
         taken = {s.rule: s.name for s in OPTIMIZERS.values()}
         if spec.rule in taken:
-            raise ValueError(
-                f"rule={spec.rule!r} is invalid: optimizer {taken[spec.rule]!r} already has it"
-            )
+            raise ValueError(f"rule={spec.rule!r} is invalid: optimizer {taken[spec.rule]!r} already has it")
     OPTIMIZERS[spec.name] = spec
     return spec
 

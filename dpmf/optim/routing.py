@@ -37,7 +37,6 @@ from dpmf.optim.registry import matrix_rule_names, rule_names
 __all__ = ["route_parameters", "rule_of"]
 
 
-
 # The rules follow the optimizer registry (``dpmf.optim.registry``), read at each call.
 def _any_rule() -> tuple[str, ...]:
     return rule_names() + ("matrix", "vector")

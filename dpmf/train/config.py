@@ -22,7 +22,7 @@ from dpmf.plan.schemes import SCHEMES, Poisson, scheme_names
 from dpmf.train.choices import DATASETS, MODELS
 from dpmf.workloads.schedules import SCHEDULES
 
-__all__ = ["OPTIMIZERS", "ACCOUNTANTS", "DEFAULT_LR", "TrainConfig"]
+__all__ = ["ACCOUNTANTS", "DEFAULT_LR", "TrainConfig"]
 
 DEVICES = ("auto", "cpu", "cuda")
 NOISE_KEYS = ("stream", "chunked")

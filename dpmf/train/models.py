@@ -34,7 +34,6 @@ from dpmf.train.choices import MODELS
 __all__ = ["MODELS", "build_model", "SmallCNN", "ThreeBlockCNN", "MLP", "WideResNet"]
 
 
-
 def _group_norm(channels: int, groups: int) -> nn.GroupNorm:
     g = math.gcd(channels, groups)
     return nn.GroupNorm(g, channels)

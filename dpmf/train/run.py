@@ -45,10 +45,10 @@ from dpmf.optim import (
     route_parameters,
 )
 from dpmf.optim.clipping import trainable_parameters
-from dpmf.optim.optimizers import make_optimizer
-from dpmf.optim.registry import get_optimizer
 from dpmf.optim.noise import ChunkedKeys
+from dpmf.optim.optimizers import make_optimizer
 from dpmf.optim.privatize import Privatizer
+from dpmf.optim.registry import get_optimizer
 from dpmf.plan.plan import PrivatePlan, leading_block
 from dpmf.plan.schemes import Poisson
 from dpmf.train.checkpoint import load_checkpoint
@@ -150,9 +150,7 @@ def build_optimizer(
     """
     spec = get_optimizer(config.optimizer)
     filt = build_filter(config)
-    kwargs = dict(
-        lr=config.base_lr, weight_decay=config.weight_decay, momentum=config.momentum, filter=filt
-    )
+    kwargs = dict(lr=config.base_lr, weight_decay=config.weight_decay, momentum=config.momentum, filter=filt)
     if spec.probes:
         master = seed if seed is not None else config.seed
         kwargs["probe_seed"] = sub_seed(0 if master is None else master, 3)
@@ -169,9 +167,7 @@ def build_optimizer(
             "with momentum), not Newton–Schulz"
         )
     groups = route_parameters(model, rules=vectors or None)
-    return make_optimizer(
-        spec.name, groups, beta=config.muon_beta, vector_lr=config.vector_lr, **kwargs
-    )
+    return make_optimizer(spec.name, groups, beta=config.muon_beta, vector_lr=config.vector_lr, **kwargs)
 
 
 def plan_for(config: TrainConfig, dataset_size: int, *, progress: bool = False, log=print):
