@@ -3,7 +3,10 @@ functions included), the packages import only the layers below them (edges into 
 ``__init__`` included), and numpy-only layers never import torch at module level."""
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "dpmf"
 
@@ -246,6 +249,18 @@ def test_the_train_config_module_imports_no_torch_module():
                 assert not (n == "torch" or n.startswith("torch.")), f"{m} imports {n} (reached from config)"
                 if n in mods and mods[n].name != "__init__.py":
                     todo.append(n)
+
+
+def test_importing_the_numpy_layers_and_the_accounting_entry_points_loads_no_torch():
+    code = (
+        "import sys, dpmf, dpmf.workloads, dpmf.mechanisms, dpmf.accountants, dpmf.plan, dpmf.pick\n"
+        "dpmf.account, dpmf.calibrate, dpmf.max_steps, dpmf.PrivatePlan\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT.parent))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
 
 
 def test_numpy_layers_do_not_import_torch_at_module_level():
