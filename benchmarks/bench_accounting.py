@@ -20,14 +20,8 @@ import time
 
 import numpy as np
 
-from dpmf.accountants import (
-    PLDAccountant,
-    account,
-    build_event,
-    calibrate,
-    check_run,
-    sample_privacy_losses,
-)
+from dpmf import PrivatePlan, account, calibrate
+from dpmf.accountants import PLDAccountant, sample_privacy_losses
 from dpmf.mechanisms import factorize
 from dpmf.workloads import prefix_sum
 
@@ -44,7 +38,8 @@ def _timed(fn, repeats=1):
 def bench_pld_calibration(repeats: int) -> None:
     kw = dict(dataset_size=60_000, batch_size=256, steps=10_000)
     t_cal, r = _timed(lambda: calibrate("poisson", epsilon=3.0, delta=1e-5, **kw), repeats)
-    event, _ = build_event(check_run("poisson", **kw), r.noise_multiplier)
+    plan = PrivatePlan(kw["dataset_size"], kw["batch_size"], steps=kw["steps"], scheme="poisson")
+    event = plan.event(r.noise_multiplier)
     t_one, _ = _timed(lambda: PLDAccountant().epsilon(event, 1e-5), repeats)
     print("[1] PLD calibration, DP-SGD, 10^4 steps, q = 256/60000, (3, 1e-5)")
     print(
@@ -60,8 +55,7 @@ def bench_pld_calibration(repeats: int) -> None:
 def bench_monte_carlo(samples: int) -> None:
     n, b = 1000, 100
     f = factorize(prefix_sum(n), "bsr:16")
-    run = check_run("balls_in_bins", b * 100, 100, n, f)
-    event, _ = build_event(run, 1.0)
+    event = PrivatePlan(b * 100, 100, steps=n, scheme="balls_in_bins", strategy=f).event(1.0)
     rng = np.random.default_rng(0)
     chunk = 10_000
 

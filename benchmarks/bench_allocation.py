@@ -23,7 +23,8 @@ import argparse
 import statistics
 import time
 
-from dpmf.accountants import PLDAccountant, PoissonGaussianEvent, build_event, calibrate, check_run
+from dpmf import PrivatePlan, calibrate
+from dpmf.accountants import PLDAccountant, PoissonGaussianEvent
 from dpmf.accountants.allocation import AllocationPLDAccountant, calibrate_allocation
 from dpmf.mechanisms import factorize
 from dpmf.workloads import prefix_sum
@@ -42,8 +43,8 @@ def _timed(fn, repeats=1):
 
 def bench_banded(repeats: int, mc_samples: int) -> None:
     f = factorize(prefix_sum(STEPS), "bsr:16")
-    run = check_run("balls_in_bins", N, B, STEPS, f)
-    event1, _ = build_event(run, 1.0)
+    plan = PrivatePlan(N, B, steps=STEPS, scheme="balls_in_bins", strategy=f)
+    event1 = plan.event(1.0)
     t_mc, mc = _timed(
         lambda: calibrate(
             "balls_in_bins",
@@ -59,7 +60,7 @@ def bench_banded(repeats: int, mc_samples: int) -> None:
         )
     )
     t_al, (sigma, meas, details) = _timed(lambda: calibrate_allocation(event1, EPS, DELTA), repeats)
-    check = AllocationPLDAccountant().epsilon(build_event(run, sigma)[0], DELTA)
+    check = AllocationPLDAccountant().epsilon(plan.event(sigma), DELTA)
     print("[1] balls_in_bins, bsr:16, N = 60000, B = 256, 10 epochs, (3, 1e-5)")
     print(
         f"    monte_carlo:    sigma = {mc.noise_multiplier:.4f} ({mc.guarantee}, {mc_samples:.3g} "
@@ -78,9 +79,9 @@ def bench_banded(repeats: int, mc_samples: int) -> None:
 
 
 def bench_epochs(repeats: int, with_monte_carlo: bool, mc_samples: int) -> None:
-    run = check_run("epoch_balls_in_bins", N, B, STEPS)
-    event1, info = build_event(run, 1.0)
-    bins = info["details"]["bins"]
+    plan = PrivatePlan(N, B, steps=STEPS, scheme="epoch_balls_in_bins")
+    event1 = plan.event(1.0)
+    bins = plan.scheme.event(plan, 1.0)[1].details["bins"]
     t_al, (sigma, meas, details) = _timed(lambda: calibrate_allocation(event1, EPS, DELTA), repeats)
     t_po, po = _timed(
         lambda: calibrate("poisson", epsilon=EPS, delta=DELTA, dataset_size=N, batch_size=B, steps=STEPS),

@@ -1,18 +1,22 @@
 """dpmf: differentially private training with correlated noise.
 
 ``dpmf.PrivatePlan`` (one private run: N, B, steps, scheme, strategy, schedule, σ) and its
-accounting are numpy-only; ``dpmf.make_private`` (a private step for any PyTorch loop) imports
-torch when first used. Every name is imported on first use.
+accounting (``account``, ``calibrate``, ``max_steps``, ``max_batch_size``,
+``account_segments``: on a plan, or keywords that build one) are numpy-only;
+``dpmf.make_private`` (a private step for any PyTorch loop) imports torch when first used.
+Every name is imported on first use.
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["PrivatePlan", "account", "calibrate", "make_private", "PrivateTraining"]
+_PLAN_NAMES = ("PrivatePlan", "account", "calibrate", "max_steps", "max_batch_size", "account_segments")
+
+__all__ = [*_PLAN_NAMES, "make_private", "PrivateTraining"]
 
 
 def __getattr__(name):
     # imported on first use, so that ``import dpmf`` (and ``dpmf curves``) stays cheap
-    if name in ("PrivatePlan", "account", "calibrate"):
+    if name in _PLAN_NAMES:
         from dpmf import plan
 
         return getattr(plan, name)

@@ -304,12 +304,28 @@ def real_list(text: str) -> tuple[float, ...]:
     return tuple(_csv_list(text, float))
 
 
+def _optimizer_choices() -> str:
+    """The registered optimizer names, "a|b|c" (``dpmf.optim.registry``)."""
+    from dpmf.optim.registry import optimizer_names
+
+    return "|".join(optimizer_names())
+
+
+def _accountants(poisson: bool = False) -> tuple[str, ...]:
+    """The registered accountant names (``dpmf.accountants.registry``); ``poisson``: those of
+    Poisson-subsampled Gaussian events."""
+    from dpmf.accountants.events import PoissonGaussianEvent
+    from dpmf.accountants.registry import ACCOUNTANTS, accountants_for
+
+    return accountants_for(PoissonGaussianEvent) if poisson else tuple(ACCOUNTANTS)
+
+
 _TRAIN_FLAGS = (
     # (flag, type, help); defaults are None so that only the flags given override the config
     ("--dataset", str, "fashion-mnist|cifar10|digits (default fashion-mnist; digits when absent)"),
     ("--data-dir", str, "folder with the data set's files (must exist when given)"),
     ("--model", str, "cnn|cnn3|mlp|wrn16-4 (default cnn)"),
-    ("--optimizer", str, "dp-sgd|dp-adam|dp-muon|dp-muon-s|dp-muon-bc (default dp-sgd)"),
+    ("--optimizer", str, lambda: f"{_optimizer_choices()} (default dp-sgd)"),
     (
         "--factorization",
         str,
@@ -353,7 +369,7 @@ _TRAIN_FLAGS = (
         "per-example clipping: auto|vmap|ghost|bk (default auto: ghost norms with book-keeping "
         "where every layer allows it, else torch.func vmap)",
     ),
-    ("--accountant", str, "pld|rdp|prv|monte_carlo (default: the scheme's)"),
+    ("--accountant", str, lambda: f"{'|'.join(_accountants())} (default: the scheme's)"),
     ("--samples", int, "Monte Carlo samples for the balls-in-bins schemes"),
     ("--eval-batch-size", int, "test batch size"),
     (
@@ -392,7 +408,7 @@ def _add_train(sub):
     budget.add_argument("--epsilon", type=float, default=None, help="target ε (σ is calibrated)")
     budget.add_argument("--noise-multiplier", type=float, default=None, help="σ (ε is computed)")
     for flag, kind, text in _TRAIN_FLAGS:
-        p.add_argument(flag, type=kind, default=None, help=text)
+        p.add_argument(flag, type=kind, default=None, help=text() if callable(text) else text)
     p.add_argument("--no-epsilon-each-epoch", action="store_true", help="account ε only for the whole run")
     p.add_argument("--threads", type=int, default=None, help="threads of torch and of the BLAS/OpenMP pools")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -525,6 +541,7 @@ def _accounting_plan(args):
     scheme's participation, as in pick and train); returns (plan, the accountant's keywords)."""
     from dpmf._validation import check_int
     from dpmf.accountants.calibration import check_delta, check_monte_carlo
+    from dpmf.accountants.registry import get_accountant
     from dpmf.mechanisms import parse_factorization
     from dpmf.plan import PrivatePlan, get_scheme
 
@@ -535,7 +552,7 @@ def _accounting_plan(args):
     scheme = get_scheme(args.scheme, min_sep=args.min_sep)
     accountant = scheme.check_accountant(args.accountant)
     check_monte_carlo(args.samples, args.seed, args.confidence)
-    if accountant != "monte_carlo" and args.samples is not None:
+    if not get_accountant(accountant).randomized and args.samples is not None:
         raise UsageError(f"--samples is invalid with the {accountant} accountant (Monte Carlo only)")
     spec = "identity" if args.factorization is None else args.factorization
     parse_factorization(spec)
@@ -683,7 +700,7 @@ def _add_pick(sub):
     p.add_argument("--metric", choices=("mean_se", "max_se"), default="mean_se", help="rank by")
     p.add_argument("--no-optimized", action="store_true", help="skip bisr_opt/bsr_opt/blt/dense")
     p.add_argument("--dense-max-steps", type=int, default=1024, help="dense only when n ≤ this")
-    p.add_argument("--accountant", choices=("pld", "rdp", "prv"), default=None)
+    p.add_argument("--accountant", choices=_accountants(poisson=True), default=None)
     p.add_argument("--samples", type=int, default=None, help="Monte Carlo samples (balls_in_bins)")
     _add_max_samples_flag(p)
     p.add_argument("--seed", type=int, default=0, help="Monte Carlo seed")
@@ -782,7 +799,7 @@ _FL_FLAGS = (
     ("--local-steps", "local_steps", int, "local steps per round L (default 5)"),
     ("--local-batch-size", "local_batch_size", int, "local (expected) batch size (default 16)"),
     ("--local-lr", "local_lr", float, "local learning rate (default 0.1)"),
-    ("--local-optimizer", "local_optimizer", str, "record mode: dp-sgd|dp-adam|dp-muon|dp-muon-s|dp-muon-bc"),
+    ("--local-optimizer", "local_optimizer", str, lambda: f"record mode: {_optimizer_choices()}"),
     ("--local-factorization", "local_factorization", str, "record mode: strategy of the local noise"),
     ("--local-scheme", "local_scheme", str, "record mode: batch-sampling scheme (default poisson)"),
     ("--clip-norm", "clip_norm", float, "per-example clip norm ζ (record and aggregator modes; default 1)"),
@@ -806,7 +823,7 @@ _FL_FLAGS = (
     ("--fedopt-eta", "fedopt_eta", float, "FedAdam/FedYogi server learning rate (default Flower's)"),
     ("--hidden", "hidden", int, "hidden width of the MLP (default 32)"),
     ("--delta", "delta", float, "δ of every ε (default 1e-5)"),
-    ("--accountant", "accountant", str, "pld|rdp|prv (default pld)"),
+    ("--accountant", "accountant", str, lambda: f"{'|'.join(_accountants(poisson=True))} (default pld)"),
 )
 
 
@@ -856,7 +873,7 @@ def _add_fl(sub):
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--out", required=True, help="output folder")
     for flag, _, kind, text in _FL_FLAGS:
-        p.add_argument(flag, type=kind, default=None, help=text)
+        p.add_argument(flag, type=kind, default=None, help=text() if callable(text) else text)
     return p
 
 

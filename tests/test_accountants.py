@@ -10,15 +10,8 @@ import pytest
 from scipy.optimize import brentq
 from scipy.stats import norm
 
-from dpmf import cli
-from dpmf.accountants import (
-    account,
-    account_segments,
-    calibrate,
-    gaussian_epsilon,
-    max_batch_size,
-    max_steps,
-)
+from dpmf import account, account_segments, calibrate, cli, max_batch_size, max_steps
+from dpmf.accountants import gaussian_epsilon
 from dpmf.mechanisms import Participation, factorize, sensitivity
 from dpmf.plan import accounting as plan_accounting
 from dpmf.workloads import prefix_sum

@@ -11,10 +11,10 @@ from plan_helpers import build_event, check_run
 from scipy.signal import fftconvolve
 from scipy.stats import beta, binom, norm
 
+from dpmf import account
 from dpmf.accountants import (
     GaussianEvent,
     MixtureGaussianEvent,
-    account,
     certified_delta,
     sample_privacy_losses,
     samples_needed,

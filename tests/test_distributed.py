@@ -501,3 +501,19 @@ def test_a_torchrun_environment_without_a_process_group_is_refused(monkeypatch, 
         _private(_model(torch.float64))
     rc = main(["train", "--dataset", "digits", "--epochs", "1", "--out", "unused"])
     assert rc == 2 and "add --distributed" in capsys.readouterr().err
+
+
+def test_each_mode_is_one_object_that_decides_which_noise_a_rank_draws():
+    from dpmf.distributed import DISTRIBUTED_MODES, MODES
+
+    assert tuple(DISTRIBUTED_MODES) == MODES == ("sharded", "replicated", "rank0")
+    owned_by = ((0, 2), (1,), ())
+    noised = {
+        name: [tuple(cls().noised(owned_by, r, 3)) for r in range(3)]
+        for name, cls in DISTRIBUTED_MODES.items()
+    }
+    assert noised == {
+        "sharded": [(0, 2), (1,), ()],  # each owner its parameters: one copy of the noise
+        "replicated": [(0, 1, 2)] * 3,
+        "rank0": [(0, 1, 2), (), ()],
+    }

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from scipy.stats import norm
 
-from dpmf import cli
+from dpmf import calibrate, cli
 from dpmf._io import atomic_write_csv, atomic_write_text, check_out_dir
-from dpmf.accountants import calibrate, samples_needed
+from dpmf.accountants import samples_needed
 from dpmf.accountants.calibration import check_monte_carlo
 from dpmf.accountants.events import GaussianEvent, PoissonGaussianEvent
 from dpmf.accountants.gaussian import EXACT_MAX_MU, gaussian_delta, gaussian_epsilon, gaussian_mu

@@ -1,39 +1,134 @@
 """The package has one-way dependencies: no import circle among dpmf's modules (imports inside
-functions included), and numpy-only layers never import torch at module level."""
+functions included), the packages import only the layers below them (edges into a package's
+``__init__`` included), and numpy-only layers never import torch at module level."""
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "dpmf"
 
+# The layers, lowest first (docs/architecture.md): a package may import its own layer and the
+# ones before it. ``_validation`` and ``_io`` are below every layer; the ``dpmf`` facade
+# (``__init__``, ``pick``, ``plots``, ``__main__``) is above them all.
+LAYERS = (
+    "workloads",
+    "mechanisms",
+    "accountants",
+    "plan",
+    "optim",
+    "distributed",
+    "train",
+    "federated",
+    "cli",
+)
+BASE = ("_validation", "_io", "plots")
+# Top-level modules that belong to a layer: ``dpmf.pick`` re-exports ``dpmf.plan.pick``,
+# ``python -m dpmf`` is the command line.
+FACADES = {"pick": "plan", "__main__": "cli"}
+# Upward imports allowed because they run only inside a function, each with its reason:
+LAZY_UPWARD = {
+    # PrivatePlan.noise builds the torch noise stream of the plan's strategy on first use; the
+    # plan (numpy) stays importable without torch.
+    ("dpmf.plan.plan", "dpmf.optim.noise"),
+}
 
-def _modules():
+
+def _modules(root=ROOT):
     out = {}
-    for path in ROOT.rglob("*.py"):
-        rel = path.relative_to(ROOT.parent).with_suffix("")
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root.parent).with_suffix("")
         name = ".".join(rel.parts)
         out[name[: -len(".__init__")] if name.endswith(".__init__") else name] = path
     return out
 
 
+def _imports(mods, m, path):
+    """(target module, inside a function?) for every import of module ``m`` naming a module of
+    ``mods`` (``from pkg import name`` names ``pkg.name`` when that is a module, else ``pkg``)."""
+    package = m if path.name == "__init__.py" else m.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    top_level = set(map(id, tree.body))
+    out = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+        for t in targets:
+            if t in mods and t != m:
+                out.append((t, id(node) not in top_level))
+    return out
+
+
 def _edges(mods):
+    """Module edges, without edges into a package ``__init__`` (a module importing its own
+    package's re-exports would otherwise look like a circle through the ``__init__``)."""
     edges = {m: set() for m in mods}
     for m, path in mods.items():
-        package = m if path.name == "__init__.py" else m.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(parts + ([base] if base else []))
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
-            for t in targets:
-                if t in mods and t != m and mods[t].name != "__init__.py":
-                    edges[m].add(t)
+        for t, _ in _imports(mods, m, path):
+            if mods[t].name != "__init__.py":
+                edges[m].add(t)
     return edges
+
+
+def _layer(module: str) -> str:
+    """The package of a module: ``dpmf.plan.schemes`` → ``plan``; ``dpmf._validation`` →
+    itself; ``dpmf.pick`` → ``plan`` (``FACADES``); ``dpmf`` (its ``__init__``) → ``dpmf``."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "dpmf"
+    sub = parts[1]
+    if sub in LAYERS or sub in BASE:
+        return sub
+    return FACADES.get(sub, "dpmf")
+
+
+def _rank(layer: str) -> int:
+    if layer in BASE:
+        return -1
+    if layer == "dpmf":
+        return len(LAYERS)
+    return LAYERS.index(layer)
+
+
+def _package_edges(mods):
+    """{(importing package, imported package): [(module, target, lazy), …]} over every import,
+    edges into ``__init__`` included."""
+    out = {}
+    for m, path in mods.items():
+        for t, lazy in _imports(mods, m, path):
+            a, b = _layer(m), _layer(t)
+            if a != b:
+                out.setdefault((a, b), []).append((m, t, lazy))
+    return out
+
+
+def _layer_violations(mods):
+    """The imports of a package from a layer above it (minus ``LAZY_UPWARD`` inside functions)."""
+    bad = []
+    for (a, b), uses in sorted(_package_edges(mods).items()):
+        if _rank(b) <= _rank(a):
+            continue
+        for m, t, lazy in uses:
+            if not (lazy and (m, t) in LAZY_UPWARD):
+                bad.append(f"{m} imports {t} ({a} → {b}{', inside a function' if lazy else ''})")
+    return bad
+
+
+def _package_cycles(mods):
+    graph = {}
+    for a, b in _package_edges(mods):
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    return _cycles(graph)
 
 
 def _cycles(edges):
@@ -74,6 +169,98 @@ def test_the_cycle_finder_finds_a_planted_circle():
 
 def test_dpmf_has_no_import_circle():
     assert _cycles(_edges(_modules())) == []
+
+
+def test_packages_import_only_the_layers_below_them():
+    assert _layer_violations(_modules()) == []
+
+
+def test_no_package_circle_even_through_init_and_inside_functions():
+    mods = _modules()
+    edges = _package_edges(mods)
+    allowed = {(a, b) for (a, b), uses in edges.items() if all((m, t) in LAZY_UPWARD for m, t, _ in uses)}
+    graph = {}
+    for a, b in set(edges) - allowed:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    assert _cycles(graph) == []
+
+
+def _write_tree(root, files):
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_a_planted_package_circle_and_upward_import_are_found(tmp_path):
+    # accountants/__init__ re-exports a function of plan (the circle accountants ↔ plan, only
+    # visible through an __init__), and plan imports torch-side optim inside a function
+    pkg = tmp_path / "dpmf"
+    _write_tree(
+        pkg,
+        {
+            "__init__.py": "",
+            "accountants/__init__.py": "from dpmf.accountants.api import account\n",
+            "accountants/api.py": "def account():\n    from dpmf.plan.plan import Plan\n",
+            "accountants/events.py": "X = 1\n",
+            "plan/__init__.py": "from dpmf.plan.plan import Plan\n",
+            "plan/plan.py": (
+                "from dpmf.accountants import events\n"
+                "class Plan:\n"
+                "    def noise(self):\n"
+                "        from dpmf.optim import noise\n"
+            ),
+            "optim/__init__.py": "",
+            "optim/noise.py": "import dpmf.plan\n",
+        },
+    )
+    mods = _modules(pkg)
+    assert _cycles(_edges(mods)) == []  # the module graph alone misses it
+    assert _package_cycles(mods) == [["accountants", "optim", "plan"]]
+    found = _layer_violations(mods)
+    assert "dpmf.accountants.api imports dpmf.plan.plan (accountants → plan, inside a function)" in found
+    assert "dpmf.optim.noise imports dpmf.plan (optim → plan)" not in found  # downward: fine
+    assert not any(v.startswith("dpmf.plan.plan imports dpmf.optim.noise") for v in found)  # allowed lazily
+    # the real tree's one allowed lazy edge is no licence for a module-level import
+    _write_tree(pkg, {"plan/plan.py": "from dpmf.optim import noise\n"})
+    assert "dpmf.plan.plan imports dpmf.optim.noise (plan → optim)" in _layer_violations(_modules(pkg))
+
+
+def test_the_train_config_module_imports_no_torch_module():
+    """``dpmf/train/config.py``'s own imports, followed through the modules they load at module
+    level, reach no torch module (the ``__init__`` files of the packages are not followed)."""
+    mods = _modules()
+    seen, todo = set(), ["dpmf.train.config"]
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        tree = ast.parse(mods[m].read_text())
+        for node in tree.body:
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+                names += [f"{node.module}.{a.name}" for a in node.names]
+            for n in names:
+                assert not (n == "torch" or n.startswith("torch.")), f"{m} imports {n} (reached from config)"
+                if n in mods and mods[n].name != "__init__.py":
+                    todo.append(n)
+
+
+def test_importing_the_numpy_layers_and_the_accounting_entry_points_loads_no_torch():
+    code = (
+        "import sys, dpmf, dpmf.workloads, dpmf.mechanisms, dpmf.accountants, dpmf.plan, dpmf.pick\n"
+        "dpmf.account, dpmf.calibrate, dpmf.max_steps, dpmf.PrivatePlan\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT.parent))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
 
 
 def test_numpy_layers_do_not_import_torch_at_module_level():

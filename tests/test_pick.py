@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from dpmf.accountants import calibrate
+from dpmf import calibrate
 from dpmf.cli import main
 from dpmf.mechanisms import factorize
 from dpmf.pick import candidate_specs, pick

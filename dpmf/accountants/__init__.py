@@ -1,21 +1,13 @@
 """Privacy accounting: the (ε, δ) of a training run with DP-SGD or a matrix mechanism.
 
 Events (what happened) are in ``events``; accountants (how private it was) in ``library``
-(PLD, RDP, PRV) and ``montecarlo`` (balls-in-bins, certified); the one generic calibrator in
-``calibration``; the entry points ``account``, ``calibrate``, ``max_steps`` and
-``max_batch_size`` (on a ``dpmf.PrivatePlan``, or keyword conveniences that build one) in
-``api``. The batch-sampling schemes are objects of ``dpmf.plan.schemes``.
+(PLD, RDP, PRV), ``montecarlo`` (balls-in-bins, certified) and ``allocation``; each accountant
+is a specification object of the registry ``ACCOUNTANTS`` (``registry``); the one generic
+calibrator is in ``calibration``. This layer knows nothing of plans: the entry points
+``account``, ``calibrate``, ``max_steps`` and ``max_batch_size`` take a ``dpmf.PrivatePlan``
+(or keywords that build one) and live above it (``dpmf.account``, ``dpmf.plan.api``).
 """
 
-from dpmf.accountants.api import (
-    ACCOUNTANTS,
-    account,
-    account_segments,
-    calibrate,
-    default_accountant,
-    max_batch_size,
-    max_steps,
-)
 from dpmf.accountants.events import (
     ComposedEvent,
     GaussianEvent,
@@ -32,10 +24,35 @@ from dpmf.accountants.montecarlo import (
     sample_privacy_losses,
     samples_needed,
 )
+from dpmf.accountants.registry import (
+    ACCOUNTANTS,
+    PLD,
+    PRV,
+    RDP,
+    AccountantSpec,
+    AllocationPLD,
+    MonteCarlo,
+    accountant_names,
+    accountants_for,
+    get_accountant,
+    make_accountant,
+    register_accountant,
+)
 from dpmf.accountants.result import GUARANTEES, Measurement, PrivacyResult
 
 __all__ = [
     "ACCOUNTANTS",
+    "AccountantSpec",
+    "AllocationPLD",
+    "MonteCarlo",
+    "PLD",
+    "PRV",
+    "RDP",
+    "accountant_names",
+    "accountants_for",
+    "get_accountant",
+    "make_accountant",
+    "register_accountant",
     "GUARANTEES",
     "ComposedEvent",
     "GaussianEvent",
@@ -48,17 +65,11 @@ __all__ = [
     "PrivacyLossSample",
     "PrivacyResult",
     "RDPAccountant",
-    "account",
-    "account_segments",
-    "calibrate",
     "certified_delta",
-    "default_accountant",
     "gaussian_delta",
     "gaussian_epsilon",
     "gaussian_mu",
     "kl_bernoulli",
-    "max_batch_size",
-    "max_steps",
     "sample_privacy_losses",
     "samples_needed",
     "to_dp_event",

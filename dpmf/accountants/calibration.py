@@ -29,18 +29,17 @@ from collections.abc import Callable
 import numpy as np
 from scipy.optimize import brentq
 
-from dpmf._validation import check_choice, check_int, check_real
-from dpmf.accountants.allocation import AllocationPLDAccountant
+from dpmf._validation import check_int, check_real
 from dpmf.accountants.events import ComposedEvent, GaussianEvent, PoissonGaussianEvent, flatten
 from dpmf.accountants.gaussian import gaussian_mu
-from dpmf.accountants.library import NoiseTooSmallError, PLDAccountant, PRVAccountant, RDPAccountant
+from dpmf.accountants.library import NoiseTooSmallError, PLDAccountant
 from dpmf.accountants.montecarlo import (
-    MonteCarloAccountant,
     certified_delta,
     check_confidence,
     delta_means,
     samples_needed,
 )
+from dpmf.accountants.registry import ACCOUNTANTS, get_accountant, make_accountant
 from dpmf.accountants.result import Measurement
 
 __all__ = [
@@ -51,8 +50,6 @@ __all__ = [
     "check_delta",
     "check_monte_carlo",
 ]
-
-ACCOUNTANTS = ("pld", "rdp", "prv", "monte_carlo", "allocation_pld")
 
 
 def check_delta(delta) -> float:
@@ -68,24 +65,6 @@ def check_monte_carlo(samples, seed, confidence):
     if confidence is not None:
         confidence = check_confidence(confidence)
     return samples, seed, confidence
-
-
-def make_accountant(name: str, samples=None, seed: int = 0, confidence=None, progress=None):
-    """A fresh accountant by name (one of ``ACCOUNTANTS``).
-
-    Raises:
-        ValueError: an unknown name.
-    """
-    check_choice("accountant", name, ACCOUNTANTS)
-    if name == "pld":
-        return PLDAccountant()
-    if name == "rdp":
-        return RDPAccountant()
-    if name == "prv":
-        return PRVAccountant()
-    if name == "allocation_pld":
-        return AllocationPLDAccountant()
-    return MonteCarloAccountant(samples, seed, confidence, progress)
 
 
 def calibrate_event(
@@ -106,7 +85,8 @@ def calibrate_event(
         event1: the privacy event at σ = 1 (``dpmf.accountants.events``).
         epsilon: target ε > 0.
         delta: target δ in (0, 1).
-        accountant: ``pld``, ``rdp``, ``prv``, ``monte_carlo`` or ``allocation_pld``
+        accountant: a name of ``ACCOUNTANTS`` (``dpmf.accountants.registry``): ``pld``,
+            ``rdp``, ``prv``, ``monte_carlo`` or ``allocation_pld``
             (``dpmf.accountants.allocation``: deterministic balls-in-bins bound).
         samples: Monte Carlo samples per direction and round (None: ``samples_needed`` for δ at
             the round-1 level).
@@ -121,7 +101,7 @@ def calibrate_event(
     Raises:
         ValueError: the target cannot be met in σ ∈ [1e-6, 1e6], or too few Monte Carlo samples.
     """
-    if accountant == "monte_carlo":
+    if get_accountant(accountant).randomized:
         m = (
             samples
             if samples is not None

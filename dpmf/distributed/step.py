@@ -42,15 +42,25 @@ from torch import nn
 from dpmf import seeds
 from dpmf._validation import check_choice, check_int
 from dpmf.distributed.collectives import Collectives
+from dpmf.distributed.modes import MODES
 from dpmf.distributed.sharding import assign_owners, owned_by, parameter_cost
 from dpmf.optim.clipping import trainable_parameters
 from dpmf.optim.noise import CHUNK_ENTRIES, ChunkedKeys
-from dpmf.optim.optimizers import MATRIX_RULES
 from dpmf.optim.privatize import Privatizer
+from dpmf.optim.registry import matrix_rule_names
 
-__all__ = ["MODES", "DistributedPrivatizer", "DivergenceError", "newton_schulz_parameters", "seed_digest"]
-
-MODES = ("sharded", "replicated", "rank0")
+__all__ = [
+    "MODES",
+    "DISTRIBUTED_MODES",
+    "DistributedMode",
+    "Sharded",
+    "Replicated",
+    "Rank0",
+    "DistributedPrivatizer",
+    "DivergenceError",
+    "newton_schulz_parameters",
+    "seed_digest",
+]
 
 
 class DivergenceError(RuntimeError):
@@ -69,10 +79,140 @@ def newton_schulz_parameters(optimizer) -> set[int]:
     (empty for any other optimizer or None)."""
     out: set[int] = set()
     for group in getattr(optimizer, "param_groups", ()):
-        if group.get("rule") in MATRIX_RULES and group.get("transform") is None:
+        if group.get("rule") in matrix_rule_names() and group.get("transform") is None:
             for p in group["params"]:
                 out.add(id(p[1] if isinstance(p, tuple) else p))
     return out
+
+
+# --- the modes: one object per mode, owning what differs between them -------------------------
+
+
+class DistributedMode:
+    """What a distribution mode decides: which parameters' noise this rank draws, how the
+    clipped sums become private gradients, what follows the optimizer step, and which
+    parameters this rank writes. ``DISTRIBUTED_MODES`` maps each name of ``MODES`` to its class.
+    """
+
+    name = ""
+
+    def noised(self, owned_by: tuple, rank: int, count: int) -> tuple[int, ...]:
+        """Indices of the parameters whose noise this rank draws (of ``count``)."""
+        raise NotImplementedError
+
+    def release(self, step: DistributedPrivatizer, params: list, sums: list) -> list:
+        """Set ``p.grad`` to the private gradient on the parameters this rank updates (from
+        the local clipped sums ``sums``) and return them."""
+        raise NotImplementedError
+
+    def after_step(self, step: DistributedPrivatizer) -> None:
+        """Bring every rank's parameters into agreement after the optimizer step."""
+
+    def written(self, step: DistributedPrivatizer, params: list) -> list:
+        """The parameters whose private gradient and update this rank computes."""
+        return params
+
+
+class Sharded(DistributedMode):
+    """Each parameter's noise and update on its owner: a reduce per owner, the owner's noise on
+    its coordinates, then a broadcast per owner after the step (an all-gather)."""
+
+    name = "sharded"
+
+    def noised(self, owned_by, rank, count):
+        return owned_by[rank]
+
+    def release(self, step, params, sums):
+        comm = step.collectives
+        scale, bbar = step.noise_std, step.expected_batch_size
+        mine = None
+        for r, idx in enumerate(step.owned_by):
+            if not idx:
+                continue
+            flat = torch.cat([sums[j].reshape(-1) for j in idx])
+            comm.reduce(flat, dst=r)
+            if r == comm.rank:
+                mine = flat
+        z = step.noise.next()
+        written = [params[j] for j in step._noised]
+        for p in params:
+            p.grad = None
+        if mine is not None:
+            mine.add_(z, alpha=scale).div_(bbar)
+            for p, g in zip(written, mine.split([p.numel() for p in written]), strict=True):
+                p.grad = g.view_as(p)
+        return written
+
+    def after_step(self, step):
+        params = [p for _, p in trainable_parameters(step.model)]
+        comm = step.collectives
+        with torch.no_grad():
+            for r, idx in enumerate(step.owned_by):
+                if not idx:
+                    continue
+                if r == comm.rank:
+                    flat = torch.cat([params[j].detach().reshape(-1) for j in idx])
+                else:
+                    total = sum(params[j].numel() for j in idx)
+                    flat = torch.empty(total, device=params[idx[0]].device, dtype=params[idx[0]].dtype)
+                comm.broadcast(flat, src=r)
+                if r != comm.rank:
+                    for j, v in zip(idx, flat.split([params[j].numel() for j in idx]), strict=True):
+                        params[j].copy_(v.view_as(params[j]))
+
+    def written(self, step, params):
+        return [params[j] for j in step.owned_by[step.collectives.rank]]
+
+
+class Replicated(DistributedMode):
+    """An all-reduce of the clipped sums; every rank adds the full, identical noise and runs the
+    full update (a cross-check)."""
+
+    name = "replicated"
+
+    def noised(self, owned_by, rank, count):
+        return tuple(range(count))
+
+    def release(self, step, params, sums):
+        scale, bbar = step.noise_std, step.expected_batch_size
+        flat = torch.cat([s.reshape(-1) for s in sums])
+        z = step.noise.next()
+        step.collectives.all_reduce(flat)
+        flat.add_(z, alpha=scale)
+        return _set_gradients(params, flat.div_(bbar))
+
+
+class Rank0(DistributedMode):
+    """Rank 0 adds the full noise to its local sum before the all-reduce; every rank runs the
+    full update."""
+
+    name = "rank0"
+
+    def noised(self, owned_by, rank, count):
+        return tuple(range(count)) if rank == 0 else ()
+
+    def release(self, step, params, sums):
+        scale, bbar = step.noise_std, step.expected_batch_size
+        flat = torch.cat([s.reshape(-1) for s in sums])
+        z = step.noise.next()
+        if step.collectives.rank == 0:
+            flat.add_(z, alpha=scale)
+        step.collectives.all_reduce(flat)
+        return _set_gradients(params, flat.div_(bbar))
+
+
+def _set_gradients(params: list, flat: torch.Tensor) -> list:
+    for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
+        p.grad = g.view_as(p)
+    return params
+
+
+#: name → mode class, for every name of ``MODES`` (``dpmf.distributed.modes``).
+DISTRIBUTED_MODES: dict[str, type[DistributedMode]] = {cls.name: cls for cls in (Sharded, Replicated, Rank0)}
+if tuple(DISTRIBUTED_MODES) != MODES:  # the names config validates against are these modes
+    raise ImportError(
+        f"dpmf.distributed.modes.MODES={MODES} differs from the mode classes {tuple(DISTRIBUTED_MODES)}"
+    )
 
 
 class DistributedPrivatizer(Privatizer):
@@ -119,6 +259,7 @@ class DistributedPrivatizer(Privatizer):
             raise TypeError(f"collectives={collectives!r} is invalid: must be a dpmf Collectives")
         self.collectives = collectives
         self.mode = check_choice("mode", mode, MODES)
+        self._mode = DISTRIBUTED_MODES[self.mode]()
         self.check_every = check_int("check_every", check_every, minimum=0)
         seed = seeds.check_seed(seed)
         if seed is None:
@@ -135,12 +276,7 @@ class DistributedPrivatizer(Privatizer):
         self.owners = assign_owners(costs, W)
         self.owned_by = owned_by(self.owners, W)
         sizes = tuple(p.numel() for p in params)
-        if self.mode == "sharded":
-            noised = self.owned_by[rank]
-        elif self.mode == "replicated" or rank == 0:
-            noised = tuple(range(len(params)))
-        else:
-            noised = ()
+        noised = tuple(self._mode.noised(self.owned_by, rank, len(params)))
         keys = ChunkedKeys(sizes, noised, chunk)
         self._noised = noised
         p0 = params[0]
@@ -206,39 +342,7 @@ class DistributedPrivatizer(Privatizer):
         return sum(params[j].numel() for j in self._noised)
 
     def _release(self, params: list, sums: list) -> list:
-        comm = self.collectives
-        scale, bbar = self.noise_std, self.expected_batch_size
-        if self.mode == "sharded":
-            mine = None
-            for r, idx in enumerate(self.owned_by):
-                if not idx:
-                    continue
-                flat = torch.cat([sums[j].reshape(-1) for j in idx])
-                comm.reduce(flat, dst=r)
-                if r == comm.rank:
-                    mine = flat
-            z = self.noise.next()
-            written = [params[j] for j in self._noised]
-            for p in params:
-                p.grad = None
-            if mine is not None:
-                mine.add_(z, alpha=scale).div_(bbar)
-                for p, g in zip(written, mine.split([p.numel() for p in written]), strict=True):
-                    p.grad = g.view_as(p)
-            return written
-        flat = torch.cat([s.reshape(-1) for s in sums])
-        z = self.noise.next()
-        if self.mode == "rank0":
-            if comm.rank == 0:
-                flat.add_(z, alpha=scale)
-            comm.all_reduce(flat)
-        else:
-            comm.all_reduce(flat)
-            flat.add_(z, alpha=scale)
-        flat.div_(bbar)
-        for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
-            p.grad = g.view_as(p)
-        return params
+        return self._mode.release(self, params, sums)
 
     def _batch_figures(self, summed) -> tuple[int, float, float]:
         n, clipped, norms = super()._batch_figures(summed)
@@ -251,29 +355,14 @@ class DistributedPrivatizer(Privatizer):
     def after_step(self) -> None:
         """Return every parameter from its owner to all ranks (sharded mode; one broadcast
         per owner) and, every ``check_every`` steps, ``verify``."""
-        if self.mode == "sharded":
-            params = [p for _, p in trainable_parameters(self.model)]
-            with torch.no_grad():
-                for r, idx in enumerate(self.owned_by):
-                    if not idx:
-                        continue
-                    if r == self.collectives.rank:
-                        flat = torch.cat([params[j].detach().reshape(-1) for j in idx])
-                    else:
-                        total = sum(params[j].numel() for j in idx)
-                        flat = torch.empty(total, device=params[idx[0]].device, dtype=params[idx[0]].dtype)
-                    self.collectives.broadcast(flat, src=r)
-                    if r != self.collectives.rank:
-                        for j, v in zip(idx, flat.split([params[j].numel() for j in idx]), strict=True):
-                            params[j].copy_(v.view_as(params[j]))
+        self._mode.after_step(self)
         if self.check_every and self.noise.step % self.check_every == 0:
             self.verify()
 
     def written_parameters(self) -> list:
         """The parameters whose private gradient and update this rank computes (its owned
         ones in sharded mode, all otherwise)."""
-        params = [p for _, p in trainable_parameters(self.model)]
-        return [params[j] for j in self.owned_by[self.collectives.rank]] if self.mode == "sharded" else params
+        return self._mode.written(self, [p for _, p in trainable_parameters(self.model)])
 
     def noise_state_numel(self) -> int:
         """Entries of correlated-noise state this rank holds between steps."""

@@ -36,18 +36,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dpmf.accountants import (
-    ComposedEvent,
-    PLDAccountant,
-    PoissonGaussianEvent,
-    PrivacyResult,
-    account,
-    account_segments,
-)
+from dpmf.accountants import ComposedEvent, PLDAccountant, PoissonGaussianEvent, PrivacyResult
 from dpmf.federated.models import add_proximal_gradient, get_weights, set_weights
 from dpmf.mechanisms import factorize, parse_factorization
 from dpmf.optim.noise import identity_noise, noise_for_factorization
 from dpmf.optim.privatize import Privatizer
+from dpmf.optim.registry import optimizer_names
+from dpmf.plan.api import account, account_segments
 from dpmf.plan.plan import build_strategy
 from dpmf.plan.schemes import CyclicPoisson, FixedOrder, Poisson, get_scheme, strategy_bandwidth
 from dpmf.train.config import TrainConfig
@@ -61,10 +56,14 @@ __all__ = [
     "PrivateLocalRun",
     "AggregatorDPSGD",
     "ClientLevelNoise",
-    "LOCAL_OPTIMIZERS",
 ]
 
-LOCAL_OPTIMIZERS = ("dp-sgd", "dp-adam", "dp-muon", "dp-muon-s", "dp-muon-bc")
+
+def __getattr__(name):
+    # the local optimizers are the optimizer registry's (``dpmf.optim.registry``)
+    if name == "LOCAL_OPTIMIZERS":
+        return optimizer_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _strategy(spec: str, steps: int, scheme: str, steps_per_epoch: int):
@@ -199,7 +198,8 @@ class PrivateLocalRun:
         steps: total private steps n = rounds × local steps.
         delta: δ in (0, 1).
         scheme, factorization, accountant: as ``dpmf epsilon``.
-        optimizer: one of ``LOCAL_OPTIMIZERS``; ``lr`` its learning rate.
+        optimizer: a name of the optimizer registry (``dpmf.optim.registry``); ``lr`` its
+            learning rate.
         seed: this client's key (``dpmf.seeds.child_key`` of the run's key): the sampler and
             the noise derive their subkeys from it (secret; never shown).
 

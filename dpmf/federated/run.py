@@ -41,6 +41,8 @@ import numpy as np
 
 from dpmf import seeds
 from dpmf._validation import check_choice, check_int, check_real
+from dpmf.accountants.events import PoissonGaussianEvent
+from dpmf.accountants.registry import accountants_for
 from dpmf.federated.compliance import ComplianceSet, NoiseMap, example_profiles, uniform_control
 from dpmf.federated.data import DATASETS, PARTITIONS, FederatedData, load_federated
 from dpmf.federated.ledger import MODES, UNITS, PrivacyEntry, format_entry
@@ -126,7 +128,7 @@ class FLConfig:
     replica: int = 0
 
     def __post_init__(self):
-        from dpmf.federated.local import LOCAL_OPTIMIZERS
+        from dpmf.optim.registry import optimizer_names
 
         check_choice("dataset", self.dataset, DATASETS)
         check_int("num_clients", self.num_clients, minimum=2)
@@ -146,10 +148,10 @@ class FLConfig:
             check_real("fedopt_eta", self.fedopt_eta, low=0.0, low_inclusive=False)
         check_real("delta", self.delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
         if self.accountant is not None:
-            check_choice("accountant", self.accountant, ("pld", "rdp", "prv"))
+            check_choice("accountant", self.accountant, accountants_for(PoissonGaussianEvent))
         seeds.check_seed(self.seed)
         check_int("replica", self.replica, minimum=0)
-        check_choice("local_optimizer", self.local_optimizer, LOCAL_OPTIMIZERS)
+        check_choice("local_optimizer", self.local_optimizer, optimizer_names())
         if self.privacy == "client" and self.strategy not in MEAN_STRATEGIES:
             raise ValueError(
                 f"strategy={self.strategy!r} is invalid with privacy='client': client-level noise is "

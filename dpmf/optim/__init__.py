@@ -49,9 +49,7 @@ from dpmf.optim.noise import (
 )
 from dpmf.optim.optimizers import (
     DPSGD,
-    MATRIX_RULES,
     PLACEHOLDER_RULES,
-    RULES,
     DPAdam,
     DPMuon,
     DPMuonBC,
@@ -63,9 +61,17 @@ from dpmf.optim.optimizers import (
     dp_muon_bc,
     dp_muon_s,
     dp_sgd,
+    make_optimizer,
 )
 from dpmf.optim.power_iteration import top_singular_value
 from dpmf.optim.privatize import PrivateStep, Privatizer
+from dpmf.optim.registry import (
+    OPTIMIZERS,
+    OptimizerSpec,
+    get_optimizer,
+    optimizer_names,
+    register_optimizer,
+)
 from dpmf.optim.routing import route_parameters, rule_of
 from dpmf.optim.schedules import LearningRateSchedule, lr_scheduler
 from dpmf.optim.transforms import (
@@ -115,6 +121,12 @@ __all__ = [
     "MATRIX_RULES",
     "PLACEHOLDER_RULES",
     "build_transform",
+    "make_optimizer",
+    "OPTIMIZERS",
+    "OptimizerSpec",
+    "get_optimizer",
+    "optimizer_names",
+    "register_optimizer",
     "dp_sgd",
     "dp_adam",
     "dp_muon",
@@ -160,3 +172,12 @@ __all__ = [
     "check_matrix_parameter",
     "aspect_factor",
 ]
+
+
+def __getattr__(name):
+    # RULES and MATRIX_RULES follow the optimizer registry
+    if name in ("RULES", "MATRIX_RULES"):
+        from dpmf.optim import optimizers
+
+        return getattr(optimizers, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

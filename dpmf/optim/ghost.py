@@ -68,9 +68,10 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.overrides import TorchFunctionMode
 
+from dpmf.optim.choices import CLIPPING_MODES
+
 __all__ = ["CLIPPING_MODES", "GhostResult", "ghost_clipped_sum", "ghost_layer_kinds"]
 
-CLIPPING_MODES = ("auto", "vmap", "ghost", "bk")
 
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 

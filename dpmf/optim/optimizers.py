@@ -17,7 +17,9 @@ muon_s     as muon, times σ₁(M_t) by power iteration, aspect √max(1, m/n)  
 muon_bc    as muon with the bias-corrected Newton–Schulz of DP-MuonBC              matrices
 =========  ======================================================================  ============
 
-The step is p ← p − lr·u for the chain's output u. A group may also carry its own
+The rules are the entries of the optimizer registry (``dpmf.optim.registry``: one
+``OptimizerSpec`` per optimizer, with its factory below); ``RULES`` and ``MATRIX_RULES`` are
+read from it. The step is p ← p − lr·u for the chain's output u. A group may also carry its own
 ``transform`` (any ``Transform``), which replaces the rule. "Matrices" are parameters with a
 proper matrix view out × (in·kh·kw) (``dpmf.optim.matrix``); nothing else ever reaches
 Newton–Schulz. ``route_parameters`` builds the groups from a model.
@@ -34,6 +36,7 @@ from torch.optim.optimizer import required
 from dpmf._validation import check_choice, check_int, check_real
 from dpmf.optim.matrix import check_matrix_parameter
 from dpmf.optim.newton_schulz import QUINTIC_COEFFICIENTS
+from dpmf.optim.registry import get_optimizer, matrix_rule_names, rule_names, spec_of_rule
 from dpmf.optim.transforms import (
     AddDecayedWeights,
     EmaMomentum,
@@ -49,8 +52,6 @@ from dpmf.optim.transforms import (
 )
 
 __all__ = [
-    "RULES",
-    "MATRIX_RULES",
     "PLACEHOLDER_RULES",
     "DPOptimizer",
     "DPSGD",
@@ -64,10 +65,20 @@ __all__ = [
     "dp_muon_s",
     "dp_muon_bc",
     "build_transform",
+    "make_optimizer",
 ]
 
-RULES = ("sgd", "adam", "muon", "muon_s", "muon_bc")
-MATRIX_RULES = ("muon", "muon_s", "muon_bc")
+
+def __getattr__(name):
+    # RULES and MATRIX_RULES follow the optimizer registry (an optimizer registered later
+    # appears in them)
+    if name == "RULES":
+        return rule_names()
+    if name == "MATRIX_RULES":
+        return matrix_rule_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 #: Placeholders a group may use as its rule, resolved by the optimizer: "matrix" and "vector"
 #: become its ``matrix_rule`` and ``vector_rule``; "auto" splits the group into the
 #: parameters with two or more dimensions ("matrix") and the others ("vector").
@@ -124,6 +135,8 @@ def dp_adam(
     betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled_weight_decay=False, filter=None
 ) -> Transform:
     """DP-Adam: [filter →] L2 decay → Adam, or Adam → decoupled decay (AdamW), as torch Adam."""
+    if not isinstance(decoupled_weight_decay, bool):
+        raise TypeError(f"decoupled_weight_decay={decoupled_weight_decay!r} is invalid: must be a bool")
     b1, b2 = _pair("betas", betas)
     adam = ScaleByAdam(b1, b2, eps)
     if decoupled_weight_decay:
@@ -209,25 +222,7 @@ def build_transform(group: dict) -> Transform:
     filt = group.get("filter")
     if filt is not None and not isinstance(filt, Transform):
         raise TypeError(f"filter={filt!r} is invalid: must be a dpmf Transform or None")
-    rule = check_choice("rule", group["rule"], RULES)
-    wd = group["weight_decay"]
-    if rule == "sgd":
-        return dp_sgd(group["momentum"], group["nesterov"], wd, filt)
-    if rule == "adam":
-        return dp_adam(group["betas"], group["eps"], wd, _bool(group, "decoupled_weight_decay"), filt)
-    common = dict(
-        beta=group["beta"],
-        lookahead=group["lookahead"],
-        ns_steps=group["ns_steps"],
-        ns_coefficients=group["ns_coefficients"],
-        weight_decay=wd,
-        filter=filt,
-    )
-    if rule == "muon":
-        return dp_muon(**common)
-    if rule == "muon_s":
-        return dp_muon_s(power_iterations=group["power_iterations"], **common)
-    return dp_muon_bc(order=group["order"], probes=group["probes"], antithetic=group["antithetic"], **common)
+    return spec_of_rule(group["rule"]).make_transform(group, filt)
 
 
 def _pair(name, value):
@@ -236,13 +231,6 @@ def _pair(name, value):
     except (TypeError, ValueError):
         raise ValueError(f"{name}={value!r} is invalid: must be a pair of reals in [0, 1)") from None
     return a, b
-
-
-def _bool(group, key):
-    value = group[key]
-    if not isinstance(value, bool):
-        raise TypeError(f"{key}={value!r} is invalid: must be a bool")
-    return value
 
 
 # --- the optimizer ---------------------------------------------------------------------------
@@ -297,9 +285,9 @@ class DPOptimizer(torch.optim.Optimizer):
         noise_std: float | None = None,
         allow_unprivatized: bool = False,
     ):
-        self.matrix_rule = check_choice("matrix_rule", matrix_rule, RULES)
+        self.matrix_rule = check_choice("matrix_rule", matrix_rule, rule_names())
         self.vector_rule = check_choice(
-            "vector_rule", vector_rule, [r for r in RULES if r not in MATRIX_RULES]
+            "vector_rule", vector_rule, [r for r in rule_names() if r not in matrix_rule_names()]
         )
         self.vector_lr = None if vector_lr is None else check_real("vector_lr", vector_lr, low=0.0)
         self.probe_seed = check_int("probe_seed", probe_seed, minimum=0)
@@ -344,7 +332,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if group["lr"] is required:
             raise ValueError("lr is required: give it to the optimizer or to every group")
         group["lr"] = check_real("lr", group["lr"], low=0.0)
-        rule = check_choice("rule", group["rule"], RULES + PLACEHOLDER_RULES)
+        rule = check_choice("rule", group["rule"], rule_names() + PLACEHOLDER_RULES)
         vector_lr = group["lr"] if self.vector_lr is None else self.vector_lr
         if rule == "auto" and (self.matrix_rule, group["lr"]) == (self.vector_rule, vector_lr):
             parts = [dict(group, rule=self.matrix_rule, params=named)]
@@ -370,7 +358,7 @@ class DPOptimizer(torch.optim.Optimizer):
             super().add_param_group(part)
 
     def _check_group(self, group: dict) -> None:
-        check_choice("rule", group["rule"], RULES)
+        check_choice("rule", group["rule"], rule_names())
         build_transform(group)  # validates every hyperparameter of the rule
         for i, (name, p) in enumerate(group["params"]):
             if not isinstance(p, torch.Tensor):
@@ -379,7 +367,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 raise TypeError(
                     f"parameter {name or i!r} of dtype {p.dtype} is invalid: must be floating point"
                 )
-            uses_matrix = group.get("transform") is None and group["rule"] in MATRIX_RULES
+            uses_matrix = group.get("transform") is None and group["rule"] in matrix_rule_names()
             if uses_matrix:
                 check_matrix_parameter(name if name is not None else f"params[{i}]", p.shape)
 
@@ -780,3 +768,48 @@ class DPMuonBC(DPMuon):
             probe_seed=probe_seed,
             **kwargs,
         )
+
+
+def make_optimizer(
+    name: str,
+    params,
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    momentum: float = 0.0,
+    beta: float = 0.95,
+    vector_lr: float | None = None,
+    filter: Transform | None = None,
+    probe_seed: int = 0,
+) -> DPOptimizer:
+    """The registered optimizer ``name`` (``dpmf.optim.registry``) over ``params``.
+
+    Every group of ``rule="auto"`` (or a placeholder) gets the optimizer's rule; for a
+    Newton–Schulz optimizer the matrices get it and the other parameters DP-SGD with
+    heavy-ball ``momentum`` (learning rate ``vector_lr``, default ``lr``), as ``DPMuon``.
+
+    Args:
+        name: a registered optimizer name, e.g. ``"dp-sgd"`` or ``"dp-muon-bc"``.
+        params: tensors, named tensors or parameter groups (``route_parameters``).
+        lr: learning rate ≥ 0.
+        weight_decay: L2 (sgd, adam) or decoupled (Newton–Schulz rules) weight decay ≥ 0.
+        momentum: heavy-ball momentum of the "sgd" rule (DP-SGD, and a Newton–Schulz
+            optimizer's 1-D parameters).
+        beta: EMA momentum of a Newton–Schulz rule.
+        vector_lr: learning rate of a Newton–Schulz optimizer's 1-D parameters.
+        filter: a ``Transform`` run first on the privatized gradient.
+        probe_seed: the probe generator's seed (optimizers with ``probes``).
+
+    Raises:
+        ValueError / TypeError: an unknown name or invalid hyperparameters.
+    """
+    spec = get_optimizer(name)
+    defaults = dict(lr=lr, rule="auto", weight_decay=weight_decay, filter=filter)
+    if spec.newton_schulz:
+        defaults.update(beta=beta, momentum=momentum, nesterov=False)
+        rules = dict(matrix_rule=spec.rule, vector_rule="sgd", vector_lr=vector_lr)
+    else:
+        if "momentum" in spec.hyperparameters:
+            defaults.update(momentum=momentum)
+        rules = dict(matrix_rule=spec.rule, vector_rule=spec.rule)
+    return DPOptimizer(params, defaults, probe_seed=probe_seed, **rules)

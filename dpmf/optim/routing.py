@@ -32,13 +32,22 @@ from torch import nn
 
 from dpmf._validation import check_choice
 from dpmf.optim.matrix import check_matrix_parameter
-from dpmf.optim.optimizers import MATRIX_RULES, RULES
+from dpmf.optim.registry import matrix_rule_names, rule_names
 
 __all__ = ["route_parameters", "rule_of"]
 
-_ANY_RULE = RULES + ("matrix", "vector")
-_VECTOR_RULES = tuple(r for r in RULES if r not in MATRIX_RULES) + ("vector",)
-_MATRIX_LIKE = MATRIX_RULES + ("matrix",)
+
+# The rules follow the optimizer registry (``dpmf.optim.registry``), read at each call.
+def _any_rule() -> tuple[str, ...]:
+    return rule_names() + ("matrix", "vector")
+
+
+def _vector_rules() -> tuple[str, ...]:
+    return tuple(r for r in rule_names() if r not in matrix_rule_names()) + ("vector",)
+
+
+def _matrix_like() -> tuple[str, ...]:
+    return matrix_rule_names() + ("matrix",)
 
 
 def _named(model) -> tuple[list[tuple[str, torch.Tensor]], nn.Module | None]:
@@ -110,12 +119,12 @@ def route_parameters(
             that is not a trainable parameter, ``head`` set without a way to find the head,
             or a parameter without a proper matrix view sent to a matrix rule.
     """
-    check_choice("matrix_rule", matrix_rule, _ANY_RULE)
-    check_choice("vector_rule", vector_rule, _VECTOR_RULES)
+    check_choice("matrix_rule", matrix_rule, _any_rule())
+    check_choice("vector_rule", vector_rule, _vector_rules())
     if embeddings is not None:
-        check_choice("embeddings", embeddings, _ANY_RULE)
+        check_choice("embeddings", embeddings, _any_rule())
     if head is not None:
-        check_choice("head", head, _ANY_RULE)
+        check_choice("head", head, _any_rule())
     named_all, module = _named(model)
     named = [(n, p) for n, p in named_all if p.requires_grad]
     trainable = {n for n, _ in named}
@@ -162,10 +171,10 @@ def route_parameters(
     if explicit:
         _check_names("rules", explicit)
         for name, rule in explicit.items():
-            check_choice(f"rules[{name!r}]", rule, _ANY_RULE)
+            check_choice(f"rules[{name!r}]", rule, _any_rule())
     opts = dict(options or {})
     for rule, values in opts.items():
-        check_choice("options key", rule, _ANY_RULE)
+        check_choice("options key", rule, _any_rule())
         if not isinstance(values, Mapping):
             raise TypeError(f"options[{rule!r}]={values!r} is invalid: must be a mapping")
 
@@ -173,7 +182,7 @@ def route_parameters(
     for name, p in named:
         rule = _default_rule(name, p, matrix_rule, vector_rule, embeddings, emb, head, head_set)
         rule = explicit.get(name, rule)
-        if rule in MATRIX_RULES:
+        if rule in matrix_rule_names():
             check_matrix_parameter(name, p.shape)
         groups.setdefault(rule, []).append((name, p))
     return [{"params": params, "rule": rule, **opts.get(rule, {})} for rule, params in groups.items()]
@@ -187,7 +196,7 @@ def _default_rule(name, p, matrix_rule, vector_rule, embeddings, emb, head, head
     elif head is not None and name in head_set:
         special = head
     if special is not None:
-        if is_matrix or special not in _MATRIX_LIKE:
+        if is_matrix or special not in _matrix_like():
             return special
         return vector_rule
     return matrix_rule if is_matrix else vector_rule

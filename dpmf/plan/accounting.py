@@ -13,13 +13,8 @@ import dataclasses
 from collections.abc import Callable
 
 from dpmf._validation import check_int, check_real
-from dpmf.accountants.calibration import (
-    calibrate_event,
-    check_delta,
-    check_monte_carlo,
-    make_accountant,
-)
-from dpmf.accountants.montecarlo import MonteCarloAccountant
+from dpmf.accountants.calibration import calibrate_event, check_delta, check_monte_carlo
+from dpmf.accountants.registry import get_accountant, make_accountant
 from dpmf.accountants.result import Measurement, PrivacyResult
 from dpmf.plan.schemes import check_sigma
 
@@ -193,7 +188,7 @@ def _largest_feasible_int(feasible: Callable[[int], bool], lo: int, hi: int) -> 
 def _search_int(name, make_plan, sigma, epsilon, delta, lo, hi, samples, seed, confidence, progress):
     """Largest integer x (steps or batch size) whose plan meets (ε, δ); certified for Monte Carlo
     by verifying the answer on fresh samples (attempt i at α/2^i, stepping down 3% on failure)."""
-    mc = name == "monte_carlo"
+    mc = get_accountant(name).randomized
     acc = make_accountant(name, samples, seed, None, False) if mc else make_accountant(name)
 
     def eps_of(x):
@@ -207,7 +202,7 @@ def _search_int(name, make_plan, sigma, epsilon, delta, lo, hi, samples, seed, c
         return privacy_result(plan, sigma, acc.epsilon(plan.event(sigma), delta))
     alpha = 1.0 - confidence
     for i in range(1, 8):
-        ver = MonteCarloAccountant(samples, seed + i, 1.0 - alpha / 2.0**i, progress)
+        ver = make_accountant(name, samples, seed + i, 1.0 - alpha / 2.0**i, progress)
         meas = ver.epsilon(plan.event(sigma), delta)
         if meas.epsilon <= epsilon:
             meas = dataclasses.replace(meas, confidence=confidence)

@@ -55,6 +55,7 @@ from tqdm import tqdm
 
 from dpmf._validation import check_choice, check_int, check_real
 from dpmf.accountants.calibration import check_monte_carlo
+from dpmf.accountants.registry import ACCOUNTANTS, get_accountant
 from dpmf.mechanisms.dense import DENSE_MAX_STEPS
 from dpmf.mechanisms.errors import b_row_norms
 from dpmf.mechanisms.participation import Participation
@@ -244,10 +245,12 @@ def pick(
     scheme = check_choice("scheme", scheme, PICK_SCHEMES)
     metric = check_choice("metric", metric, ("mean_se", "max_se"))
     dense_max_steps = check_int("dense_max_steps", dense_max_steps, minimum=1, maximum=DENSE_MAX_STEPS)
-    if accountant is not None and accountant not in ("pld", "rdp", "prv", "allocation_pld"):
+    deterministic = tuple(n for n, cls in ACCOUNTANTS.items() if not cls.randomized)
+    if accountant is not None and accountant not in deterministic:
         raise ValueError(
-            f"accountant={accountant!r} is invalid: must be one of pld, rdp, prv (Poisson schemes) or "
-            "allocation_pld (balls_in_bins); Monte Carlo settings are samples/seed/confidence"
+            f"accountant={accountant!r} is invalid: must be one of {', '.join(deterministic)} "
+            "(a deterministic accountant the candidate's scheme supports; the Monte Carlo settings "
+            "are samples/seed/confidence)"
         )
     samples, seed, confidence = check_monte_carlo(samples, seed, confidence)
     jobs = check_int("jobs", jobs, minimum=1)
@@ -412,7 +415,7 @@ def _calibrate_candidate(plan: PrivatePlan, epsilon, delta, accountant, samples,
     (noise_multiplier, epsilon, delta, accountant, guarantee, seconds)."""
     t0 = time.perf_counter()
     name = accountant if accountant in plan.scheme.accountants else None  # else its default
-    if plan.scheme.check_accountant(name) == "monte_carlo":
+    if get_accountant(plan.scheme.check_accountant(name)).randomized:
         kw = dict(samples=samples, seed=seed, confidence=confidence, progress=False)
     else:
         kw = dict(accountant=name)

@@ -62,13 +62,13 @@ from typing import ClassVar
 import numpy as np
 
 from dpmf._validation import check_choice, check_int, check_real
-from dpmf.accountants.calibration import ACCOUNTANTS
 from dpmf.accountants.events import (
     ComposedEvent,
     GaussianEvent,
     MixtureGaussianEvent,
     PoissonGaussianEvent,
 )
+from dpmf.accountants.registry import ACCOUNTANTS, AllocationPLD, MonteCarlo, accountants_for
 from dpmf.mechanisms.participation import Participation
 from dpmf.mechanisms.registry import STRATEGIES
 from dpmf.mechanisms.sensitivity import gram, sensitivity
@@ -95,7 +95,8 @@ __all__ = [
 
 _GRAM_CHECK_MAX_N = 8192
 MAX_BINS = 4096  # the Monte Carlo sampler works with b×b matrices
-_LIBRARY = ("pld", "rdp", "prv")
+# the accountants of Poisson-subsampled Gaussian events (PLD, RDP, PRV), in registry order
+_LIBRARY = accountants_for(PoissonGaussianEvent)
 
 
 @dataclass(frozen=True)
@@ -428,7 +429,7 @@ class _Bins(Scheme):
     (certified at a confidence) or by the deterministic random-allocation bound
     (``allocation_pld``, ``dpmf.accountants.allocation``; an upper bound)."""
 
-    accountants: ClassVar[tuple[str, ...]] = ("monte_carlo", "allocation_pld")
+    accountants: ClassVar[tuple[str, ...]] = (MonteCarlo.name, AllocationPLD.name)
     epsilon_each_epoch: ClassVar[bool] = False
 
     def expected_batch_size(self, run):
@@ -487,7 +488,7 @@ class EpochBallsInBins(_Bins):
     summary: ClassVar[str] = "DP-SGD, bins redrawn every epoch"
     matrix_mechanism: ClassVar[bool] = False
     # deterministic and seconds per calibration: the default, and cheap enough for every epoch
-    accountants: ClassVar[tuple[str, ...]] = ("allocation_pld", "monte_carlo")
+    accountants: ClassVar[tuple[str, ...]] = (AllocationPLD.name, MonteCarlo.name)
     epsilon_each_epoch: ClassVar[bool] = True
 
     def event(self, run, sigma):
@@ -516,7 +517,7 @@ class FixedOrder(Scheme):
 
     name: ClassVar[str] = "fixed_order"
     summary: ClassVar[str] = "one shuffle, fixed batches in the same order every epoch (no amplification)"
-    accountants: ClassVar[tuple[str, ...]] = _LIBRARY + ("monte_carlo",)
+    accountants: ClassVar[tuple[str, ...]] = _LIBRARY + (MonteCarlo.name,)
 
     def expected_batch_size(self, run):
         return run.dataset_size / run.steps_per_epoch
@@ -558,7 +559,7 @@ class SingleRelease(Scheme):
 
     name: ClassVar[str] = "single_release"
     summary: ClassVar[str] = "at most one epoch, each example used once; one Gaussian release"
-    accountants: ClassVar[tuple[str, ...]] = _LIBRARY + ("monte_carlo",)
+    accountants: ClassVar[tuple[str, ...]] = _LIBRARY + (MonteCarlo.name,)
 
     def check_strategy(self, run):
         super().check_strategy(run)

@@ -13,25 +13,27 @@ import os
 from dataclasses import dataclass, fields
 
 from dpmf._validation import check_choice, check_int, check_real
-from dpmf.distributed.step import MODES
+from dpmf.accountants.registry import ACCOUNTANTS
+from dpmf.distributed.modes import MODES
 from dpmf.mechanisms.registry import parse_factorization
-from dpmf.optim.ghost import CLIPPING_MODES
+from dpmf.optim.choices import CLIPPING_MODES
+from dpmf.optim.registry import DEFAULT_LR, optimizer_names
 from dpmf.plan.schemes import SCHEMES, Poisson, scheme_names
-from dpmf.train.data import DATASETS
-from dpmf.train.models import MODELS
+from dpmf.train.choices import DATASETS, MODELS
 from dpmf.workloads.schedules import SCHEDULES
 
-__all__ = ["OPTIMIZERS", "ACCOUNTANTS", "DEFAULT_LR", "TrainConfig"]
+__all__ = ["ACCOUNTANTS", "DEFAULT_LR", "TrainConfig"]
 
-OPTIMIZERS = ("dp-sgd", "dp-adam", "dp-muon", "dp-muon-s", "dp-muon-bc")
-ACCOUNTANTS = ("pld", "rdp", "prv", "monte_carlo", "allocation_pld")
 DEVICES = ("auto", "cpu", "cuda")
 NOISE_KEYS = ("stream", "chunked")
 DISTRIBUTED_MODES = MODES
-# Base learning rates that work for the small CNN on Fashion-MNIST with ζ = 1 (the private
-# gradient is a mean of clipped gradients, so its norm is at most ≈ ζ): DP-SGD with momentum
-# 0.9 and B = 512 reaches 86 % at ε = 3 in 10 epochs; DP-Muon with B = 1024 likewise.
-DEFAULT_LR = {"dp-sgd": 0.5, "dp-adam": 2e-3, "dp-muon": 0.05, "dp-muon-s": 0.05, "dp-muon-bc": 0.05}
+
+
+def __getattr__(name):
+    # the optimizer names follow the registry (``dpmf.optim.registry``)
+    if name == "OPTIMIZERS":
+        return optimizer_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,8 @@ class TrainConfig:
         data_dir: folder with the data set's files; None for its default place (digits as the
             fallback when absent).
         model: ``cnn``, ``cnn3``, ``mlp`` or ``wrn16-4``.
-        optimizer: ``dp-sgd``, ``dp-adam``, ``dp-muon``, ``dp-muon-s`` or ``dp-muon-bc``.
+        optimizer: a name of the optimizer registry (``dpmf.optim.registry``): ``dp-sgd``,
+            ``dp-adam``, ``dp-muon``, ``dp-muon-s``, ``dp-muon-bc`` or one registered since.
         factorization: the strategy, as for ``factorize`` (``identity`` = plain DP-SGD noise,
             ``bisr:16``, ``bsr:8``, ``lr_aware``, ``bsr_opt:32``, ``blt:4``, ``dense``, …;
             the optimized ones are optimized for the participation of ``scheme``), or ``auto``:
@@ -63,7 +66,8 @@ class TrainConfig:
         delta: δ in (0, 1).
         clip_norm: ζ > 0.
         lr: base learning rate η > 0 (step t uses η·χ_t); None: the optimizer's default
-            (``DEFAULT_LR``; for DP-Muon the rate of the matrix updates).
+            (``DEFAULT_LR``, the registry's ``default_lr``; for DP-Muon the rate of the matrix
+            updates).
         momentum: heavy-ball momentum in [0, 1) of DP-SGD, and of DP-Muon's 1-D parameters.
         muon_beta: the EMA momentum β in [0, 1) of DP-Muon's matrix updates.
         vector_lr: DP-Muon's learning rate of the 1-D parameters (None: ``lr``).
@@ -85,7 +89,8 @@ class TrainConfig:
             ghost clipping when every layer allows it, else ``vmap``), ``vmap``, ``ghost`` or
             ``bk`` (``dpmf.optim.clipping.clipped_sum``). The same sum up to rounding, so not
             part of the run's identity.
-        accountant: ``pld``, ``rdp``, ``prv`` or ``monte_carlo``; None: the scheme's default
+        accountant: a name of ``dpmf.accountants.ACCOUNTANTS`` the scheme supports (``pld``,
+            ``rdp``, ``prv``, ``monte_carlo``, ``allocation_pld``); None: the scheme's default
             (Monte Carlo for the balls-in-bins schemes, PLD otherwise).
         samples: Monte Carlo samples for balls-in-bins accounting (None: the accountant's default).
         eval_batch_size: batch size of the test evaluation (no privacy cost).
@@ -151,7 +156,7 @@ class TrainConfig:
             raise TypeError(f"data_dir={self.data_dir!r} is invalid: must be a folder path")
         model = "wrn16-4" if self.model == "wrn16_4" else self.model
         object.__setattr__(self, "model", check_choice("model", model, MODELS))
-        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("optimizer", self.optimizer, optimizer_names())
         object.__setattr__(self, "max_bands", check_int("max_bands", self.max_bands, minimum=1))
         if self.factorization == "auto":
             from dpmf.plan.pick import PICK_SCHEMES

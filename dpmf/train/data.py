@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from dpmf._validation import check_choice
+from dpmf.train.choices import DATASETS
 
 __all__ = [
     "DATASETS",
@@ -50,7 +51,6 @@ __all__ = [
     "read_idx",
 ]
 
-DATASETS = ("fashion-mnist", "cifar10", "digits")
 DEFAULT_DIRS = {
     "fashion-mnist": ("/usr/share/datasets/fashion-mnist",),
     "cifar10": ("/usr/share/datasets/cifar10", "/usr/share/datasets/cifar-10"),

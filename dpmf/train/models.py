@@ -29,10 +29,9 @@ import torch
 from torch import nn
 
 from dpmf._validation import check_choice, check_int
+from dpmf.train.choices import MODELS
 
 __all__ = ["MODELS", "build_model", "SmallCNN", "ThreeBlockCNN", "MLP", "WideResNet"]
-
-MODELS = ("cnn", "cnn3", "mlp", "wrn16-4")
 
 
 def _group_norm(channels: int, groups: int) -> nn.GroupNorm:

@@ -34,13 +34,10 @@ from torch import nn
 
 from dpmf import seeds
 from dpmf._io import atomic_write_json
+from dpmf.accountants.events import PoissonGaussianEvent
+from dpmf.accountants.registry import accountants_for
 from dpmf.optim import (
-    DPSGD,
     Disk,
-    DPAdam,
-    DPMuon,
-    DPMuonBC,
-    DPMuonS,
     LearningRateSchedule,
     Transform,
     make_filter,
@@ -49,7 +46,9 @@ from dpmf.optim import (
 )
 from dpmf.optim.clipping import trainable_parameters
 from dpmf.optim.noise import ChunkedKeys
+from dpmf.optim.optimizers import make_optimizer
 from dpmf.optim.privatize import Privatizer
+from dpmf.optim.registry import get_optimizer
 from dpmf.plan.plan import PrivatePlan, leading_block
 from dpmf.plan.schemes import Poisson
 from dpmf.train.checkpoint import load_checkpoint
@@ -144,25 +143,25 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """The DP optimizer of ``config`` over the model's trainable parameters.
 
-    ``dp-sgd``: heavy-ball momentum ``momentum``; ``dp-adam``: Adam; ``dp-muon`` / ``dp-muon-s`` /
-    ``dp-muon-bc``: Newton–Schulz for the matrix parameters (conv kernels as out × in·kh·kw,
-    EMA momentum ``muon_beta``), DP-SGD with momentum ``momentum`` for the 1-D ones. A
-    parameter of two or more dimensions whose matrix view has a single row or column — e.g. a
-    per-channel scale of shape (C, 1, 1) — is a vector, not a matrix: it is routed to the
-    1-D rule, with a notice. The ``filter`` (``build_filter``) runs first in every group, before
-    the optimizer's own momentum (DOPPLER-SGD, DiSK-Muon, …).
+    The optimizer is the registry's entry ``config.optimizer`` (``dpmf.optim.registry``),
+    built by ``dpmf.optim.optimizers.make_optimizer`` with the learning rate ``base_lr``,
+    ``weight_decay``, heavy-ball ``momentum`` and the ``filter`` (``build_filter``: run first in
+    every group, before the optimizer's own momentum: DOPPLER-SGD, DiSK-Muon, …). A
+    Newton–Schulz optimizer (``dp-muon``, ``dp-muon-s``, ``dp-muon-bc``) orthogonalizes the
+    matrix parameters (conv kernels as out × in·kh·kw, EMA momentum ``muon_beta``) and updates
+    the 1-D ones by DP-SGD with momentum ``momentum`` (``vector_lr``); a parameter of two or
+    more dimensions whose matrix view has a single row or column — e.g. a per-channel scale of
+    shape (C, 1, 1) — is a vector, not a matrix: it is routed to the 1-D rule, with a notice.
+    An optimizer that draws random probes gets the seed ``sub_seed(seed, 3)``.
     """
+    spec = get_optimizer(config.optimizer)
     filt = build_filter(config)
-    if config.optimizer == "dp-sgd":
-        return DPSGD(
-            model.parameters(),
-            lr=config.base_lr,
-            momentum=config.momentum,
-            weight_decay=config.weight_decay,
-            filter=filt,
-        )
-    if config.optimizer == "dp-adam":
-        return DPAdam(model.parameters(), lr=config.base_lr, weight_decay=config.weight_decay, filter=filt)
+    kwargs = dict(lr=config.base_lr, weight_decay=config.weight_decay, momentum=config.momentum, filter=filt)
+    if spec.probes:
+        master = seed if seed is not None else config.seed
+        kwargs["probe_seed"] = sub_seed(0 if master is None else master, 3)
+    if not spec.newton_schulz:
+        return make_optimizer(spec.name, model.parameters(), **kwargs)
     vectors = {}
     for name, p in trainable_parameters(model):
         if p.ndim >= 2 and 1 in matrix_shape(tuple(p.shape)):
@@ -174,19 +173,7 @@ def build_optimizer(
             "with momentum), not Newton–Schulz"
         )
     groups = route_parameters(model, rules=vectors or None)
-    cls = {"dp-muon": DPMuon, "dp-muon-s": DPMuonS, "dp-muon-bc": DPMuonBC}[config.optimizer]
-    kwargs = dict(
-        lr=config.base_lr,
-        beta=config.muon_beta,
-        vector_momentum=config.momentum,
-        weight_decay=config.weight_decay,
-        vector_lr=config.vector_lr,
-        filter=filt,
-    )
-    if config.optimizer == "dp-muon-bc":
-        master = seed if seed is not None else config.seed
-        kwargs["probe_seed"] = sub_seed(0 if master is None else master, 3)
-    return cls(groups, **kwargs)
+    return make_optimizer(spec.name, groups, beta=config.muon_beta, vector_lr=config.vector_lr, **kwargs)
 
 
 def plan_for(config: TrainConfig, dataset_size: int, *, progress: bool = False, log=print):
@@ -252,7 +239,7 @@ def choose_strategy(config: TrainConfig, dataset_size: int, steps: int, *, progr
         schedule=Schedule(config.schedule, config.beta, config.gamma),
         max_bands=config.max_bands,
         scheme="auto" if config.scheme == Poisson.name else config.scheme,
-        accountant=config.accountant if config.accountant in ("pld", "rdp", "prv") else None,
+        accountant=config.accountant if config.accountant in accountants_for(PoissonGaussianEvent) else None,
         samples=config.samples,
         seed=_mc_seed(config),
         progress=progress,

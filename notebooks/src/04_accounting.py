@@ -34,8 +34,8 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from IPython.display import Markdown, display
 
-from dpmf import PrivatePlan
-from dpmf.accountants import account, calibrate, samples_needed
+from dpmf import PrivatePlan, account, calibrate
+from dpmf.accountants import samples_needed
 from dpmf.mechanisms import factorize
 from dpmf.workloads import prefix_sum
 

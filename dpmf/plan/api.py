@@ -1,5 +1,9 @@
 """The accounting entry points: ε of a run, σ for a target, and the largest steps / batch size.
 
+Above ``dpmf.plan.plan`` (these functions build plans) and exported as ``dpmf.account``,
+``dpmf.calibrate``, ``dpmf.max_steps``, ``dpmf.max_batch_size`` and ``dpmf.account_segments``
+(and from ``dpmf.plan``).
+
 ``account(plan, noise_multiplier, delta=…)`` and ``calibrate(plan, epsilon=…, delta=…)`` take a
 ``dpmf.PrivatePlan`` (the scheme, N, B, n and strategy of one run) and return a
 ``PrivacyResult``. The keyword forms — ``account("poisson", noise_multiplier=…, dataset_size=…,
@@ -13,12 +17,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dpmf._validation import check_choice
-from dpmf.accountants.calibration import ACCOUNTANTS, check_delta, make_accountant
+from dpmf.accountants.calibration import check_delta
 from dpmf.accountants.events import ComposedEvent, PoissonGaussianEvent
+from dpmf.accountants.registry import accountants_for, make_accountant
 from dpmf.accountants.result import PrivacyResult
+from dpmf.mechanisms import Factorization
+from dpmf.plan.accounting import account as _account
+from dpmf.plan.accounting import calibrate as _calibrate
+from dpmf.plan.accounting import max_batch_size as _max_batch_size
+from dpmf.plan.accounting import max_steps as _max_steps
+from dpmf.plan.plan import PrivatePlan
+from dpmf.plan.schemes import Poisson, get_scheme
 
 __all__ = [
-    "ACCOUNTANTS",
     "account",
     "account_segments",
     "calibrate",
@@ -31,16 +42,11 @@ __all__ = [
 def default_accountant(scheme: str) -> str:
     """The scheme's default accountant: ``monte_carlo`` for the balls-in-bins schemes, ``pld``
     otherwise (``Scheme.default_accountant``)."""
-    from dpmf.plan.schemes import get_scheme
-
     return get_scheme(scheme).default_accountant
 
 
 def _plan(scheme, dataset_size, batch_size, steps, factorization, min_sep, epochs=None, schedule=None):
     """The plan of a keyword call (``scheme`` may already be a plan: then nothing else is allowed)."""
-    from dpmf.mechanisms import Factorization
-    from dpmf.plan.plan import PrivatePlan
-
     if isinstance(scheme, PrivatePlan):
         given = [
             k
@@ -106,8 +112,6 @@ def account(
     Raises:
         ValueError/TypeError: any invalid argument, named, before any work.
     """
-    from dpmf.plan.accounting import account as _account
-
     p = _plan(plan, dataset_size, batch_size, steps, factorization, min_sep)
     return _account(
         p,
@@ -152,8 +156,6 @@ def calibrate(
     Raises:
         ValueError/TypeError: invalid arguments, named, before any work.
     """
-    from dpmf.plan.accounting import calibrate as _calibrate
-
     p = _plan(plan, dataset_size, batch_size, steps, factorization, min_sep)
     return _calibrate(
         p,
@@ -201,8 +203,6 @@ def max_steps(
     Raises:
         ValueError/TypeError: invalid arguments, named, before any work.
     """
-    from dpmf.plan.accounting import max_steps as _max_steps
-
     base, strategy = _search_base(scheme, dataset_size, batch_size, min_sep, schedule, factorization)
     return _max_steps(
         base,
@@ -248,8 +248,6 @@ def max_batch_size(
     Raises:
         ValueError/TypeError: invalid arguments (including both or neither of steps/epochs).
     """
-    from dpmf.plan.accounting import max_batch_size as _max_batch_size
-
     if (steps is None) == (epochs is None):
         raise ValueError("steps/epochs is invalid: give exactly one of steps or epochs")
     base, strategy = _search_base(scheme, dataset_size, None, min_sep, schedule, factorization)
@@ -273,8 +271,6 @@ def _search_base(scheme, dataset_size, batch_size, min_sep, schedule, factorizat
     """The plan a steps/batch-size search starts from (its steps, and its batch size when
     ``batch_size`` is None, are placeholders the search replaces), and the strategy to rebuild
     for every candidate (None: the given plan's own)."""
-    from dpmf.plan.plan import PrivatePlan
-
     if isinstance(scheme, PrivatePlan):
         base = _plan(scheme, dataset_size, batch_size, None, None, min_sep, schedule=schedule)
         return base, factorization
@@ -294,7 +290,8 @@ def account_segments(
     Args:
         segments: non-empty sequence of (noise_multiplier > 0, sampling_rate in (0, 1], steps ≥ 1).
         delta: δ in (0, 1).
-        accountant: ``pld``, ``rdp`` or ``prv``.
+        accountant: an accountant of Poisson-subsampled Gaussian events
+            (``accountants_for(PoissonGaussianEvent)``: ``pld``, ``rdp`` or ``prv``).
 
     Returns:
         ``PrivacyResult`` with scheme ``poisson``, ``noise_multiplier`` the smallest σ_i,
@@ -305,7 +302,7 @@ def account_segments(
             accountant invalid.
     """
     delta = check_delta(delta)
-    check_choice("accountant", accountant, ("pld", "rdp", "prv"))
+    check_choice("accountant", accountant, accountants_for(PoissonGaussianEvent))
     segs = list(segments)
     if not segs:
         raise ValueError(
@@ -321,8 +318,6 @@ def account_segments(
             events.append(PoissonGaussianEvent(*seg))
         except (ValueError, TypeError) as exc:
             raise type(exc)(f"segments[{i}]: {exc}") from None
-    from dpmf.plan.schemes import Poisson
-
     meas = make_accountant(accountant).epsilon(ComposedEvent(tuple(events)), delta)
     return PrivacyResult(
         epsilon=meas.epsilon,
