@@ -65,7 +65,8 @@ def run_seeds(config, seeds, *, out_dir: str, compliance=None, backend: str = "l
     from dpmf.federated.run import run_federated
 
     results = []
-    os.makedirs(out_dir, exist_ok=True)
+    # out_dir is created by the first write, after the first seed's input was validated and
+    # run: a refused input leaves no folder behind
     for i, seed in enumerate(seeds):
         quiet = log if i == 0 else (lambda *_: None)  # the notices and the ledger once
         res = run_federated(config.replace(seed=seed), compliance=compliance, backend=backend, log=quiet)

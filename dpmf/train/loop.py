@@ -438,22 +438,25 @@ class Trainer:
             "empty_batches": self.outcome.empty_batches,
             "seconds": round(seconds, 3),
         }
-        self.outcome.metrics.append(row)
         if self.step_log is not None:  # steps.csv is trimmed to the checkpoint on resume
             self.step_log.flush()
         # the checkpoint before metrics.csv: after a kill between the writes, metrics.csv is never
-        # ahead of it
+        # ahead of it; the epoch counts (outcome.metrics, hence results.json) only once its
+        # checkpoint is on disk, so a failed write (disk full) leaves every file at the last one
+        state = self._state(epoch)
+        state["metrics"].append(row)
         if self.collectives is None:
-            save_checkpoint(self.checkpoint_path, self._state(epoch))
+            save_checkpoint(self.checkpoint_path, state)
             remove_shards(self.checkpoint_path)  # those of a distributed run this one resumed
         else:
             save_sharded(
                 self.checkpoint_path,
-                self._state(epoch),
+                state,
                 self.collectives,
                 mode=self.privatizer.mode,
                 seed_digest=self.privatizer.seed_digest,
             )
+        self.outcome.metrics.append(row)
         if not self.writer:
             return row
         write_metrics_csv(os.path.join(self.out_dir, METRICS), self.outcome.metrics)
