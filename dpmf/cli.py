@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -575,13 +576,15 @@ class _Terminated(KeyboardInterrupt):
     signal_name = "SIGTERM"
 
 
-def _raise_terminated(signum, frame):
-    raise _Terminated()
+def _on_signal(signum, frame):
+    """SIGINT/SIGTERM during ``dpmf train``: stop (``KeyboardInterrupt`` / ``_Terminated``) now,
+    or right after a checkpoint being written is counted (``dpmf.train.loop.deliver_stop``)."""
+    from dpmf.train.loop import deliver_stop
+
+    deliver_stop(_Terminated() if signum == signal.SIGTERM else KeyboardInterrupt())
 
 
 def _run_train(args) -> int:
-    import signal
-
     config = _train_config(args)
     _check_train_flags(args, config)
     if args.threads is not None:
@@ -593,7 +596,10 @@ def _run_train(args) -> int:
     from dpmf.train.run import train
 
     main_thread = threading.current_thread() is threading.main_thread()  # signals: main thread only
-    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
+    previous = {}
+    for number in (signal.SIGINT, signal.SIGTERM) if main_thread else ():
+        if signal.getsignal(number) is not signal.SIG_IGN:  # an ignored signal stays ignored
+            previous[number] = signal.signal(number, _on_signal)
     try:
         train(
             config,
@@ -613,8 +619,8 @@ def _run_train(args) -> int:
     except KeyboardInterrupt as exc:
         return _report_stop(args.out, exc)
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
     return 0
 
 

@@ -279,6 +279,54 @@ def test_sigterm_stops_at_a_checkpoint_and_says_interrupted(tmp_path):
     assert len(read_metrics_csv(out / "metrics.csv")) == state["epoch"]
 
 
+def test_a_sigterm_right_after_a_checkpoint_is_written_counts_that_epoch(tmp_path, monkeypatch, capsys):
+    from dpmf.train import loop
+
+    real_remove, calls = loop.remove_shards, {"n": 0}
+
+    def signal_after_the_write(path, keep=()):  # between the checkpoint on disk and the epoch counted
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_remove(path, keep)
+
+    def interrupt(signum, frame):  # the test runner survives a build that ignores SIGTERM handling
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "remove_shards", signal_after_the_write)
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        out = tmp_path / "run"
+        assert main([*TRAIN, "--epochs", "3", "--noise-multiplier", "1", "--out", str(out)]) == 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    res = json.loads((out / "results.json").read_text())
+    state = load_checkpoint(str(out / "checkpoint.pt"))
+    assert state["epoch"] == 2 == res["completed_epochs"] and res["checkpoint_step"] == state["step"] == 12
+    assert res["status"] == "interrupted" and len(read_metrics_csv(out / "metrics.csv")) == 2
+
+
+def test_a_stop_inside_a_critical_section_is_raised_at_its_end():
+    from dpmf.train.loop import critical_section, deliver_stop
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with critical_section():
+            deliver_stop(KeyboardInterrupt())
+            done.append("written")
+            done.append("counted")
+    assert done == ["written", "counted"]
+    with pytest.raises(KeyboardInterrupt):
+        deliver_stop(KeyboardInterrupt())  # outside: at once
+    with pytest.raises(OSError):  # the block's own error wins; the stop is not kept for later
+        with critical_section():
+            deliver_stop(KeyboardInterrupt())
+            raise OSError("disk full")
+    with critical_section():
+        pass
+
+
 # --- 6. --resume needs a checkpoint ------------------------------------------------------------
 
 

@@ -71,7 +71,7 @@ from dpmf.train.loop import (
     data_digest,
     saved_seed,
 )
-from dpmf.train.metrics import STEPS, TENSORBOARD
+from dpmf.train.metrics import STEPS, TENSORBOARD, write_metrics_csv
 from dpmf.train.models import build_model
 from dpmf.train.samplers import steps_per_epoch
 from dpmf.train.shards import merge_shards, remove_shards
@@ -595,9 +595,12 @@ def train(
     try:
         outcome: TrainOutcome = trainer.run(resume=resume, on_epoch_end=on_epoch_end)
     except BaseException as exc:  # every stop leaves results.json saying how the run ended
-        _stopped(header, exc, trainer.outcome.metrics, checkpoint, began)
+        done = trainer.outcome.metrics
+        _stopped(header, exc, done, checkpoint, began)
         if writer:
-            try:
+            try:  # results.json and metrics.csv agree with the last checkpoint written
+                if done:
+                    write_metrics_csv(os.path.join(out_dir, METRICS), done)
                 atomic_write_json(os.path.join(out_dir, RESULTS), _jsonable(header))
             except WriteError:  # e.g. the disk is still full: the first error is the one to report
                 pass
