@@ -161,9 +161,9 @@ def atomic_write_text(path, text: str) -> Path:
     return Path(path)
 
 
-def atomic_write_csv(path, header: Sequence[str], rows: Iterable[Sequence]) -> Path:
-    """Write a CSV with ``header`` and ``rows`` atomically; return the path."""
-    with atomic_path(path) as tmp, open(tmp, "w", newline="") as fh:
+def atomic_write_csv(path, header: Sequence[str], rows: Iterable[Sequence], *, private: bool = False) -> Path:
+    """Write a CSV with ``header`` and ``rows`` atomically (0600 when ``private``); return the path."""
+    with atomic_path(path, private=private) as tmp, open(tmp, "w", newline="") as fh:
         writer = csv.writer(fh)
         writer.writerow(header)
         writer.writerows(rows)

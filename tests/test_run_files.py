@@ -124,6 +124,18 @@ def test_distributed_shards_and_manifest_are_0600(tmp_path, umask_022):
     assert all(_mode(f) == 0o600 for f in files)
 
 
+def test_per_step_figures_are_private(tmp_path, umask_022):
+    from dpmf.train.metrics import StepLog
+
+    log = StepLog(str(tmp_path), 1)
+    log.record(1, 1, 0.5, 0.25, 0.1)
+    log.flush()
+    log.close()
+    assert _mode(tmp_path / "steps.csv") == 0o600  # the un-noised training loss
+    if (tmp_path / "tensorboard").exists():
+        assert _mode(tmp_path / "tensorboard") == 0o700
+
+
 # --- 2. an earlier run's outputs are not replaced silently -----------------------------------
 
 
