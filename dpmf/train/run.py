@@ -293,15 +293,15 @@ def check_out_state(out_dir: str, *, resume: bool, overwrite: bool) -> None:
     checkpoint = os.path.join(out_dir, CHECKPOINT)
     if resume and overwrite:
         raise ValueError(
-            "resume=True and overwrite=True are invalid together: --resume continues the run in "
-            f"{out_dir!r}, --overwrite replaces it; pass one"
+            "resume=True and overwrite=True (--resume, --overwrite) are invalid together: resume "
+            f"continues the run in {out_dir!r}, overwrite replaces it; pass one"
         )
     if overwrite:
         return
     if resume:
         if not os.path.exists(checkpoint):
             raise ValueError(
-                f"resume=True is invalid: {out_dir!r} holds no {CHECKPOINT} (nothing to resume; "
+                f"resume=True (--resume) is invalid: {out_dir!r} holds no {CHECKPOINT} (nothing to resume; "
                 "resuming would start a new run and spend the privacy budget again); run without "
                 "--resume to start one, or pass the folder of the run to continue"
             )
