@@ -261,6 +261,29 @@ def test_disk_full_while_checkpointing_is_one_line_and_the_files_agree(tmp_path,
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []  # no temporary file
 
 
+def test_disk_full_during_the_export_is_not_complete_and_resume_exports(tmp_path, monkeypatch, capsys):
+    real_save = torch.save
+
+    def full_for_the_model(obj, f, *a, **k):
+        if isinstance(obj, dict) and "run_identity" not in obj and "digests" not in obj:  # model.pt
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", full_for_the_model)
+    out = tmp_path / "run"
+    argv = [*TRAIN, "--epochs", "1", "--noise-multiplier", "1", "--seed", "3", "--out", str(out)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.pt" in err and "Traceback" not in err
+    res = json.loads((out / "results.json").read_text())
+    assert res["status"] == "failed" and "model.pt" in res["error"] and "final" not in res
+    assert res["completed_epochs"] == 1 and not (out / "model.pt").exists()
+    monkeypatch.setattr(torch, "save", real_save)
+    assert main([*argv, "--resume"]) == 0  # the checkpoint holds the whole run: export it
+    assert json.loads((out / "results.json").read_text())["status"] == "complete"
+    assert (out / "model.pt").exists() and (out / "privacy.json").exists()
+
+
 # --- 5. SIGTERM stops like Ctrl-C --------------------------------------------------------------
 
 

@@ -375,6 +375,19 @@ def _stopped(header: dict, exc: BaseException, done: list, checkpoint: str, bega
     return header
 
 
+def _record_stop(out_dir: str, header: dict, exc: BaseException, done: list, checkpoint: str, began) -> None:
+    """Write ``results.json`` (and ``metrics.csv``) of a run that stopped, agreeing with the last
+    checkpoint written; a write that fails in turn (the disk still full) is left unreported, the
+    first error being the one that matters."""
+    _stopped(header, exc, done, checkpoint, began)
+    try:
+        if done:
+            write_metrics_csv(os.path.join(out_dir, METRICS), done)
+        atomic_write_json(os.path.join(out_dir, RESULTS), _jsonable(header))
+    except WriteError:
+        pass
+
+
 def train(
     config: TrainConfig,
     out_dir: str,
@@ -595,15 +608,8 @@ def train(
     try:
         outcome: TrainOutcome = trainer.run(resume=resume, on_epoch_end=on_epoch_end)
     except BaseException as exc:  # every stop leaves results.json saying how the run ended
-        done = trainer.outcome.metrics
-        _stopped(header, exc, done, checkpoint, began)
         if writer:
-            try:  # results.json and metrics.csv agree with the last checkpoint written
-                if done:
-                    write_metrics_csv(os.path.join(out_dir, METRICS), done)
-                atomic_write_json(os.path.join(out_dir, RESULTS), _jsonable(header))
-            except WriteError:  # e.g. the disk is still full: the first error is the one to report
-                pass
+            _record_stop(out_dir, header, exc, trainer.outcome.metrics, checkpoint, began)
         raise
     last = outcome.metrics[-1]
     header.update(
@@ -617,8 +623,13 @@ def train(
         plan, privacy, steps_taken=outcome.steps, clip_norm=config.clip_norm, seed_given=seed_given
     )
     if writer:
-        export(out_dir, model, ledger)
-        atomic_write_json(os.path.join(out_dir, RESULTS), _jsonable(header))
+        try:
+            export(out_dir, model, ledger)
+            atomic_write_json(os.path.join(out_dir, RESULTS), _jsonable(header))
+        except BaseException as exc:  # the export failed (disk full, a stop): not "complete"
+            header.pop("final", None)
+            _record_stop(out_dir, header, exc, outcome.metrics, checkpoint, began)
+            raise
     log(
         f"test accuracy {100 * float(last['test_accuracy']):.2f} %, "
         f"test loss {float(last['test_loss']):.4f}, "
