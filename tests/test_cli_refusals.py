@@ -94,6 +94,19 @@ def test_a_bad_number_in_a_list_names_the_flag_and_the_item(tmp_path, capsys):
     _refused([*argv, "--out", str(tmp_path / "cv")], capsys, "--n='8,x'", "'x' is not an integer")
 
 
+@pytest.mark.parametrize("seeds", ["0,,2", "0,1,"])
+def test_an_empty_seed_in_fl_is_refused(seeds, tmp_path, capsys):
+    pytest.importorskip("flwr")
+    out = tmp_path / "fl"
+    _refused(
+        ["fl", "--clients", "4", "--rounds", "1", "--seeds", seeds, "--out", str(out)],
+        capsys,
+        f"seeds={seeds!r}",
+        "0,1,2",
+    )
+    assert not out.exists()
+
+
 # --- 8. no command creates its --out before validating its input ---------------------------------
 
 
