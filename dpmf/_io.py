@@ -1,9 +1,13 @@
 """Atomic file output: write to a temporary file in the same folder, then rename.
 
 A reader never sees a half-written file, and an interrupted run leaves the previous version.
-The file gets the permissions a plain ``open(path, "w")`` would give it (0666 masked by the
-process umask), not the 0600 of the temporary file. ``check_out_dir`` tells, before any work,
-whether a folder can receive the files.
+A shareable file gets the permissions a plain ``open(path, "w")`` would give it (0666 masked by
+the process umask). A file holding secrets (``private=True``: checkpoints, with the noise seed)
+stays 0600 from the moment it is created: the temporary file is created 0600 (``O_CREAT |
+O_EXCL``, mode 0o600) and renamed as it is, so no other user can read it at any moment.
+A failed write (disk full, quota, I/O error) raises ``WriteError``: one line naming the file
+and the cause; the temporary file is removed and the previous version kept.
+``check_out_dir`` tells, before any work, whether a folder can receive the files.
 """
 
 from __future__ import annotations
@@ -24,7 +28,26 @@ __all__ = [
     "atomic_path",
     "check_out_dir",
     "file_mode",
+    "WriteError",
+    "PRIVATE_MODE",
 ]
+
+PRIVATE_MODE = 0o600
+
+
+class WriteError(OSError):
+    """A file could not be written (disk full, quota, I/O error, permissions): ``str()`` is one
+    line naming the file and the cause; ``errno`` is the underlying one."""
+
+    def __init__(self, path, cause: OSError):
+        super().__init__(cause.errno, cause.strerror or type(cause).__name__)
+        self.path = str(path)
+        self.cause = cause
+
+    def __str__(self) -> str:
+        reason = self.cause.strerror or str(self.cause) or type(self.cause).__name__
+        return f"could not write {self.path!r} ({reason}); the previous version of the file, if any, is kept"
+
 
 _UMASK_LOCK = threading.Lock()
 
@@ -86,25 +109,48 @@ def check_out_dir(path, *, name: str = "out") -> Path:
 
 class atomic_path:
     """Context manager yielding a temporary path next to ``path``; on success it replaces
-    ``path`` atomically (``os.replace``), on error it is removed."""
+    ``path`` atomically (``os.replace``), on error it is removed.
 
-    def __init__(self, path, suffix: str | None = None):
+    Args:
+        path: the final file.
+        suffix: the temporary file's suffix (default: ``path``'s).
+        private: keep the file 0600 (it holds secrets); otherwise it gets the umask's mode.
+
+    Raises:
+        WriteError: an ``OSError`` while creating, writing or renaming (one line with the file).
+    """
+
+    def __init__(self, path, suffix: str | None = None, *, private: bool = False):
         self.path = Path(path)
         self.suffix = suffix if suffix is not None else self.path.suffix
+        self.private = bool(private)
 
     def __enter__(self) -> Path:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=self.suffix)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # mkstemp opens with O_CREAT | O_EXCL and mode 0o600: private from the first byte
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=self.suffix)
+        except OSError as exc:
+            raise WriteError(self.path, exc) from None
+        if self.private:
+            os.fchmod(fd, PRIVATE_MODE)  # whatever the platform's mkstemp did
         os.close(fd)
         self.tmp = Path(tmp)
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None:
-            os.chmod(self.tmp, file_mode())  # mkstemp made it 0600
-            os.replace(self.tmp, self.path)
-        else:
-            self.tmp.unlink(missing_ok=True)
+            try:
+                if not self.private:
+                    os.chmod(self.tmp, file_mode())  # mkstemp made it 0600
+                os.replace(self.tmp, self.path)
+                return False
+            except OSError as err:
+                self.tmp.unlink(missing_ok=True)
+                raise WriteError(self.path, err) from None
+        self.tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and not isinstance(exc, WriteError):
+            raise WriteError(self.path, exc) from None
         return False
 
 
@@ -115,9 +161,9 @@ def atomic_write_text(path, text: str) -> Path:
     return Path(path)
 
 
-def atomic_write_csv(path, header: Sequence[str], rows: Iterable[Sequence]) -> Path:
-    """Write a CSV with ``header`` and ``rows`` atomically; return the path."""
-    with atomic_path(path) as tmp, open(tmp, "w", newline="") as fh:
+def atomic_write_csv(path, header: Sequence[str], rows: Iterable[Sequence], *, private: bool = False) -> Path:
+    """Write a CSV with ``header`` and ``rows`` atomically (0600 when ``private``); return the path."""
+    with atomic_path(path, private=private) as tmp, open(tmp, "w", newline="") as fh:
         writer = csv.writer(fh)
         writer.writerow(header)
         writer.writerows(rows)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -20,14 +21,29 @@ class UsageError(ValueError):
     """Bad command-line input: reported in one line, exit status 2."""
 
 
-def _csv_list(text: str, convert=str) -> list:
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
-        raise UsageError(f"expected a comma-separated list, got {text!r}")
-    try:
-        return [convert(t) for t in items]
-    except ValueError:
-        raise UsageError(f"invalid value in list {text!r}") from None
+def _csv_list(text: str, convert=str, *, name: str = "list") -> list:
+    """The items of a comma-separated list, each converted; ``name`` is the flag in messages.
+
+    Raises:
+        UsageError: an empty list, an empty item (``a,,b`` or a trailing comma: nothing is
+            dropped silently) or an item ``convert`` refuses.
+    """
+    items = [t.strip() for t in str(text).split(",")]
+    if not any(items):
+        raise UsageError(f"{name}={text!r} is invalid: expected a comma-separated list, e.g. a,b")
+    empty = [i for i, t in enumerate(items, 1) if not t]
+    if empty:
+        raise UsageError(
+            f"{name}={text!r} is invalid: item {empty[0]} of {len(items)} is empty; remove the extra comma"
+        )
+    kind = {int: "an integer", float: "a number"}.get(convert, "a valid value")
+    out = []
+    for t in items:
+        try:
+            out.append(convert(t))
+        except ValueError:
+            raise UsageError(f"{name}={text!r} is invalid: {t!r} is not {kind}; correct that item") from None
+    return out
 
 
 _COMMANDS: list = []
@@ -64,6 +80,8 @@ class _ConsoleHandler(logging.Handler):
             stream = sys.stdout if record.levelno < logging.WARNING else sys.stderr
             stream.write(self.format(record) + "\n")
             stream.flush()
+        except _StdoutError:  # the command ends with one line, not a logging traceback
+            raise
         except Exception:  # pragma: no cover - logging must not raise
             self.handleError(record)
 
@@ -81,26 +99,99 @@ def _configure_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``dpmf`` command ``argv`` (default ``sys.argv[1:]``); return the exit status.
+
+    0 success; 2 bad input (one line on stderr, before any work); 1 a failure while working:
+    a file that could not be written (disk full, …), a standard output that cannot be written
+    (``> /dev/full``, a closed pipe), a numerical failure; 130/143 ``dpmf train`` stopped by
+    SIGINT/SIGTERM. Never a traceback for these.
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(only=_command_of(argv))
     args = parser.parse_args(argv)
     _configure_logging()
+    stdout = sys.stdout
+    sys.stdout = _Stdout(stdout)  # a failed write to it is told apart from other files'
     try:
-        out = getattr(args, "out", None)
-        if out is not None:  # every command that writes files: refuse a bad folder before any work
-            from dpmf._io import check_out_dir
-
-            check_out_dir(out, name="--out")
-        limit = getattr(args, "max_samples", None)
-        if limit is None:
-            return int(args._run(args) or 0)
-        from dpmf.accountants.montecarlo import sample_limit
-
-        with sample_limit(limit):
-            return int(args._run(args) or 0)
-    except (UsageError, ValueError, TypeError) as exc:
-        print(f"dpmf {args.command}: error: {exc}", file=sys.stderr)
+        status = _dispatch(args)
+        sys.stdout.flush()  # a full or closed standard output fails here, not at exit
+        return status
+    except _StdoutError as exc:
+        _silence(stdout)
+        _error(args, f"cannot write to standard output ({exc.strerror or exc})")
+        return 1
+    except (UsageError, ValueError, TypeError, FileNotFoundError) as exc:
+        _error(args, exc)
         return 2
+    except OSError as exc:  # a file that could not be written (dpmf._io.WriteError: one line)
+        _error(args, exc)
+        return 1
+    finally:
+        sys.stdout = stdout
+
+
+def _dispatch(args) -> int:
+    """Check ``--out`` (before any work), then run the command under its Monte Carlo limit."""
+    out = getattr(args, "out", None)
+    if out is not None:  # every command that writes files: refuse a bad folder before any work
+        from dpmf._io import check_out_dir
+
+        check_out_dir(out, name="--out")
+    limit = getattr(args, "max_samples", None)
+    if limit is None:
+        return int(args._run(args) or 0)
+    from dpmf.accountants.montecarlo import sample_limit
+
+    with sample_limit(limit):
+        return int(args._run(args) or 0)
+
+
+def _error(args, message) -> None:
+    """One line on stderr: ``dpmf COMMAND: error: message`` (stderr itself may be gone)."""
+    try:
+        print(f"dpmf {args.command}: error: {message}", file=sys.stderr)
+        sys.stderr.flush()
+    except OSError:
+        pass
+
+
+class _StdoutError(OSError):
+    """Standard output could not be written (a full device, a closed pipe)."""
+
+
+class _Stdout:
+    """``sys.stdout`` during a command: the same stream, whose write errors become
+    ``_StdoutError``."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except OSError as exc:
+            raise _StdoutError(exc.errno, exc.strerror or str(exc)) from None
+
+    def flush(self):
+        try:
+            return self._stream.flush()
+        except OSError as exc:
+            raise _StdoutError(exc.errno, exc.strerror or str(exc)) from None
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _silence(stream) -> None:
+    """Point a broken standard output at the null device, so that the interpreter's last flush
+    of what is left in its buffer does not fail again (a file without a descriptor: nothing)."""
+    try:
+        fd = stream.fileno()
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+    except (OSError, ValueError, AttributeError):  # not a real file (tests, notebooks)
+        pass
 
 
 # --- curves -------------------------------------------------------------------------------
@@ -169,8 +260,8 @@ def _run_curves(args) -> int:
 
     _check_figure_flags(args)
     schedule = Schedule(args.schedule, args.beta, args.gamma)
-    ns = _csv_list(args.n, int)
-    facts = _csv_list(args.factorizations)
+    ns = _csv_list(args.n, int, name="--n")
+    facts = _csv_list(args.factorizations, name="--factorizations")
     participation = _participation(args)
     rows = error_curves(
         schedule,
@@ -250,13 +341,20 @@ def _run_colormap(args) -> int:
     from dpmf.plots import plot_gain
 
     _check_figure_flags(args)
+    ns, betas = _csv_list(args.n, int, name="--n"), _csv_list(args.beta, float, name="--beta")
+    if args.schedule == "constant" and any(b != 1.0 for b in betas):
+        raise UsageError(
+            f"--beta={args.beta!r} is invalid with --schedule constant: the constant schedule has "
+            "β = 1, so every row of the grid would be the same; choose a decaying --schedule "
+            "(e.g. exponential) or pass --beta 1"
+        )
     grid = gain_grid(
         args.numerator,
         args.denominator,
         args.metric,
         args.schedule,
-        _csv_list(args.n, int),
-        _csv_list(args.beta, float),
+        ns,
+        betas,
         gamma=args.gamma,
         participation=_participation(args),
         progress=not args.no_progress,
@@ -300,8 +398,16 @@ _COMMANDS.append(("colormap", _add_colormap, _run_colormap))
 
 
 def real_list(text: str) -> tuple[float, ...]:
-    """A comma-separated list of reals, e.g. ``1,-0.9`` (filter coefficients)."""
-    return tuple(_csv_list(text, float))
+    """A comma-separated list of reals, e.g. ``1,-0.9`` (filter coefficients).
+
+    Raises:
+        argparse.ArgumentTypeError: an empty item or one that is not a number (argparse
+            reports it in one line with the flag).
+    """
+    try:
+        return tuple(_csv_list(text, float, name="value"))
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _optimizer_choices() -> str:
@@ -403,7 +509,12 @@ def _add_train(sub):
         "--config", default=None, help="YAML or JSON file of TrainConfig fields; flags override it"
     )
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt (needs one)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the files of an earlier run in OUT (without it, such a folder is refused)",
+    )
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--epsilon", type=float, default=None, help="target ε (σ is calibrated)")
     budget.add_argument("--noise-multiplier", type=float, default=None, help="σ (ε is computed)")
@@ -439,25 +550,80 @@ def _train_config(args):
     return base.replace(**overrides)
 
 
-def _run_train(args) -> int:
-    config = _train_config(args)
+# flags that act only with another one: (flag, attribute, applies(args, config), what it needs)
+_TRAIN_REQUIRES = (
+    ("--distributed-mode", "distributed_mode", lambda a, c: a.distributed, "--distributed"),
+    ("--doppler-a", "doppler_a", lambda a, c: c.filter == "doppler", "--filter doppler"),
+    ("--doppler-b", "doppler_b", lambda a, c: c.filter == "doppler", "--filter doppler"),
+    ("--disk-kappa", "disk_kappa", lambda a, c: c.filter == "disk", "--filter disk"),
+    ("--disk-gamma", "disk_gamma", lambda a, c: c.filter == "disk", "--filter disk"),
+)
+
+
+def _check_train_flags(args, config) -> None:
+    """Refuse flags that would be ignored, a torchrun start without ``--distributed`` and a bad
+    ``--threads``, before any work."""
+    for flag, attr, applies, needs in _TRAIN_REQUIRES:
+        value = getattr(args, attr)
+        if value is not None and not applies(args, config):
+            shown = ",".join(f"{v:g}" for v in value) if isinstance(value, tuple) else value
+            raise UsageError(
+                f"{flag}={shown} is invalid without {needs}: it would be ignored; add {needs} or drop {flag}"
+            )
     world = os.environ.get("WORLD_SIZE", "1")
     if not args.distributed and world.isdigit() and int(world) > 1:
         raise UsageError(
             f"WORLD_SIZE={world} is set (started by torchrun?) but --distributed is not: each process "
             "would train its own copy into the same --out; add --distributed"
         )
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads={args.threads} is invalid: must be >= 1")
+    if args.resume and args.overwrite:
+        raise UsageError(
+            "--resume and --overwrite are invalid together: --resume continues the run in --out, "
+            "--overwrite replaces it; pass one"
+        )
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (kill, timeout, Slurm, Kubernetes, torchrun), raised in the main thread as Ctrl-C's
+    ``KeyboardInterrupt`` is: the run stops the same way (``results.json`` says ``interrupted``)."""
+
+    signal_name = "SIGTERM"
+
+
+def _on_signal(signum, frame):
+    """SIGINT/SIGTERM during ``dpmf train``: stop (``KeyboardInterrupt`` / ``_Terminated``) now,
+    or right after a checkpoint being written is counted (``dpmf.train.loop.deliver_stop``)."""
+    from dpmf.train.loop import deliver_stop
+
+    deliver_stop(_Terminated() if signum == signal.SIGTERM else KeyboardInterrupt())
+
+
+def _run_train(args) -> int:
+    config = _train_config(args)
+    _check_train_flags(args, config)
     if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError(f"--threads={args.threads} is invalid: must be >= 1")
         from dpmf.optim.threads import limit_threads
 
         limit_threads(args.threads)  # torch's pools and the BLAS/OpenMP ones
+    import threading
+
     from dpmf.train.run import train
 
+    main_thread = threading.current_thread() is threading.main_thread()  # signals: main thread only
+    previous = {}
+    for number in (signal.SIGINT, signal.SIGTERM) if main_thread else ():
+        if signal.getsignal(number) is not signal.SIG_IGN:  # an ignored signal stays ignored
+            previous[number] = signal.signal(number, _on_signal)
     try:
         train(
-            config, args.out, resume=args.resume, progress=not args.no_progress, distributed=args.distributed
+            config,
+            args.out,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+            distributed=args.distributed,
         )
         if args.distributed:
             from dpmf.distributed.launch import shutdown
@@ -466,14 +632,23 @@ def _run_train(args) -> int:
     except FloatingPointError as exc:  # NaN/inf at a named step; the weights stayed finite
         print(f"dpmf train: error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        if os.path.exists(os.path.join(args.out, "checkpoint.pt")):
-            where = f"the last completed epoch is in {args.out}/checkpoint.pt (continue with --resume)"
-        else:
-            where = "no epoch was completed, so there is nothing to resume"
-        print(f"dpmf train: interrupted; {where}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        return _report_stop(args.out, exc)
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
     return 0
+
+
+def _report_stop(out: str, exc: KeyboardInterrupt) -> int:
+    """One line on how ``dpmf train`` stopped (Ctrl-C or SIGTERM); 130 or 143 (128 + signal)."""
+    if os.path.exists(os.path.join(out, "checkpoint.pt")):
+        where = f"the last completed epoch is in {out}/checkpoint.pt (continue with --resume)"
+    else:
+        where = "no epoch was completed, so there is nothing to resume"
+    how = "terminated (SIGTERM)" if isinstance(exc, _Terminated) else "interrupted"
+    print(f"dpmf train: {how}; {where}", file=sys.stderr)
+    return 143 if isinstance(exc, _Terminated) else 130
 
 
 _COMMANDS.append(("train", _add_train, _run_train))
@@ -553,7 +728,10 @@ def _accounting_plan(args):
     accountant = scheme.check_accountant(args.accountant)
     check_monte_carlo(args.samples, args.seed, args.confidence)
     if not get_accountant(accountant).randomized and args.samples is not None:
-        raise UsageError(f"--samples is invalid with the {accountant} accountant (Monte Carlo only)")
+        raise UsageError(
+            f"--samples={args.samples} is invalid with the {accountant} accountant: samples are "
+            "drawn by the monte_carlo accountant only; drop --samples or pass --accountant monte_carlo"
+        )
     spec = "identity" if args.factorization is None else args.factorization
     parse_factorization(spec)
     schedule = _schedule_from_args(args)
@@ -879,7 +1057,7 @@ def _add_fl(sub):
 
 def _noise_table(text: str) -> tuple:
     rows = []
-    for item in _csv_list(text):
+    for item in _csv_list(text, name="--noise-table"):
         t, _, s = item.partition(":")
         try:
             rows.append((float(t), float(s)))
@@ -892,7 +1070,7 @@ def _noise_table(text: str) -> tuple:
 
 def _criteria_weights(text: str) -> dict:
     out = {}
-    for item in _csv_list(text):
+    for item in _csv_list(text, name="--criteria-weights"):
         name, _, value = item.partition("=")
         try:
             out[name.strip()] = float(value)

@@ -169,7 +169,16 @@ def load_medmnist(path: str) -> tuple[dict[str, np.ndarray], str]:
     else:
         note = f"{name} is not an official MedMNIST file name: read without a checksum"
     try:
-        with np.load(path, allow_pickle=False) as z:
+        z = np.load(path, allow_pickle=False)
+    except (OSError, EOFError, ValueError) as exc:  # not a zip: numpy tries .npy, then pickle
+        reason = str(exc).split(".")[0] or type(exc).__name__
+        raise ValueError(
+            f"data_file={path!r} is invalid: not a readable .npz ({reason}); give a MedMNIST .npz file"
+        ) from None
+    if not hasattr(z, "files"):  # a single .npy array
+        raise ValueError(f"data_file={path!r} is invalid: a .npy array, not a MedMNIST .npz archive")
+    try:
+        with z:
             missing = [k for k in _MEDMNIST_KEYS if k not in z.files]
             if missing:
                 raise ValueError(

@@ -46,7 +46,7 @@ def parse_seeds(text: str) -> list[int]:
                 raise ValueError
             seeds = list(range(a, b + 1))
         else:
-            seeds = [int(v) for v in t.split(",") if v.strip()]
+            seeds = [int(v) for v in t.split(",")]  # an empty item (0,,2) is refused
     except ValueError:
         raise ValueError(
             f"seeds={text!r} is invalid: give a range A-B (A <= B) or a list like 0,1,2"
@@ -95,7 +95,8 @@ def run_seeds(
         else [config.replace(seed=s, replica=i) for i, s in enumerate(seeds)]
     )
     results = []
-    os.makedirs(out_dir, exist_ok=True)
+    # out_dir is created by the first write, after the first replica's input was validated and
+    # run: a refused input leaves no folder behind
     for i, cfg in enumerate(runs):
         quiet = log if i == 0 else (lambda *_: None)  # the notices and the ledger once
         res = run_federated(cfg, compliance=compliance, backend=backend, log=quiet)

@@ -126,6 +126,7 @@ def run_one(
         ValueError: an unknown method or composition, or an invalid setting (``TrainConfig``).
     """
     from dpmf.train.config import TrainConfig
+    from dpmf.train.loop import CHECKPOINT
     from dpmf.train.run import RESULTS, train
 
     settings = dict(BASE, **(overrides or {}), **method_settings(method, composition))
@@ -136,7 +137,8 @@ def run_one(
     done = _read_complete(results_path, config)
     if done is None:
         began = time.perf_counter()
-        train(config, out_dir, resume=True, progress=False, log=lambda *_: None)
+        resume = os.path.exists(os.path.join(out_dir, CHECKPOINT))  # else an unfinished start
+        train(config, out_dir, resume=resume, overwrite=not resume, progress=False, log=lambda *_: None)
         log(f"{method:>13} B={batch_size:<5} seed={seed}: {time.perf_counter() - began:.0f} s")
         done = _read_complete(results_path, config)
     privacy, final = done["privacy"], done["final"]

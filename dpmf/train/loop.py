@@ -24,8 +24,10 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +52,8 @@ from dpmf.train.shards import (
 )
 
 __all__ = [
+    "critical_section",
+    "deliver_stop",
     "check_resumable",
     "data_digest",
     "saved_seed",
@@ -70,6 +74,43 @@ _FORMAT = 1
 
 class NonFiniteWeightsError(FloatingPointError):
     """An optimizer step produced NaN/inf weights; the step was undone."""
+
+
+class _Deferred(threading.local):
+    depth = 0
+    pending: BaseException | None = None
+
+
+_DEFERRED = _Deferred()
+
+
+def deliver_stop(exc: BaseException) -> None:
+    """Raise ``exc`` (a ``KeyboardInterrupt`` from a signal handler) now, or, inside a
+    ``critical_section``, when it ends: a stop never falls between a checkpoint written and the
+    epoch counted."""
+    if _DEFERRED.depth:
+        if _DEFERRED.pending is None:
+            _DEFERRED.pending = exc
+        return
+    raise exc
+
+
+@contextmanager
+def critical_section():
+    """Defer the stops handed to ``deliver_stop`` (the CLI's SIGINT/SIGTERM handlers) to the end
+    of the block; a stop that arrived in it is raised when the block completes."""
+    _DEFERRED.depth += 1
+    try:
+        yield
+    except BaseException:
+        if _DEFERRED.depth == 1:
+            _DEFERRED.pending = None  # the block's own error is the one reported
+        raise
+    finally:
+        _DEFERRED.depth -= 1
+    if _DEFERRED.depth == 0 and _DEFERRED.pending is not None:
+        exc, _DEFERRED.pending = _DEFERRED.pending, None
+        raise exc
 
 
 @dataclass
@@ -447,22 +488,26 @@ class Trainer:
             "empty_batches": self.outcome.empty_batches,
             "seconds": round(seconds, 3),
         }
-        self.outcome.metrics.append(row)
         if self.step_log is not None:  # steps.csv is trimmed to the checkpoint on resume
             self.step_log.flush()
         # the checkpoint before metrics.csv: after a kill between the writes, metrics.csv is never
-        # ahead of it
-        if self.collectives is None:
-            save_checkpoint(self.checkpoint_path, self._state(epoch))
-            remove_shards(self.checkpoint_path)  # those of a distributed run this one resumed
-        else:
-            save_sharded(
-                self.checkpoint_path,
-                self._state(epoch),
-                self.collectives,
-                mode=self.privatizer.mode,
-                seed_digest=self.privatizer.seed_digest,
-            )
+        # ahead of it; the epoch counts (outcome.metrics, hence results.json) only once its
+        # checkpoint is on disk, so a failed write (disk full) leaves every file at the last one
+        state = self._state(epoch)
+        state["metrics"].append(row)
+        with critical_section():  # a SIGTERM here stops after the epoch is counted
+            if self.collectives is None:
+                save_checkpoint(self.checkpoint_path, state)
+                remove_shards(self.checkpoint_path)  # those of a distributed run this one resumed
+            else:
+                save_sharded(
+                    self.checkpoint_path,
+                    state,
+                    self.collectives,
+                    mode=self.privatizer.mode,
+                    seed_digest=self.privatizer.seed_digest,
+                )
+            self.outcome.metrics.append(row)
         if not self.writer:
             return row
         write_metrics_csv(os.path.join(self.out_dir, METRICS), self.outcome.metrics)

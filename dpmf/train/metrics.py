@@ -114,7 +114,8 @@ class StepLog:
     ``torch.utils.tensorboard.SummaryWriter`` (tags ``train/loss``, ``train/clipped_fraction``,
     ``train/lr``; ``purge_step`` drops events an interrupted run wrote past the checkpoint)
     when the ``tensorboard`` package is installed; otherwise a notice is logged once and only
-    the CSV is written.
+    the CSV is written. Both are private: ``steps.csv`` is 0600 and the TensorBoard folder 0700,
+    whatever the umask.
 
     Args:
         out_dir: the run's folder.
@@ -147,9 +148,10 @@ class StepLog:
                     STEPS,
                 )
             else:
-                self.writer = SummaryWriter(
-                    log_dir=os.path.join(out_dir, TENSORBOARD), purge_step=start_step + 1
-                )
+                board = os.path.join(out_dir, TENSORBOARD)
+                os.makedirs(board, mode=0o700, exist_ok=True)
+                os.chmod(board, 0o700)  # the events hold non-private figures
+                self.writer = SummaryWriter(log_dir=board, purge_step=start_step + 1)
 
     def due(self, steps_done: int) -> bool:
         """Whether the step that brings the count to ``steps_done`` is recorded."""
@@ -175,7 +177,7 @@ class StepLog:
 
     def flush(self) -> None:
         """Write ``steps.csv`` (atomically) and flush the TensorBoard events."""
-        atomic_write_csv(self.path, STEP_COLUMNS, self.rows)
+        atomic_write_csv(self.path, STEP_COLUMNS, self.rows, private=True)  # not private figures
         if self.writer is not None:
             self.writer.flush()
 

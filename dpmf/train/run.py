@@ -9,7 +9,12 @@ sampler, noise stream and optimizer created and the loop started.
 
 Files in ``out_dir``: ``results.json`` (config, privacy, final metrics; written at the start
 and at the end), ``metrics.csv``, ``curves.png`` and ``checkpoint.pt`` (every epoch), all
-written atomically.
+written atomically; ``checkpoint.pt`` (and a distributed run's shards) are 0600, the others
+follow the umask. A folder holding an earlier run's outputs is refused unless the run is
+resumed from its checkpoint (``resume=True``) or replaced (``overwrite=True``); ``resume=True``
+without a checkpoint is refused (it would start a new run and spend the privacy budget again).
+Every stop (exception, Ctrl-C, SIGTERM through the CLI, a failed write) leaves ``results.json``
+saying how the run ended and agreeing with the last checkpoint written.
 
 Privacy note: the noise is a deterministic function of the run's key (that is what makes a run
 resumable). By default (``seed=None``) the key is 256 bits drawn from the operating system's
@@ -33,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpmf import seeds
-from dpmf._io import atomic_write_json
+from dpmf._io import WriteError, atomic_write_json
 from dpmf.accountants.events import PoissonGaussianEvent
 from dpmf.accountants.registry import accountants_for
 from dpmf.optim import (
@@ -54,15 +59,26 @@ from dpmf.plan.schemes import Poisson
 from dpmf.train.checkpoint import load_checkpoint
 from dpmf.train.config import TrainConfig
 from dpmf.train.data import Dataset, load_dataset
-from dpmf.train.ledger import export, privacy_ledger
-from dpmf.train.loop import CHECKPOINT, Trainer, TrainOutcome, check_resumable, data_digest, saved_seed
+from dpmf.train.ledger import LEDGER_FILE, MODEL_FILE, export, privacy_ledger
+from dpmf.train.loop import (
+    CHECKPOINT,
+    CURVES,
+    METRICS,
+    Trainer,
+    TrainOutcome,
+    check_resumable,
+    data_digest,
+    saved_seed,
+)
+from dpmf.train.metrics import STEPS, TENSORBOARD, write_metrics_csv
 from dpmf.train.models import build_model
 from dpmf.train.samplers import steps_per_epoch
-from dpmf.train.shards import merge_shards
+from dpmf.train.shards import merge_shards, remove_shards
 from dpmf.workloads import Schedule
 
 __all__ = [
     "RESULTS",
+    "check_out_state",
     "TrainResult",
     "train",
     "build_optimizer",
@@ -253,11 +269,124 @@ def choose_strategy(config: TrainConfig, dataset_size: int, steps: int, *, progr
     return config.replace(factorization=rec.factorization, scheme=rec.scheme)
 
 
+def check_out_state(out_dir: str, *, resume: bool, overwrite: bool) -> None:
+    """Refuse, before any work, a run that would lose or silently replace an earlier one in
+    ``out_dir``.
+
+    * ``resume`` and ``overwrite`` together contradict each other;
+    * ``resume`` needs ``out_dir/checkpoint.pt`` (otherwise a new run would start and spend the
+      privacy budget again);
+    * without either, ``out_dir`` must not hold a checkpoint, nor a run's released outputs
+      (``model.pt``, ``privacy.json``, ``metrics.csv``, or a ``results.json`` other than that of
+      a run stopped before its first epoch).
+
+    Raises:
+        ValueError: one line naming ``out_dir``, what it holds and the fix.
+    """
+    checkpoint = os.path.join(out_dir, CHECKPOINT)
+    if resume and overwrite:
+        raise ValueError(
+            "resume=True and overwrite=True (--resume, --overwrite) are invalid together: resume "
+            f"continues the run in {out_dir!r}, overwrite replaces it; pass one"
+        )
+    if overwrite:
+        return
+    if resume:
+        if not os.path.exists(checkpoint):
+            raise ValueError(
+                f"resume=True (--resume) is invalid: {out_dir!r} holds no {CHECKPOINT} (nothing to resume; "
+                "resuming would start a new run and spend the privacy budget again); run without "
+                "--resume to start one, or pass the folder of the run to continue"
+            )
+        return
+    if os.path.exists(checkpoint):
+        raise ValueError(
+            f"out_dir={out_dir!r} is invalid: it holds a checkpoint of an earlier run; pass --resume "
+            "to continue it, --overwrite to replace it, or choose another --out"
+        )
+    found = [
+        name for name in (MODEL_FILE, LEDGER_FILE, METRICS) if os.path.exists(os.path.join(out_dir, name))
+    ]
+    if _results_of_a_run(os.path.join(out_dir, RESULTS)):
+        found.insert(0, RESULTS)
+    if found:
+        raise ValueError(
+            f"out_dir={out_dir!r} is invalid: it holds the outputs of an earlier run "
+            f"({', '.join(found)}) and no checkpoint to resume; pass --overwrite to replace them "
+            "or choose another --out"
+        )
+
+
+def _results_of_a_run(path: str) -> bool:
+    """Whether ``results.json`` at ``path`` describes a run with outputs: any file but that of a
+    run stopped (interrupted or failed) before its first epoch."""
+    if not os.path.exists(path):
+        return False
+    try:
+        import json
+
+        with open(path) as fh:
+            res = json.load(fh)
+    except (OSError, ValueError):
+        return True  # unreadable: not ours to replace silently
+    return not (
+        isinstance(res, dict)
+        and res.get("status") in ("interrupted", "failed")
+        and res.get("completed_epochs") == 0
+    )
+
+
+def _clear_run_files(out_dir: str) -> None:
+    """Remove an earlier run's files from ``out_dir`` (``overwrite=True``, after validation)."""
+    remove_shards(os.path.join(out_dir, CHECKPOINT))
+    for name in (CHECKPOINT, MODEL_FILE, LEDGER_FILE, METRICS, CURVES, STEPS, RESULTS):
+        path = os.path.join(out_dir, name)
+        if os.path.isfile(path):
+            os.remove(path)
+    board = os.path.join(out_dir, TENSORBOARD)
+    if os.path.isdir(board):
+        import shutil
+
+        shutil.rmtree(board)
+
+
+def _stopped(header: dict, exc: BaseException, done: list, checkpoint: str, began: float) -> dict:
+    """``header`` updated to say how the run stopped: ``interrupted`` (Ctrl-C, SIGTERM) or
+    ``failed`` (with the error's one line), and the last checkpointed epoch and step."""
+    interrupted = isinstance(exc, KeyboardInterrupt)
+    header.update(
+        status="interrupted" if interrupted else "failed",
+        error=None if interrupted else f"{type(exc).__name__}: {exc}",
+        completed_epochs=len(done),
+        checkpoint_step=int(done[-1]["step"]) if done else 0,
+        checkpoint=CHECKPOINT if done and os.path.exists(checkpoint) else None,
+        wall_seconds=round(time.perf_counter() - began, 2),
+    )
+    signal_name = getattr(exc, "signal_name", None)
+    if signal_name is not None:
+        header["signal"] = signal_name
+    return header
+
+
+def _record_stop(out_dir: str, header: dict, exc: BaseException, done: list, checkpoint: str, began) -> None:
+    """Write ``results.json`` (and ``metrics.csv``) of a run that stopped, agreeing with the last
+    checkpoint written; a write that fails in turn (the disk still full) is left unreported, the
+    first error being the one that matters."""
+    _stopped(header, exc, done, checkpoint, began)
+    try:
+        if done:
+            write_metrics_csv(os.path.join(out_dir, METRICS), done)
+        atomic_write_json(os.path.join(out_dir, RESULTS), _jsonable(header))
+    except WriteError:
+        pass
+
+
 def train(
     config: TrainConfig,
     out_dir: str,
     *,
     resume: bool = False,
+    overwrite: bool = False,
     progress: bool = True,
     on_epoch_end=(),
     log=print,
@@ -271,6 +400,10 @@ def train(
         out_dir: output folder (created).
         resume: continue from ``out_dir/checkpoint.pt`` (same config and seed; a secret key is
             adopted from the checkpoint); the final weights equal those of an uninterrupted run.
+            Refused without a checkpoint.
+        overwrite: replace the files of an earlier run in ``out_dir`` (checkpoint, model,
+            privacy ledger, results, metrics); without it (and without ``resume``) a folder
+            holding them is refused (``check_out_state``).
         progress: show progress bars.
         on_epoch_end: callables ``f(epoch, row)`` after each epoch's checkpoint.
         log: where to print notices and the summary (``print``; a no-op silences them).
@@ -288,8 +421,11 @@ def train(
     Raises:
         ValueError / TypeError: any invalid setting (data folder, batch larger than the data
             set, a strategy the scheme cannot account, ``data`` not a ``Dataset`` of
-            ``config.dataset``, …), before training starts.
+            ``config.dataset``, ``out_dir`` holding another run, ``resume`` without a
+            checkpoint, …), before training starts.
         NonFiniteGradientError, NonFiniteWeightsError: a numerical failure at a named step.
+        dpmf._io.WriteError: a file could not be written (disk full, …); ``results.json``
+            then says ``failed`` with the last checkpointed epoch (when it can be written).
     """
     if not isinstance(config, TrainConfig):
         raise TypeError(f"config={config!r} is invalid: must be a TrainConfig")
@@ -311,12 +447,8 @@ def train(
         if collectives.rank != 0:  # one voice: rank 0 prints and shows progress
             log, progress = (lambda *a, **k: None), False
     checkpoint = os.path.join(out_dir, CHECKPOINT)
-    if os.path.exists(checkpoint) and not resume:
-        raise ValueError(
-            f"out_dir={out_dir!r} is invalid: it holds a checkpoint of an earlier run; pass --resume "
-            "to continue it or choose another --out"
-        )
-    saved = load_checkpoint(checkpoint) if resume and os.path.exists(checkpoint) else None
+    check_out_state(out_dir, resume=resume, overwrite=overwrite)
+    saved = load_checkpoint(checkpoint) if resume else None
     if saved is not None:
         saved = merge_shards(saved, checkpoint)  # a distributed checkpoint: all its shards
     if saved is not None:  # a corrupted or foreign checkpoint fails here, before any work
@@ -462,6 +594,8 @@ def train(
         collectives=collectives,
     )
     writer = collectives is None or collectives.rank == 0
+    if overwrite and writer:
+        _clear_run_files(out_dir)
     if collectives is not None:
         collectives.barrier()  # every rank has seen whether a checkpoint exists
     if not os.path.exists(checkpoint) and writer:
@@ -470,16 +604,8 @@ def train(
     try:
         outcome: TrainOutcome = trainer.run(resume=resume, on_epoch_end=on_epoch_end)
     except BaseException as exc:  # every stop leaves results.json saying how the run ended
-        done = trainer.outcome.metrics
-        header.update(
-            status="interrupted" if isinstance(exc, KeyboardInterrupt) else "failed",
-            error=f"{type(exc).__name__}: {exc}" if not isinstance(exc, KeyboardInterrupt) else None,
-            completed_epochs=len(done),
-            checkpoint=CHECKPOINT if os.path.exists(checkpoint) else None,
-            wall_seconds=round(time.perf_counter() - began, 2),
-        )
         if writer:
-            atomic_write_json(os.path.join(out_dir, RESULTS), _jsonable(header))
+            _record_stop(out_dir, header, exc, trainer.outcome.metrics, checkpoint, began)
         raise
     last = outcome.metrics[-1]
     header.update(
@@ -493,8 +619,13 @@ def train(
         plan, privacy, steps_taken=outcome.steps, clip_norm=config.clip_norm, seed_given=seed_given
     )
     if writer:
-        export(out_dir, model, ledger)
-        atomic_write_json(os.path.join(out_dir, RESULTS), _jsonable(header))
+        try:
+            export(out_dir, model, ledger)
+            atomic_write_json(os.path.join(out_dir, RESULTS), _jsonable(header))
+        except BaseException as exc:  # the export failed (disk full, a stop): not "complete"
+            header.pop("final", None)
+            _record_stop(out_dir, header, exc, outcome.metrics, checkpoint, began)
+            raise
     log(
         f"test accuracy {100 * float(last['test_accuracy']):.2f} %, "
         f"test loss {float(last['test_loss']):.4f}, "
