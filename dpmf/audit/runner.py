@@ -101,6 +101,7 @@ def run_audit(
     from dpmf.train.config import TrainConfig
     from dpmf.train.data import load_dataset
     from dpmf.train.models import build_model
+    from dpmf import seeds
     from dpmf.train.run import build_optimizer, draw_seed, plan_for, resolve_device, sub_seed
 
     m, kind, method, sig = check_audit_args(canaries, kind, method, significance)
@@ -118,14 +119,14 @@ def run_audit(
     config, plan = plan_for(config, N + m, progress=False, log=log)
     privacy = plan.privacy
     seed = config.seed if config.seed is not None else draw_seed()
-    audit_rng = np.random.default_rng(sub_seed(seed, 20))
+    audit_rng = seeds.generator(seed, "audit-included")
     included = audit_rng.random(m) < 0.5
 
     model = build_model(config.model, data.input_shape, data.num_classes, seed=sub_seed(seed, 0)).to(device)
     dtype = next(model.parameters()).dtype
     dim = K.param_dim(model)
-    sampler = plan.sampler(sub_seed(seed, 1))
-    noise = plan.noise(dim, sub_seed(seed, 2), device=device, dtype=dtype)
+    sampler = plan.sampler(seed)  # as dpmf train: keyed by derive(seed, "sampler")
+    noise = plan.noise(dim, seed, device=device, dtype=dtype)
     optimizer = build_optimizer(config, model, log=log, seed=seed)
     common = dict(
         plan=plan,
@@ -136,13 +137,24 @@ def run_audit(
     )
     if kind == "white-box":
         directions = K.gradient_canaries(
-            dim, m, config.clip_norm, seed=sub_seed(seed, 21), device=device, dtype=dtype
+            dim,
+            m,
+            config.clip_norm,
+            seed=seeds.derive_int(seed, "audit-canaries", bits=63),
+            device=device,
+            dtype=dtype,
         )
         privatizer = K.CanaryPrivatizer(model, F.cross_entropy, canaries=directions, **common)
     else:
         from dpmf.optim.privatize import Privatizer
 
-        cx, cy = K.input_canaries(data.train_x, data.train_y, m, data.num_classes, seed=sub_seed(seed, 22))
+        cx, cy = K.input_canaries(
+            data.train_x,
+            data.train_y,
+            m,
+            data.num_classes,
+            seed=seeds.derive_int(seed, "audit-canaries", bits=63),
+        )
         privatizer = Privatizer(model, F.cross_entropy, **common)
     privatizer.bind(optimizer)
     chi = LearningRateSchedule(plan.schedule, plan.steps).multipliers
