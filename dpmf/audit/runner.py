@@ -93,6 +93,7 @@ def run_audit(
     import torch
     import torch.nn.functional as F
 
+    from dpmf import seeds
     from dpmf._io import atomic_write_json
     from dpmf.audit import canaries as K
     from dpmf.audit import estimators as E
@@ -101,7 +102,6 @@ def run_audit(
     from dpmf.train.config import TrainConfig
     from dpmf.train.data import load_dataset
     from dpmf.train.models import build_model
-    from dpmf import seeds
     from dpmf.train.run import build_optimizer, draw_seed, plan_for, resolve_device, sub_seed
 
     m, kind, method, sig = check_audit_args(canaries, kind, method, significance)
