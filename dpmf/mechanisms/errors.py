@@ -11,8 +11,10 @@ is ``ScaledToeplitz`` and A = Toep(a)·diag(d):
 
 * B Toeplitz up to a column scale (d·(row scale of C⁻¹) constant): O(n log n) by cumulative
   sums or one convolution;
-* A = a₀·A₁·diag(d) (learning-rate workloads) with any Toeplitz C⁻¹: row i of B is row i−1 plus
-  d_i times a reversed copy of C⁻¹'s coefficients, O(n²) time and O(n) memory;
+* A = a₀·A₁·diag(d) (learning-rate workloads) with any Toeplitz C⁻¹ = Toep(g) (no column
+  scale): O(n log² n) by divide and conquer over the pairs of coefficients (``prefix_rows``);
+  with a column scale, row i of B is row i−1 plus d_i times a reversed copy of C⁻¹'s
+  coefficients, O(n²) time and O(n) memory;
 * otherwise (momentum workloads with a schedule, dense strategies) B is formed densely.
 """
 
@@ -26,9 +28,10 @@ from dpmf.mechanisms._fft import fftconvolve
 from dpmf.mechanisms.bounds import lower_bound
 from dpmf.mechanisms.factorizations import Factorization
 from dpmf.mechanisms.participation import Participation
+from dpmf.mechanisms.prefix_rows import prefix_row_norms_sq
 from dpmf.mechanisms.sensitivity import Sensitivity, sensitivity
 from dpmf.mechanisms.structured import ScaledToeplitz
-from dpmf.mechanisms.toeplitz import toeplitz_product
+from dpmf.mechanisms.toeplitz import geometric_ratio, toeplitz_product
 
 __all__ = ["b_row_norms", "max_se", "mean_se", "Evaluation", "evaluate"]
 
@@ -36,8 +39,9 @@ __all__ = ["b_row_norms", "max_se", "mean_se", "Evaluation", "evaluate"]
 def b_row_norms(factorization: Factorization) -> np.ndarray:
     """ℓ2 norms of the rows of B = A·C⁻¹, shape (n,), float64.
 
-    Cost: O(n log n) when B is Toeplitz up to scaling, O(n²) time and O(n) memory for
-    learning-rate workloads A₁·diag(χ) with a Toeplitz-structured C⁻¹; O(n³) (dense) otherwise.
+    Cost: O(n log n) when B is Toeplitz up to scaling, O(n log² n) for learning-rate workloads
+    A₁·diag(χ) with a Toeplitz C⁻¹ (O(n²) time and O(n) memory when C⁻¹ has a column scale);
+    O(n³) (dense) otherwise.
     """
     f = factorization
     G = f.C_inverse
@@ -64,18 +68,22 @@ def _prefix_rows(w: np.ndarray, g: np.ndarray, v: np.ndarray) -> np.ndarray:
 
     When w is geometric (w_i = w_0ρ^i, the exponential schedule), diag(w)·Toep(g) =
     w_0·Toep(ρ^k g_k)·diag(ρ^j) and B is Toeplitz up to a column scale: O(n log n).
+    With a constant v (every Toeplitz noise without a column scale): the divide-and-conquer
+    of ``prefix_rows``, O(n log² n) time, O(n) memory, for any w and bandwidth.
     Otherwise row i = row i−1 + w_i·(g_{i−j} v_j)_j changes only the p columns of the band;
     the columns left of it keep their values and enter as one running sum of squares:
     O(n·p) time, O(n) memory, element-wise numpy only (no BLAS calls, whose thread pools
     stall a loop of small calls when the cores are shared)."""
     n, p = w.shape[0], g.shape[0]
-    rho = _geometric_ratio(w)
+    rho = geometric_ratio(w)
     if rho is not None:
         gk = np.zeros(n)
         gk[:p] = g * rho ** np.arange(p)
         b2 = (w[0] * np.cumsum(gk)) ** 2  # first column of A₁·Toep(ρ^k g_k), squared
         u2 = (v * rho ** np.arange(n)) ** 2
         return np.sqrt(np.maximum(fftconvolve(b2, u2)[:n], 0.0))
+    if np.all(v == v[0]):
+        return abs(v[0]) * np.sqrt(np.maximum(prefix_row_norms_sq(w, g), 0.0))
     g_rev = g[::-1]
     row = np.zeros(n)
     out = np.empty(n)
@@ -90,18 +98,6 @@ def _prefix_rows(w: np.ndarray, g: np.ndarray, v: np.ndarray) -> np.ndarray:
         seg += w[i] * g_rev[p - (i + 1 - lo) :] * v[lo : i + 1]
         out[i] = np.sqrt(frozen + np.einsum("i,i->", seg, seg))
     return out
-
-
-def _geometric_ratio(w: np.ndarray) -> float | None:
-    """ρ when w_i = w_0·ρ^i to 1e-13 (relative) for every i, else None."""
-    n = w.shape[0]
-    if n < 3:
-        return None
-    rho = float(np.exp(np.log(w[-1] / w[0]) / (n - 1)))
-    fit = w[0] * np.exp(np.arange(n) * np.log(rho))
-    if np.max(np.abs(fit - w) / w) > 1e-13:
-        return None
-    return rho
 
 
 def max_se(factorization: Factorization, sens: float | Sensitivity) -> float:

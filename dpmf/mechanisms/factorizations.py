@@ -55,8 +55,8 @@ from dpmf.mechanisms.structured import DenseLowerTriangular, LowerTriangular, Sc
 from dpmf.mechanisms.toeplitz import (
     band,
     binomial_series,
-    inverse_sqrt_coefficients,
     sqrt_coefficients,
+    toeplitz_roots,
 )
 from dpmf.mechanisms.triangular import sqrtm_lower_triangular
 from dpmf.workloads.workload import Workload
@@ -197,9 +197,8 @@ def _sqrt(workload: Workload, p) -> Factorization:
 
 
 def _lr_aware(workload: Workload, p) -> Factorization:
-    return Factorization(
-        "lr_aware", None, workload, ScaledToeplitz(sqrt_coefficients(workload.schedule_values))
-    )
+    root, inv_root = toeplitz_roots(workload.schedule_values)
+    return Factorization("lr_aware", None, workload, ScaledToeplitz(root), ScaledToeplitz(inv_root))
 
 
 def _banded_base(workload: Workload, lr: bool) -> np.ndarray:
@@ -212,7 +211,7 @@ def _banded_base(workload: Workload, lr: bool) -> np.ndarray:
 def _bsr(name: str, lr: bool):
     def build(workload: Workload, p: int) -> Factorization:
         p = min(p, workload.n)  # more bands than steps: all of them (the label says how many)
-        C = ScaledToeplitz(band(sqrt_coefficients(_banded_base(workload, lr)), p))
+        C = ScaledToeplitz(band(toeplitz_roots(_banded_base(workload, lr))[0], p))
         return Factorization(name, p, workload, C)
 
     return build
@@ -221,7 +220,7 @@ def _bsr(name: str, lr: bool):
 def _bisr(name: str, lr: bool):
     def build(workload: Workload, p: int) -> Factorization:
         p = min(p, workload.n)
-        noise = ScaledToeplitz(band(inverse_sqrt_coefficients(_banded_base(workload, lr)), p))
+        noise = ScaledToeplitz(band(toeplitz_roots(_banded_base(workload, lr))[1], p))
         return Factorization(name, p, workload, noise.inverse(), noise)
 
     return build
