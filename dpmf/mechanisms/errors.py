@@ -49,6 +49,9 @@ def b_row_norms(factorization: Factorization) -> np.ndarray:
         return np.linalg.norm(f.B_dense(), axis=1)
     a = np.asarray(f.workload.coeffs)
     w = f.workload.scale * G.rows()
+    if not (np.all(w == w[0]) or np.all(a == a[0])):
+        _check_dense(f)
+        return np.linalg.norm(f.B_dense(), axis=1)
     v = G.cols()
     n = f.n
     if np.all(w == w[0]):
@@ -58,9 +61,22 @@ def b_row_norms(factorization: Factorization) -> np.ndarray:
         else:
             norms2 = fftconvolve(b2, v**2)[:n]
         return np.sqrt(np.maximum(norms2, 0.0))
-    if np.all(a == a[0]):
-        return abs(a[0]) * _prefix_rows(w, G.coeffs[: G.bandwidth], v)
-    return np.linalg.norm(f.B_dense(), axis=1)
+    return abs(a[0]) * _prefix_rows(w, G.coeffs[: G.bandwidth], v)
+
+
+#: the largest n for which B = A·C⁻¹ is formed densely (structures without a fast path)
+DENSE_EVALUATION_MAX_STEPS = 16384
+
+
+def _check_dense(f: Factorization) -> None:
+    n = f.n
+    if n > DENSE_EVALUATION_MAX_STEPS:
+        raise ValueError(
+            f"n={n} is invalid for evaluating {f.label!r} on {f.workload.name!r}: B = A·C⁻¹ has "
+            f"no structure to exploit here and would be a dense n×n array ({8 * n * n / 1e9:.3g} GB, "
+            f"O(n³) time), allowed up to n = {DENSE_EVALUATION_MAX_STEPS}; use a Toeplitz "
+            "workload (no momentum with a schedule) or n <= the limit"
+        )
 
 
 def _prefix_rows(w: np.ndarray, g: np.ndarray, v: np.ndarray) -> np.ndarray:

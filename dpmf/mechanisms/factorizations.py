@@ -187,10 +187,22 @@ def _sqrt_prefix_scaled(workload: Workload, p) -> Factorization:
     return Factorization("sqrt_prefix_scaled", None, workload, C)
 
 
+#: the largest n for which ``sqrt`` of a non-Toeplitz workload (a dense square root) is built
+DENSE_SQRT_MAX_STEPS = 8192
+
+
 def _sqrt(workload: Workload, p) -> Factorization:
     if workload.is_toeplitz:
         return Factorization(
             "sqrt", None, workload, ScaledToeplitz(sqrt_coefficients(workload.toeplitz_coeffs))
+        )
+    n = workload.n
+    if n > DENSE_SQRT_MAX_STEPS:
+        raise ValueError(
+            f"n={n} is invalid for factorization='sqrt' of the non-Toeplitz workload "
+            f"{workload.name!r}: its square root is a dense n×n matrix (O(n³) time, "
+            f"{8 * n * n / 1e9:.3g} GB per array), allowed up to n = {DENSE_SQRT_MAX_STEPS}; "
+            "use lr_aware, sqrt_prefix_scaled or a banded strategy (Toeplitz, O(n log n))"
         )
     X = sqrtm_lower_triangular(workload.dense())
     return Factorization("sqrt", None, workload, DenseLowerTriangular(X), None, X)

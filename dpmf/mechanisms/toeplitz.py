@@ -207,11 +207,11 @@ def geometric_ratio(w) -> float | None:
     n = w.shape[0]
     if n < 3 or w[0] == 0 or np.any(w / w[0] <= 0):
         return None
-    rho = float(np.exp(np.log(w[-1] / w[0]) / (n - 1)))
-    fit = w[0] * np.exp(np.arange(n) * np.log(rho))
+    log_rho = float(np.log(w[-1] / w[0])) / (n - 1)
+    fit = w[0] * np.exp(np.arange(n) * log_rho)
     if np.max(np.abs(fit - w) / np.abs(w)) > 1e-13:
         return None
-    return rho
+    return float(np.exp(log_rho))
 
 
 def toeplitz_roots(c) -> tuple[np.ndarray, np.ndarray]:
@@ -228,9 +228,9 @@ def toeplitz_roots(c) -> tuple[np.ndarray, np.ndarray]:
     if c[0] <= 0:
         raise ValueError(f"c is invalid: c[0]={c[0]!r} must be > 0 for a real square root")
     n = c.shape[0]
-    rho = geometric_ratio(c)
-    if rho is not None:
+    if geometric_ratio(c) is not None:
         root = float(np.sqrt(c[0]))
-        return root * binomial_series(-0.5, n, rho), binomial_series(0.5, n, rho) / root
+        powers = np.exp(np.arange(n) * (float(np.log(c[-1] / c[0])) / (n - 1)))  # ρ^j
+        return root * binomial_series(-0.5, n) * powers, binomial_series(0.5, n) * powers / root
     y = inverse_sqrt_coefficients(c)
     return toeplitz_product(c, y, n), y
