@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from scipy.linalg import toeplitz
 
 from dpmf.mechanisms import evaluate, factorize
 from dpmf.mechanisms.prefix_rows import prefix_row_norms_sq
@@ -79,3 +80,17 @@ def test_dense_paths_refuse_with_the_size_needed():
     w = momentum(16385, 0.9, chi=schedule("linear", 16385, 0.1))
     with pytest.raises(ValueError, match=r"n=16385 is invalid for evaluating.*GB"):
         evaluate(factorize(w, "lr_aware"), with_lower_bound=False)
+
+
+def test_row_norms_in_chunks(monkeypatch):
+    """The batched FFT levels split into chunks of nodes (as at large n) give the same sums."""
+    from dpmf.mechanisms import prefix_rows
+
+    rng = np.random.default_rng(7)
+    n = 1500
+    w, g = rng.uniform(0.1, 1.0, n), rng.normal(size=n) / np.arange(1, n + 1)
+    whole = prefix_row_norms_sq(w, g)
+    monkeypatch.setattr(prefix_rows, "_CHUNK", 64)
+    assert np.allclose(prefix_row_norms_sq(w, g), whole, rtol=1e-13, atol=0)
+    B = np.cumsum(w[:, None] * toeplitz(g, np.zeros(n)), axis=0)
+    assert np.allclose(whole, np.sum(B * B, axis=1), rtol=1e-11, atol=0)

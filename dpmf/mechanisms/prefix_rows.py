@@ -34,7 +34,7 @@ from dpmf.mechanisms._fft import fftconvolve
 
 __all__ = ["prefix_row_norms_sq"]
 
-_DIRECT_MAX = 16  # blocks up to this size use direct products (FFT overhead dominates)
+_DIRECT_MAX = 8  # blocks up to this size use direct products (FFT overhead dominates)
 _CHUNK = 1 << 20  # elements per batched FFT call (bounds memory at any n)
 
 
@@ -70,33 +70,41 @@ def _rows(n_rows: int, width: int) -> int:
 
 
 def _level_fft(g, w, s, y):
-    """One level of the recursion with batched real FFTs."""
+    """One level of the recursion with batched real FFTs of size 2s, the transforms of g's
+    halves and of w's blocks shared by all four products: the shifted cross-correlation u is
+    conj(ĝ_L)·ĝ_R·(−i)^f (a shift by s/2), the running sum over nodes is taken on the spectra,
+    and a window w[(b−1)s : (b+1)s] has the spectrum ŵ_{b−1} + (−1)^f·ŵ_b."""
     h = s // 2
     P = g.shape[0]
     N = P // s
     G = g.reshape(N, s)
     W = w.reshape(N, s)
     Y = y.reshape(N, s)
-    step = _rows(N, 2 * s)
-    U = np.empty((N, s))
+    L = 2 * s
+    f = np.arange(s + 1)
+    shift = (-1j) ** (f % 4)  # e^{−2πi f h/L}
+    sign = np.where(f % 2 == 0, 1.0, -1.0)  # e^{−2πi f s/L}
+    step = _rows(N, L)
+    carry = np.zeros(s + 1, dtype=np.complex128)  # Σ of the spectra of u over earlier nodes
     for a in range(0, N, step):
         b = min(N, a + step)
-        gL, gR = G[a:b, :h], G[a:b, h:]
-        # z(t) = Σ_j gL_j W_{j+t}, t < h (no wrap at size 2s)
-        z = sfft.irfft(np.conj(sfft.rfft(gL, 2 * s, axis=1)) * sfft.rfft(W[a:b], 2 * s, axis=1), 2 * s, axis=1)[:, :h]
-        GLs = sfft.rfft(gL, s, axis=1)
-        GRs = sfft.rfft(gR, s, axis=1)
-        Y[a:b, h:] += sfft.irfft(GRs * sfft.rfft(z, s, axis=1), s, axis=1)[:, :h]
-        # u(δ) = c(δ − h), c(m) = Σ_j gL_j gR_{j+m} (|m| < h: distinct modulo s)
-        U[a:b] = np.roll(sfft.irfft(np.conj(GLs) * GRs, s, axis=1), h, axis=1)
-    if N == 1:
-        return
-    V = np.cumsum(U, axis=0)
-    for a in range(1, N, step):
-        b = min(N, a + step)
-        win = np.concatenate([W[a - 1 : b - 1], W[a:b]], axis=1)  # w[(b−1)s : (b+1)s]
-        conv = sfft.irfft(sfft.rfft(V[a - 1 : b - 1], 2 * s, axis=1) * sfft.rfft(win, 2 * s, axis=1), 2 * s, axis=1)
-        Y[a:b] += conv[:, s:]
+        GL = sfft.rfft(G[a:b, :h], L, axis=1)
+        GR = sfft.rfft(G[a:b, h:], L, axis=1)
+        Wf = sfft.rfft(W[a:b], L, axis=1)
+        cGL = np.conj(GL)
+        # z(t) = Σ_j gL_j w_{lo+j+t}, t < h; then rows mid..hi−1: Σ_{q≤i} g_q z(i − q)
+        z = sfft.irfft(cGL * Wf, L, axis=1)[:, :h]
+        Y[a:b, h:] += sfft.irfft(GR * sfft.rfft(z, L, axis=1), L, axis=1)[:, :h]
+        # V_c = Σ_{c' ≤ c} û_{c'}; rows of block c+1 get irfft(V_c · window spectrum)
+        V = np.cumsum(cGL * GR * shift, axis=0)
+        V += carry
+        carry = V[-1].copy()
+        # blocks a+1..b (those that exist) use V of nodes a..b−1 and windows (c, c+1)
+        hi = min(b, N - 1)
+        if hi > a:
+            nxt = Wf[1 : hi - a + 1] if hi < b else np.concatenate([Wf[1:], sfft.rfft(W[b : b + 1], L, axis=1)])
+            win = Wf[: hi - a] + sign * nxt
+            Y[a + 1 : hi + 1] += sfft.irfft(V[: hi - a] * win, L, axis=1)[:, s:]
 
 
 def _cross_terms(g: np.ndarray, w: np.ndarray) -> np.ndarray:
