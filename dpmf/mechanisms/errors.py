@@ -55,7 +55,7 @@ def b_row_norms(factorization: Factorization) -> np.ndarray:
     v = G.cols()
     n = f.n
     if np.all(w == w[0]):
-        b2 = (w[0] * toeplitz_product(a, G.coeffs, n)) ** 2
+        b2 = (w[0] * toeplitz_product(a, G.coeffs[: G.bandwidth], n)) ** 2  # direct when banded
         if np.all(v == v[0]):
             norms2 = np.cumsum(b2) * v[0] ** 2
         else:
