@@ -55,7 +55,13 @@ def b_row_norms(factorization: Factorization) -> np.ndarray:
     v = G.cols()
     n = f.n
     if np.all(w == w[0]):
-        b2 = (w[0] * toeplitz_product(a, G.coeffs[: G.bandwidth], n)) ** 2  # direct when banded
+        g = G.coeffs[: G.bandwidth]
+        if np.all(a == a[0]):  # the prefix sum: a running sum, O(n)
+            h = np.zeros(n)
+            h[: g.shape[0]] = g
+            b2 = (w[0] * a[0] * np.cumsum(h)) ** 2
+        else:  # direct convolution when banded
+            b2 = (w[0] * toeplitz_product(a, g, n)) ** 2
         if np.all(v == v[0]):
             norms2 = np.cumsum(b2) * v[0] ** 2
         else:
