@@ -23,7 +23,7 @@ import numpy as np
 from dpmf._validation import check_int, check_real, check_vector
 from scipy import fft as _sfft
 
-from dpmf.mechanisms._fft import fftconvolve
+from dpmf.mechanisms._fft import fftconvolve, lfilter
 
 __all__ = [
     "binomial_series",
@@ -38,6 +38,8 @@ __all__ = [
 ]
 
 _DIRECT_MAX = 8192
+_BANDED_MAX = 64  # reciprocals of series with at most this many terms use their recurrence,
+_RECURRENCE_MIN_STEPS = 1 << 16  # from this n on (below, Newton is fast and scipy.signal unneeded)
 
 
 def binomial_series(exponent: float, n: int, ratio: float = 1.0) -> np.ndarray:
@@ -92,7 +94,8 @@ def toeplitz_product(a, b, n: int | None = None) -> np.ndarray:
 def inverse_coefficients(c) -> np.ndarray:
     """Coefficients g of the reciprocal series, ``Toep(c)⁻¹ = Toep(g)``, shape (n,).
 
-    Newton iteration g ← g·(2 − c·g), doubling the number of correct terms each step.
+    Newton iteration g ← g·(2 − c·g), doubling the number of correct terms each step; for a
+    banded c (at most 64 non-zero terms, n ≥ 65536) the recurrence of 1/c(x), O(n·p).
 
     Raises:
         ValueError: c empty, non-finite, or c[0] = 0 (singular matrix).
@@ -101,6 +104,14 @@ def inverse_coefficients(c) -> np.ndarray:
     if c[0] == 0:
         raise ValueError("c is invalid: c[0] must be non-zero for Toep(c) to be invertible")
     n = c.shape[0]
+    nz = np.flatnonzero(c)
+    p = int(nz[-1]) + 1
+    if p <= _BANDED_MAX and n >= _RECURRENCE_MIN_STEPS:
+        # a banded c: the reciprocal's linear recurrence g_t = −Σ_{0<l<p} c_l g_{t−l}/c_0 as an
+        # all-pole filter, O(n·p)
+        impulse = np.zeros(n)
+        impulse[0] = 1.0
+        return lfilter([1.0], c[:p], impulse)
     g = np.empty(n)
     g[0] = 1.0 / c[0]
     k = 1
