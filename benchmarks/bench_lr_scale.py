@@ -28,7 +28,10 @@ def main(argv=None) -> int:
     p.add_argument("--strategies", default="lr_aware,lr_bsr:64,lr_bisr:64")
     p.add_argument("--schedules", default=",".join(SCHEDULES))
     args = p.parse_args(argv)
-    print(f"{'n':>9} {'schedule':>14} {'strategy':>12} {'factorize s':>12} {'evaluate s':>11} {'total s':>8} {'max_se':>14} {'mean_se':>14}")
+    print(
+        f"{'n':>9} {'schedule':>14} {'strategy':>12} {'factorize s':>12} {'evaluate s':>11} "
+        f"{'total s':>8} {'max_se':>14} {'mean_se':>14}"
+    )
     for n in [int(float(x)) for x in args.n.split(",")]:
         for spec in args.strategies.split(","):
             for name in args.schedules.split(","):
@@ -38,7 +41,11 @@ def main(argv=None) -> int:
                 t1 = time.perf_counter()
                 ev = evaluate(f, with_lower_bound=False)
                 t2 = time.perf_counter()
-                print(f"{n:>9} {name:>14} {spec:>12} {t1 - t0:12.2f} {t2 - t1:11.2f} {t2 - t0:8.2f} {ev.max_se:14.8f} {ev.mean_se:14.8f}", flush=True)
+                print(
+                    f"{n:>9} {name:>14} {spec:>12} {t1 - t0:12.2f} {t2 - t1:11.2f} {t2 - t0:8.2f} "
+                    f"{ev.max_se:14.8f} {ev.mean_se:14.8f}",
+                    flush=True,
+                )
     return 0
 
 

@@ -34,6 +34,7 @@ import statistics
 import sys
 import time
 import tracemalloc
+from functools import partial
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -101,35 +102,62 @@ def main(argv=None) -> int:
     p.add_argument("--dim", type=int, default=10_000, help="coordinates for the noise timing")
     p.add_argument("--budget", type=float, default=60.0, help="seconds per point before n stops growing")
     p.add_argument("--noise-budget", type=float, default=1.0, help="seconds per noise step before skipping")
+    p.add_argument(
+        "--cap",
+        action="append",
+        default=[],
+        metavar="NAME=N",
+        help="largest n for a strategy (e.g. lr_aware=1000000); repeatable",
+    )
     p.add_argument("--csv", default="out/scaling.csv")
     p.add_argument("--plot", default="docs/scaling.png")
     args = p.parse_args(argv)
     ns = [int(float(x)) for x in args.n.split(",")]
+    caps = dict(CAPS)
+    for item in args.cap:
+        name, _, value = item.partition("=")
+        caps[name] = int(float(value))
     rows = []
-    header = f"{'strategy':<12} {'n':>9} {'fact s':>8} {'fact MB':>8} {'eval s':>8} {'eval MB':>8} {'noise ms/step':>13} {'state/coord':>11}  generator"
+    header = (
+        f"{'strategy':<12} {'n':>9} {'fact s':>8} {'fact MB':>8} {'eval s':>8} {'eval MB':>8} "
+        f"{'noise ms/step':>13} {'state/coord':>11}  generator"
+    )
     print(header, flush=True)
     for spec in args.strategies.split(","):
         stop = None
         noise_slow = False
         for n in ns:
-            cap = CAPS.get(spec.split(":")[0])
+            cap = caps.get(spec.split(":")[0])
             if cap is not None and n > cap:
-                stop = f"refused beyond n = {cap} (O(n²) memory, O(n³) time)"
+                stop = (
+                    f"refused beyond n = {cap} (O(n²) memory, O(n³) time)"
+                    if spec.split(":")[0] in CAPS and cap == CAPS[spec.split(":")[0]]
+                    else f"not run beyond n = {cap} (--cap, to keep the run short)"
+                )
             if stop:
                 print(f"{spec:<12} {n:>9} skipped: {stop}", flush=True)
                 rows.append(dict(strategy=spec, n=n, skipped=stop))
                 continue
             w = workload_for(spec, n)
-            fact, t_f, m_f = measured(lambda: factorize(w, spec))
-            ev, t_e, m_e = measured(lambda: evaluate(fact, with_lower_bound=False))
+            fact, t_f, m_f = measured(partial(factorize, w, spec))
+            ev, t_e, m_e = measured(partial(evaluate, fact, with_lower_bound=False))
             t_noise, per_coord, kind = float("nan"), float("nan"), "-"
             if not noise_slow:
                 t_noise, per_coord, kind = noise_point(fact, args.dim)
                 noise_slow = t_noise > args.noise_budget
             row = dict(
-                strategy=spec, n=n, factorize_s=t_f, factorize_mb=m_f, evaluate_s=t_e, evaluate_mb=m_e,
-                noise_step_s=t_noise, state_per_coordinate=per_coord, generator=kind,
-                max_se=ev.max_se, mean_se=ev.mean_se, skipped="",
+                strategy=spec,
+                n=n,
+                factorize_s=t_f,
+                factorize_mb=m_f,
+                evaluate_s=t_e,
+                evaluate_mb=m_e,
+                noise_step_s=t_noise,
+                state_per_coordinate=per_coord,
+                generator=kind,
+                max_se=ev.max_se,
+                mean_se=ev.mean_se,
+                skipped="",
             )
             rows.append(row)
             print(
@@ -137,7 +165,6 @@ def main(argv=None) -> int:
                 f"{per_coord:11.0f}  {kind}",
                 flush=True,
             )
-            del fact, ev, w
             if max(t_f, t_e) > args.budget:
                 stop = f"n = {n} took {max(t_f, t_e):.0f} s > budget {args.budget:.0f} s"
     print("\nnoise state at float32 (bytes) as the model size d grows:")
@@ -145,7 +172,8 @@ def main(argv=None) -> int:
     for r in rows:
         if not r.get("skipped") and r["strategy"] not in seen:
             seen[r["strategy"]] = (r["state_per_coordinate"], r["generator"])
-    print(f"{'strategy':<12} {'generator':<22} " + " ".join(f"{'d=1e%d' % len(str(d)[1:]):>10}" for d in DIMS))
+    labels = " ".join(f"{f'd=1e{len(str(d)) - 1}':>10}" for d in DIMS)
+    print(f"{'strategy':<12} {'generator':<22} {labels}")
     for spec, (per, kind) in seen.items():
         print(f"{spec:<12} {kind:<22} " + " ".join(f"{4 * per * d:10.3g}" for d in DIMS))
     if args.csv:
@@ -178,7 +206,7 @@ def plot(rows, path: str) -> None:
         axes[0].loglog(ns, [r["factorize_s"] + r["evaluate_s"] for r in pts], "o-", label=spec)
         noise = [(r["n"], r["noise_step_s"]) for r in pts if r["noise_step_s"] == r["noise_step_s"]]
         if noise:
-            axes[1].loglog(*zip(*noise), "o-", label=spec)
+            axes[1].loglog([x for x, _ in noise], [y for _, y in noise], "o-", label=spec)
     axes[0].set(xlabel="steps n", ylabel="factorize + evaluate (s)", title="strategy cost")
     axes[1].set(xlabel="steps n", ylabel="noise, last steps (s/step)", title="noise per step (d = 10⁴)")
     for ax in axes:

@@ -134,7 +134,7 @@ def test_decay_exactly_one_against_exact_sums():
     theta, omega = np.array([0.6, 1.0]), np.array([-0.3, -0.01])
     mpmath.mp.dps = 60
     g = [mpmath.mpf(1)] + [
-        sum(mpmath.mpf(float(w)) * mpmath.mpf(float(t)) ** (k - 1) for t, w in zip(theta, omega))
+        sum(mpmath.mpf(float(w)) * mpmath.mpf(float(t)) ** (k - 1) for t, w in zip(theta, omega, strict=True))
         for k in range(1, n)
     ]
     h, acc = [], mpmath.mpf(0)
@@ -147,7 +147,8 @@ def test_decay_exactly_one_against_exact_sums():
     noise = blt_closed_form(theta, omega, n)
     assert noise.max_row_sq == pytest.approx(float(last), rel=1e-9)
     assert noise.mean_row_sq * n == pytest.approx(float(frob), rel=1e-9)
-    assert blt_closed_form(theta, omega, n, matrix="strategy").sensitivity_sq == pytest.approx(float(sens2), rel=1e-9)
+    strat = blt_closed_form(theta, omega, n, matrix="strategy")
+    assert strat.sensitivity_sq == pytest.approx(float(sens2), rel=1e-9)
     assert np.allclose(blt_coefficients(theta, omega, 5), [1.0, -0.31, -0.19, -0.118, -0.0748])
 
 

@@ -279,9 +279,14 @@ def _polish_on_region(workload, participation, objective, g_start, stats):
     x0 = g_start[1:].copy()
     best = x0
     if n <= _POLISH_MAX_STEPS:
-        res = minimize(fun, x0, jac=True, method="SLSQP",
-                       constraints=[{"type": "ineq", "fun": cons, "jac": cons_jac}],
-                       options={"maxiter": 300, "ftol": 1e-14})
+        res = minimize(
+            fun,
+            x0,
+            jac=True,
+            method="SLSQP",
+            constraints=[{"type": "ineq", "fun": cons, "jac": cons_jac}],
+            options={"maxiter": 300, "ftol": 1e-14},
+        )
         stats["iterations"] += int(res.nit)
         cand = np.asarray(res.x, dtype=np.float64)
         c_new = _banded_inverse(np.concatenate([[1.0], cand]), n)

@@ -145,7 +145,7 @@ def blt_coefficients(theta, omega, n: int) -> np.ndarray:
     g = np.zeros(n)
     g[0] = 1.0
     if n > 1:
-        for th, om in zip(theta.tolist(), omega.tolist()):
+        for th, om in zip(theta.tolist(), omega.tolist(), strict=True):
             g[1:] += om * _decay_powers(th, n - 1)
     return g
 

@@ -249,7 +249,9 @@ def _region_check(theta, omega, matrix: str, n: int, participation: Participatio
         )
 
 
-def blt_closed_form(theta, omega, n: int, participation: Participation | None = None, *, matrix: str = "noise") -> BLTClosedForm:
+def blt_closed_form(
+    theta, omega, n: int, participation: Participation | None = None, *, matrix: str = "noise"
+) -> BLTClosedForm:
     """Sensitivity, MaxSE² and MeanSE² of the prefix sum A₁ = B·C with a BLT, O(k²·d³·log n).
 
     Args:

@@ -181,7 +181,11 @@ def _output(workload: Workload, p) -> Factorization:
 def _sqrt_prefix(workload: Workload, p) -> Factorization:
     n = workload.n  # A₁^{±1/2} = Toep((1 − x)^{∓1/2}): both in closed form
     return Factorization(
-        "sqrt_prefix", None, workload, ScaledToeplitz(binomial_series(-0.5, n)), ScaledToeplitz(binomial_series(0.5, n))
+        "sqrt_prefix",
+        None,
+        workload,
+        ScaledToeplitz(binomial_series(-0.5, n)),
+        ScaledToeplitz(binomial_series(0.5, n)),
     )
 
 

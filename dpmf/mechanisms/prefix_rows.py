@@ -102,7 +102,10 @@ def _level_fft(g, w, s, y):
         # blocks a+1..b (those that exist) use V of nodes a..b−1 and windows (c, c+1)
         hi = min(b, N - 1)
         if hi > a:
-            nxt = Wf[1 : hi - a + 1] if hi < b else np.concatenate([Wf[1:], sfft.rfft(W[b : b + 1], L, axis=1)])
+            if hi < b:
+                nxt = Wf[1 : hi - a + 1]
+            else:
+                nxt = np.concatenate([Wf[1:], sfft.rfft(W[b : b + 1], L, axis=1)])
             win = Wf[: hi - a] + sign * nxt
             Y[a + 1 : hi + 1] += sfft.irfft(V[: hi - a] * win, L, axis=1)[:, s:]
 

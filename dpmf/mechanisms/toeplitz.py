@@ -19,10 +19,9 @@ References:
 from __future__ import annotations
 
 import numpy as np
-
-from dpmf._validation import check_int, check_real, check_vector
 from scipy import fft as _sfft
 
+from dpmf._validation import check_int, check_real, check_vector
 from dpmf.mechanisms._fft import fftconvolve, lfilter
 
 __all__ = [
