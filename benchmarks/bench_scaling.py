@@ -58,6 +58,10 @@ STRATEGIES = (
 LR = ("lr_aware", "lr_bsr", "lr_bisr", "sqrt")
 # the n beyond which a strategy refuses (its own limit), so the script does not try
 CAPS = {"dense": 1024, "sqrt": 8192}
+CAP_REASONS = {
+    "dense": "not run beyond n = 1024 (O(n³) time; the strategy refuses beyond n = 8192)",
+    "sqrt": "refused beyond n = 8192 (a dense n×n square root: O(n²) memory, O(n³) time)",
+}
 DIMS = (10**4, 10**5, 10**6, 10**7, 10**8)
 NOISE_STEPS = 5
 
@@ -111,7 +115,17 @@ def main(argv=None) -> int:
     )
     p.add_argument("--csv", default="out/scaling.csv")
     p.add_argument("--plot", default="docs/scaling.png")
+    p.add_argument("--replot", metavar="CSV", help="only redraw --plot from a CSV this script wrote")
     args = p.parse_args(argv)
+    if args.replot:
+        with open(args.replot, newline="") as fh:
+            text = ("strategy", "generator", "skipped")
+            rows = [
+                {k: (v if k in text else float(v or "nan")) for k, v in r.items()} for r in csv.DictReader(fh)
+            ]
+        plot(rows, args.plot)
+        print(f"wrote {args.plot}")
+        return 0
     ns = [int(float(x)) for x in args.n.split(",")]
     caps = dict(CAPS)
     for item in args.cap:
@@ -129,9 +143,10 @@ def main(argv=None) -> int:
         for n in ns:
             cap = caps.get(spec.split(":")[0])
             if cap is not None and n > cap:
+                base = spec.split(":")[0]
                 stop = (
-                    f"refused beyond n = {cap} (O(n²) memory, O(n³) time)"
-                    if spec.split(":")[0] in CAPS and cap == CAPS[spec.split(":")[0]]
+                    CAP_REASONS[base]
+                    if base in CAPS and cap == CAPS[base]
                     else f"not run beyond n = {cap} (--cap, to keep the run short)"
                 )
             if stop:
@@ -198,15 +213,17 @@ def plot(rows, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for spec in dict.fromkeys(r["strategy"] for r in rows):
+    colors = plt.get_cmap("tab20").colors
+    for i, spec in enumerate(dict.fromkeys(r["strategy"] for r in rows)):
+        style = dict(color=colors[i % len(colors)], marker="osD^v<>ph*Xd"[i % 12])
         pts = [r for r in rows if r["strategy"] == spec and not r.get("skipped")]
         if not pts:
             continue
         ns = [r["n"] for r in pts]
-        axes[0].loglog(ns, [r["factorize_s"] + r["evaluate_s"] for r in pts], "o-", label=spec)
+        axes[0].loglog(ns, [r["factorize_s"] + r["evaluate_s"] for r in pts], "-", label=spec, **style)
         noise = [(r["n"], r["noise_step_s"]) for r in pts if r["noise_step_s"] == r["noise_step_s"]]
         if noise:
-            axes[1].loglog([x for x, _ in noise], [y for _, y in noise], "o-", label=spec)
+            axes[1].loglog([x for x, _ in noise], [y for _, y in noise], "-", label=spec, **style)
     axes[0].set(xlabel="steps n", ylabel="factorize + evaluate (s)", title="strategy cost")
     axes[1].set(xlabel="steps n", ylabel="noise, last steps (s/step)", title="noise per step (d = 10⁴)")
     for ax in axes:
