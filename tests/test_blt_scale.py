@@ -207,3 +207,18 @@ def test_four_buffers_n100000_matches_jax_privacy():
     res = optimize_blt(prefix_sum(n), 4, objective="max_se")
     assert res.value**2 <= _jax_value(n, 4) * (1 + 1e-6)
     assert res.converged and res.sensitivity_exact
+
+
+def test_inverse_coefficients_at_large_n_from_the_inverse_parameters():
+    """Beyond n = 131072 the inverse's coefficients come from its own BLT parameters (O(n·d)):
+    the power-series reciprocal's values."""
+    from dpmf.mechanisms.blt import BufferedToeplitz
+    from dpmf.mechanisms.toeplitz import inverse_coefficients
+
+    n = 200_000
+    theta, omega = blt_inverse_parameters([0.5, 0.99, 0.99995], [0.3, 0.05, 0.004])
+    M = BufferedToeplitz.from_buffers(theta, omega, n)
+    inv = M.inverse()
+    ref = inverse_coefficients(M.coeffs)
+    assert np.allclose(inv.coeffs, ref, rtol=0, atol=1e-11 * np.max(np.abs(ref)))
+    assert np.allclose(inv.theta, [0.5, 0.99, 0.99995]) and np.allclose(inv.omega, [0.3, 0.05, 0.004])
