@@ -47,6 +47,12 @@ landscape is benign there: every start we tried reaches the same optimum) and C�
 result whose C⁻¹ is a real BLT (the noise generator needs real θ, ω). For multi-participation
 the iterates are kept where the closed-form sensitivity holds (C's coefficients non-negative
 and non-increasing). The returned factorization is evaluated by ``dpmf.mechanisms.evaluate``.
+For the prefix sum (a·A₁) under single participation the optimizer instead works on the pair
+of decay sets x = (logit θ of C, logit θ̂ of C⁻¹), the output scales of both following by
+partial fractions (``blt_closed.pair_output_scales``; C(x) = Π(1 − θ̂_kx)/Π(1 − θ_ix)), with the
+closed forms and complex-step gradients of ``blt_closed`` (O(d³ log n) per evaluation, so the
+cost does not grow with n; 4 starts by default, the timescales of C's poles and zeros
+interlaced); beyond n = 131072 the result is evaluated by the closed forms too.
 
 Sources: Dvijotham, McMahan, Pillutla, Steinke, Thakurta, "Efficient and Near-Optimal Noise
 Generation for Streaming Differential Privacy" (FOCS 2024) — BLTs, their inverse and streaming
