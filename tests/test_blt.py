@@ -184,7 +184,7 @@ def test_factorize_blt():
 
 def test_invalid_input():
     with pytest.raises(ValueError, match="theta"):
-        blt_coefficients([1.0], [0.1], 5)
+        blt_coefficients([1.5], [0.1], 5)
     with pytest.raises(ValueError, match="omega"):
         blt_coefficients([0.5, 0.2], [0.1], 5)
     with pytest.raises(ValueError, match="buffers"):

@@ -45,7 +45,7 @@ from dpmf.mechanisms.errors import evaluate
 from dpmf.mechanisms.factorizations import Factorization, closed_form
 from dpmf.mechanisms.participation import Participation
 from dpmf.mechanisms.structured import ScaledToeplitz
-from dpmf.mechanisms.toeplitz import inverse_coefficients
+from dpmf.mechanisms.toeplitz import inverse_coefficients, toeplitz_product
 from dpmf.mechanisms.toeplitz_objective import (
     banded_reciprocal,
     banded_reciprocal_gradient,
@@ -167,6 +167,10 @@ def optimize_banded(
     coeffs, converged, gnorm = _optimize_cascade(
         workload, participation, objective, name, base_coeffs, max_iterations, stats, cascade
     )
+    if name == "bisr_opt" and participation.participations(n) > 1 and p > 1 and max_iterations > 0:
+        # the optimum may lie on the edge of the closed-form region, where L-BFGS stalls:
+        # continue with the edge as explicit constraints and judge convergence by KKT
+        coeffs, converged, gnorm = _polish_on_region(workload, participation, objective, coeffs, stats)
     iterations, evaluations = stats["iterations"], stats["evaluations"]
 
     fact = _factorization(name, p, workload, coeffs)
@@ -192,6 +196,106 @@ def optimize_banded(
         gradient_norm=gnorm,
         seconds=time.perf_counter() - t0,
     )
+
+
+_KKT_TOL = 1e-5  # projected-gradient tolerance (max-abs, relative to max(1, |f|))
+_EDGE = 1e-13  # margins the constrained solve keeps (the region test allows −1e-12)
+# the constrained solve takes the n margins as dense constraints: up to this n (beyond, the
+# L-BFGS result is kept and only its KKT residual decides ``converged``)
+_POLISH_MAX_STEPS = 4096
+
+
+def _region_margins(c: np.ndarray, participation: Participation) -> tuple[np.ndarray, np.ndarray]:
+    """(margins, D): the constraints of the closed-form region as margins m = D·c ≥ 0 —
+    c_t − c_{t+1} and c_{n−1} for min_sep (non-increasing, non-negative), c_t for fixed_epochs."""
+    n = c.shape[0]
+    if participation.kind == "fixed_epochs":
+        return c.copy(), np.eye(n)
+    D = np.eye(n) - np.eye(n, k=1)
+    return D @ c, D
+
+
+def _polish_on_region(workload, participation, objective, g_start, stats):
+    """Minimize the bisr_opt objective with the region's constraints explicit (SLSQP on the
+    n margins, Jacobian by dc = −(c∗c)∗dg; n ≤ ``_POLISH_MAX_STEPS``), from the L-BFGS
+    result; returns (coefficients,
+    converged, projected-gradient norm) of the better of the two. ``converged`` means a KKT
+    point: the gradient minus its best non-negative combination of the active constraints'
+    gradients (NNLS) is below ``_KKT_TOL``·max(1, |f|) in max-abs."""
+    from scipy.optimize import minimize, nnls
+
+    n, p = workload.n, g_start.shape[0]
+    error = _error_function(workload, objective, p)
+
+    def parts(x):
+        gp = np.concatenate([[1.0], x])
+        c = _banded_inverse(gp, n)
+        if not np.all(np.isfinite(c)):
+            return None
+        s2, gs_c = sensitivity_sq(c, participation)
+        g = np.zeros(n)
+        g[:p] = gp
+        e2, ge = error(g)
+        if not (np.isfinite(s2) and np.isfinite(e2)) or s2 <= 0 or e2 <= 0:
+            return None
+        grad = banded_reciprocal_gradient(gs_c, gp, p) / s2 + ge[:p] / e2
+        return float(np.log(s2) + np.log(e2)), grad[1:], c
+
+    def jac_c(c):
+        cc = toeplitz_product(c, c, n)
+        J = np.zeros((n, p - 1))
+        for j in range(1, p):
+            J[j:, j - 1] = -cc[: n - j]
+        return J
+
+    def fun(x):
+        with np.errstate(over="ignore", invalid="ignore"):
+            out = parts(x)
+        stats["evaluations"] += 1
+        if out is None:
+            return 1e300, np.zeros(p - 1)
+        return out[0], out[1]
+
+    def cons(x):
+        c = banded_reciprocal(np.concatenate([[1.0], x]), n)
+        return _region_margins(c, participation)[0] - _EDGE
+
+    def cons_jac(x):
+        c = banded_reciprocal(np.concatenate([[1.0], x]), n)
+        return _region_margins(c, participation)[1] @ jac_c(c)
+
+    def kkt(x):
+        f, grad, c = parts(x)
+        m, D = _region_margins(c, participation)
+        active = np.flatnonzero(m <= 1e-9 * max(1.0, float(np.max(np.abs(c)))))
+        if active.size == 0:
+            r = grad
+        else:
+            A = (D @ jac_c(c))[active]  # ∇ of the active margins, shape (a, p−1)
+            lam, _ = nnls(A.T, grad)  # ∇f ≈ Σ λ_a ∇m_a, λ ≥ 0 (m ≥ 0 constraints)
+            r = grad - A.T @ lam
+        return f, float(np.max(np.abs(r))) if r.size else 0.0
+
+    x0 = g_start[1:].copy()
+    best = x0
+    if n <= _POLISH_MAX_STEPS:
+        res = minimize(
+            fun,
+            x0,
+            jac=True,
+            method="SLSQP",
+            constraints=[{"type": "ineq", "fun": cons, "jac": cons_jac}],
+            options={"maxiter": 300, "ftol": 1e-14},
+        )
+        stats["iterations"] += int(res.nit)
+        cand = np.asarray(res.x, dtype=np.float64)
+        c_new = _banded_inverse(np.concatenate([[1.0], cand]), n)
+        if np.all(np.isfinite(c_new)) and closed_form_valid(c_new, participation):
+            f_new = parts(cand)
+            if f_new is not None and f_new[0] < parts(x0)[0]:
+                best = cand
+    f, pg = kkt(best)
+    return np.concatenate([[1.0], best]), bool(pg <= _KKT_TOL * max(1.0, abs(f))), pg
 
 
 def _pad(x: np.ndarray, n: int) -> np.ndarray:

@@ -18,15 +18,14 @@ diag(θ) − 1ωᵀ = V diag(θ̂) V⁻¹, its output scales are ω̂ = −(Vᵀ
 
 Closed forms (checked on the conditions under which they hold):
 
-* sensitivity of C = BLT(θ̂, ω̂) (``blt_sensitivity``): with S(L, ℓ) = Σ_{u<L} c_u c_{u+ℓ},
-  S(L, 0) = 1 + Σ_ij ω̂_iω̂_j G(θ̂_iθ̂_j, L−1), S(L, ℓ) = c_ℓ + Σ_ij ω̂_iω̂_j θ̂_j^ℓ G(θ̂_iθ̂_j, L−1)
-  (G(q, N) = Σ_{u<N} q^u), and sens² = Σ_{m,m'<k} S(n − max(m,m')b, |m−m'|b). Always valid for
-  single participation (k = 1); for min_sep and fixed_epochs it needs c non-negative and
-  non-increasing, guaranteed when θ̂ ∈ [0, 1), ω̂ ≥ 0 and Σω̂ ≤ 1 (then c_k is a sum of
-  non-negative decreasing geometric sequences with c_1 ≤ c_0 = 1).
-* error for the prefix-sum workload (``blt_prefix_error``): B = A₁·C⁻¹ = Toep(h) with
-  h_t = β − Σ_i γ_i θ_i^t, γ_i = ω_i/(1 − θ_i), β = 1 + Σγ_i, so Σ_t h_t² (MaxSE², the last row)
-  and Σ_t (n−t) h_t² (n·MeanSE²) are geometric sums in O(d²), for any n.
+* sensitivity, MaxSE and MeanSE of the prefix-sum workload with a BLT noise or strategy, for
+  any n in O(k²·d³·log n) (``blt_closed_form`` in ``dpmf.mechanisms.blt_closed``: sums of
+  matrix powers by doubling, accurate as decays approach 1, decays of exactly 1 allowed):
+  ``blt_sensitivity`` (sens(C) of C = BLT(θ̂, ω̂); for min_sep and fixed_epochs it needs c
+  non-negative and non-increasing, proven when θ̂ ∈ [0, 1], ω̂ ≥ 0 and Σω̂ ≤ 1, else checked
+  on the coefficients) and ``blt_prefix_error`` (B = A₁·C⁻¹ = Toep(h), h_t = Σ_{k≤t} g_k; the
+  largest row is the last). The optimizer uses them (with complex-step gradients) for single
+  participation and the prefix sum, so its cost does not grow with n.
 * error for A = A₁·diag(χ), any schedule (``blt_frobenius_sq``): column j of B = A·Toep(g)
   has entries s_j(t) = χ_j + Σ_i ω_i u_{ij}(t), u_{ij}(t) = Σ_{j<l≤t} χ_l θ_i^{l−j−1}, and
   ‖B‖_F² = Σ_j (n−j)χ_j² + 2Σ_i ω_i P_i + Σ_{ii'} ω_iω_{i'} R_{ii'} with
@@ -48,6 +47,12 @@ landscape is benign there: every start we tried reaches the same optimum) and C�
 result whose C⁻¹ is a real BLT (the noise generator needs real θ, ω). For multi-participation
 the iterates are kept where the closed-form sensitivity holds (C's coefficients non-negative
 and non-increasing). The returned factorization is evaluated by ``dpmf.mechanisms.evaluate``.
+For the prefix sum (a·A₁) under single participation the optimizer instead works on the pair
+of decay sets x = (logit θ of C, logit θ̂ of C⁻¹), the output scales of both following by
+partial fractions (``blt_closed.pair_output_scales``; C(x) = Π(1 − θ̂_kx)/Π(1 − θ_ix)), with the
+closed forms and complex-step gradients of ``blt_closed`` (O(d³ log n) per evaluation, so the
+cost does not grow with n; 4 starts by default, the timescales of C's poles and zeros
+interlaced); beyond n = 131072 the result is evaluated by the closed forms too.
 
 Sources: Dvijotham, McMahan, Pillutla, Steinke, Thakurta, "Efficient and Near-Optimal Noise
 Generation for Streaming Differential Privacy" (FOCS 2024) — BLTs, their inverse and streaming
@@ -66,6 +71,14 @@ import numpy as np
 from dpmf._validation import check_choice, check_int, check_vector
 from dpmf.mechanisms._fft import lfilter
 from dpmf.mechanisms._lbfgs import minimize_lbfgs
+from dpmf.mechanisms.blt_closed import (
+    BLTClosedForm,
+    blt_closed_form,
+    check_blt_parameters,
+    objective_terms,
+    pair_objective_terms,
+    pair_output_scales,
+)
 from dpmf.mechanisms.errors import evaluate
 from dpmf.mechanisms.factorizations import Factorization
 from dpmf.mechanisms.participation import Participation
@@ -95,6 +108,8 @@ __all__ = [
     "blt_sensitivity",
     "blt_prefix_error",
     "blt_frobenius_sq",
+    "blt_closed_form",
+    "BLTClosedForm",
     "optimize_blt",
     "BLT_MAX_BUFFERS",
 ]
@@ -103,26 +118,41 @@ BLT_MAX_BUFFERS = 16
 
 
 def _check_parameters(theta, omega) -> tuple[np.ndarray, np.ndarray]:
-    theta = check_vector("theta", theta)
-    omega = check_vector("omega", omega, length=theta.shape[0])
-    if np.any(np.abs(theta) >= 1.0):
-        raise ValueError(f"theta is invalid: every decay must be in (-1, 1), got {theta.tolist()}")
-    return theta, omega
+    return check_blt_parameters(theta, omega)
+
+
+_POWER_BLOCK = 1 << 16
+
+
+def _decay_powers(theta: float, count: int) -> np.ndarray:
+    """θ^k for k = 0..count−1, shape (count,): exact powers within a block of 65536, times the
+    exact power at the block's start (relative error ≤ 3ε, O(count) memory)."""
+    m = min(count, _POWER_BLOCK)
+    head = theta ** np.arange(m, dtype=np.float64)
+    if count <= m:
+        return head
+    out = np.empty(count)
+    for start in range(0, count, m):
+        stop = min(count, start + m)
+        np.multiply(head[: stop - start], theta**start, out=out[start:stop])
+    return out
 
 
 def blt_coefficients(theta, omega, n: int) -> np.ndarray:
     """Coefficients g of BLT(θ, ω): g_0 = 1, g_k = Σ_i ω_i θ_i^{k−1}; shape (n,).
 
+    Cost: O(n·d) time, O(n) memory.
+
     Raises:
-        ValueError: θ, ω of different lengths, non-finite, |θ_i| ≥ 1, or n < 1.
+        ValueError: θ, ω of different lengths, non-finite, a decay outside (−1, 1], or n < 1.
     """
     theta, omega = _check_parameters(theta, omega)
     n = check_int("n", n, minimum=1)
-    g = np.empty(n)
+    g = np.zeros(n)
     g[0] = 1.0
     if n > 1:
-        powers = theta[:, None] ** np.arange(n - 1)[None, :]
-        g[1:] = omega @ powers
+        for th, om in zip(theta.tolist(), omega.tolist(), strict=True):
+            g[1:] += om * _decay_powers(th, n - 1)
     return g
 
 
@@ -177,85 +207,29 @@ def blt_noise(theta, omega, z) -> np.ndarray:
     return out[:, 0] if z.ndim == 1 else out
 
 
-def _geo(q: np.ndarray, N: int) -> np.ndarray:
-    """Σ_{u<N} q^u elementwise (N ≥ 0)."""
-    q = np.asarray(q, dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = (1.0 - q**N) / (1.0 - q)
-    return np.where(np.abs(1.0 - q) < 1e-15, float(N), out)
-
-
-def _weighted_geo(q: np.ndarray, n: int) -> np.ndarray:
-    """Σ_{t<n} (n − t) q^t = Σ_{j=1}^{n} G(q, j) elementwise."""
-    q = np.asarray(q, dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = (n - q * _geo(q, n)) / (1.0 - q)
-    return np.where(np.abs(1.0 - q) < 1e-15, n * (n + 1) / 2.0, out)
-
-
 def blt_sensitivity(theta_hat, omega_hat, n: int, participation: Participation | None = None) -> float:
-    """Closed-form sens(C) of the strategy C = BLT(θ̂, ω̂), O(k²d²) for any n (module docstring).
+    """Closed-form sens(C) of the strategy C = BLT(θ̂, ω̂) for any n, O(k²·d³·log n)
+    (``blt_closed.blt_closed_form``; accurate as decays approach 1, decays of exactly 1 allowed).
 
     Raises:
         ValueError: invalid parameters, n incompatible with the participation, or (min_sep,
-            fixed_epochs) parameters outside θ̂ ∈ [0, 1), ω̂ ≥ 0, Σω̂ ≤ 1, where the closed form
-            is not proven.
+            fixed_epochs) a C whose coefficients (decays, output scales) break the closed form's
+            condition (non-negative, and non-increasing for min_sep).
     """
-    th, om = _check_parameters(theta_hat, omega_hat)
-    participation = participation or Participation.single()
-    n = participation.check_steps(check_int("n", n, minimum=1))
-    k = participation.participations(n)
-    b = participation.min_sep
-    if participation.kind != "single" and k > 1:
-        if np.any(th < 0) or np.any(om < 0) or float(np.sum(om)) > 1.0 + 1e-12:
-            raise ValueError(
-                f"theta_hat, omega_hat are invalid for the closed-form {participation.label} "
-                "sensitivity: needs decays in [0, 1), output scales >= 0 summing to <= 1"
-            )
-    q = th[:, None] * th[None, :]
-    W = om[:, None] * om[None, :]
-
-    def coeff(ell: int) -> float:
-        return 1.0 if ell == 0 else float(om @ th ** (ell - 1))
-
-    def S(L: int, ell: int) -> float:
-        if L <= 0:
-            return 0.0
-        if ell >= n:
-            return 0.0
-        base = 1.0 if ell == 0 else coeff(ell)
-        return base + float(np.sum(W * th[None, :] ** ell * _geo(q, L - 1)))
-
-    total = 0.0
-    for m in range(k):
-        for mm in range(k):
-            total += S(n - max(m, mm) * b, abs(m - mm) * b)
-    return math.sqrt(max(total, 0.0))
+    return blt_closed_form(theta_hat, omega_hat, n, participation, matrix="strategy").sensitivity
 
 
 def blt_prefix_error(theta, omega, n: int, objective: str = "max_se") -> float:
     """MaxSE (or MeanSE) at unit sensitivity of the prefix sum A₁ = B·C with C⁻¹ = BLT(θ, ω),
-    in closed form (module docstring); multiply by sens(C). O(d²) for any n.
+    in closed form for any n, O(d³·log n), accurate as decays approach 1
+    (``blt_closed.blt_closed_form``); multiply by sens(C).
 
     Raises:
         ValueError: invalid parameters, n < 1 or unknown objective.
     """
-    theta, omega = _check_parameters(theta, omega)
-    n = check_int("n", n, minimum=1)
     objective = check_choice("objective", objective, ("max_se", "mean_se"))
-    gamma = omega / (1.0 - theta)
-    beta = 1.0 + float(np.sum(gamma))
-    q = theta[:, None] * theta[None, :]
-    GG = gamma[:, None] * gamma[None, :]
-    if objective == "max_se":
-        total = n * beta**2 - 2.0 * beta * float(gamma @ _geo(theta, n)) + float(np.sum(GG * _geo(q, n)))
-        return math.sqrt(max(total, 0.0))
-    total = (
-        beta**2 * n * (n + 1) / 2.0
-        - 2.0 * beta * float(gamma @ _weighted_geo(theta, n))
-        + float(np.sum(GG * _weighted_geo(q, n)))
-    )
-    return math.sqrt(max(total, 0.0) / n)
+    cf = blt_closed_form(theta, omega, n)
+    return math.sqrt(max(cf.max_row_sq if objective == "max_se" else cf.mean_row_sq, 0.0))
 
 
 def blt_frobenius_sq(theta, omega, chi) -> tuple[float, np.ndarray, np.ndarray]:
@@ -434,12 +408,20 @@ class BufferedToeplitz(ScaledToeplitz):
 
     def inverse(self) -> ScaledToeplitz:
         """The inverse: a ``BufferedToeplitz`` when its parameters are real, else the
-        power-series inverse as a ``ScaledToeplitz``."""
+        power-series inverse as a ``ScaledToeplitz``. Its coefficients are the power-series
+        reciprocal (O(n log n)) up to n = 131072 and, beyond, the inverse's own BLT
+        coefficients (O(n·d)) when its parameters are well conditioned."""
         try:
             th, om = blt_inverse_parameters(self.theta, self.omega)
         except ValueError:
             return super().inverse()
+        n = self.coeffs.shape[0]
+        if n > _SERIES_INVERSE_MAX and _well_conditioned(th, om):
+            return BufferedToeplitz(blt_coefficients(th, om, n), None, None, th, om)
         return BufferedToeplitz(inverse_coefficients(self.coeffs), None, None, th, om)
+
+
+_SERIES_INVERSE_MAX = 1 << 17
 
 
 @dataclass(frozen=True, eq=False)
@@ -527,7 +509,7 @@ def optimize_blt(
     *,
     objective: str = "mean_se",
     max_iterations: int = 3000,
-    starts: int = 2,
+    starts: int | None = None,
     cascade: bool = True,
 ) -> BLTResult:
     """Optimize the decays and output scales of a BLT noise correlation C⁻¹.
@@ -538,7 +520,9 @@ def optimize_blt(
         participation: single (default), min_sep(b, k) or fixed_epochs(b, k).
         objective: ``mean_se`` (default) or ``max_se`` (Toeplitz workloads).
         max_iterations: the most L-BFGS iterations per start.
-        starts: number of starting timescale grids (1 to 4) per parametrization.
+        starts: number of starting timescale grids (1 to 4) per parametrization; default 4
+            where the closed forms apply (single participation, the prefix sum: each start
+            costs milliseconds at any n), else 2.
         cascade: with multiple participations, also start from the optimum for d − 1 buffers
             (recursively), so that more buffers never do worse than fewer; False is faster.
 
@@ -550,7 +534,9 @@ def optimize_blt(
         ValueError: bad buffers, objective, iteration counts; max_se with a non-Toeplitz
             workload; n incompatible with the participation.
 
-    Cost per objective evaluation: O(n·d²) for MeanSE of A₁·diag(χ) (``blt_frobenius_sq``;
+    Cost per objective evaluation: O(d³·log n) for single participation and the prefix sum
+    (``blt_closed``; the result is then evaluated by the closed forms beyond n = 131072, by
+    ``evaluate`` up to it); otherwise O(n·d²) for MeanSE of A₁·diag(χ) (``blt_frobenius_sq``;
     the sensitivity from the strategy's coefficients, O(n·(d + k))), O(n log n) for other
     Toeplitz workloads. Where the secular map is ill-conditioned (an output scale near 0, as
     at the starts that add a buffer) the power-series reciprocal is used, at its former cost
@@ -565,9 +551,12 @@ def optimize_blt(
         raise TypeError(f"participation={participation!r} is invalid: must be a Participation")
     objective = check_choice("objective", objective, ("mean_se", "max_se"))
     max_iterations = check_int("max_iterations", max_iterations, minimum=0)
-    starts = check_int("starts", starts, minimum=1, maximum=4)
     n = workload.n
     participation.check_steps(n)
+    prefix_sq = _prefix_scale_sq(workload, participation)
+    if starts is None:
+        starts = 4 if prefix_sq else 2
+    starts = check_int("starts", starts, minimum=1, maximum=4)
     if objective == "max_se" and not workload.is_toeplitz:
         last_row_sq(workload, np.ones(n))  # raises the ValueError naming the workload
 
@@ -581,7 +570,6 @@ def optimize_blt(
     _, theta, omega, res = best
     tried = stats["tried"]
     fact = blt_factorization(workload, theta, omega)
-    ev = evaluate(fact, participation, with_lower_bound=False)
     try:
         s_theta, s_omega = blt_inverse_parameters(theta, omega)
     except ValueError:
@@ -595,7 +583,15 @@ def optimize_blt(
     err_cf = None
     if workload.is_toeplitz and np.all(workload.coeffs == workload.coeffs[0]):
         scale = abs(float(workload.toeplitz_coeffs[0]))
-        err_cf = scale * ev.sensitivity * blt_prefix_error(theta, omega, n, objective)
+        cf = blt_closed_form(theta, omega, n)
+        rows_sq = cf.max_row_sq if objective == "max_se" else cf.mean_row_sq
+        sens_value = sens_cf if sens_cf is not None else cf.sensitivity
+        err_cf = scale * sens_value * math.sqrt(max(rows_sq, 0.0))
+    if prefix_sq and n > _SERIES_INVERSE_MAX:
+        value, sens_value, sens_exact = err_cf, sens_cf if sens_cf is not None else cf.sensitivity, True
+    else:
+        ev = evaluate(fact, participation, with_lower_bound=False)
+        value, sens_value, sens_exact = getattr(ev, objective), ev.sensitivity, ev.sensitivity_exact
     return BLTResult(
         factorization=fact,
         theta=theta,
@@ -603,9 +599,9 @@ def optimize_blt(
         strategy_theta=s_theta,
         strategy_omega=s_omega,
         objective=objective,
-        value=getattr(ev, objective),
-        sensitivity=ev.sensitivity,
-        sensitivity_exact=ev.sensitivity_exact,
+        value=value,
+        sensitivity=sens_value,
+        sensitivity_exact=sens_exact,
         sensitivity_closed_form=sens_cf,
         error_closed_form=err_cf,
         iterations=res.iterations if res else 0,
@@ -643,7 +639,8 @@ def _search(workload, participation, objective, d, starts, max_iterations, stats
                 x0 = np.concatenate([np.log(th_s / (1.0 - th_s)), np.append(om_c, 0.0)])
                 extra.append(("strategy", x0))
     candidates = []
-    for param in ("strategy", "noise"):
+    params = ("pair",) if _prefix_scale_sq(workload, participation) else ("strategy", "noise")
+    for param in params:
         fun = _objective(workload, participation, objective, d, param)
         points = list(_starting_points(workload, participation, d, starts, param))
         points += [x for kind, x in extra if kind == param]
@@ -654,7 +651,10 @@ def _search(workload, participation, objective, d, starts, max_iterations, stats
             res = minimize_lbfgs(fun, x0, max_iterations=max_iterations) if max_iterations else None
             x, val = (res.x, res.value) if res else (x0, fun(x0)[0])
             th, om = _unpack(x, d)
-            if param == "strategy":
+            if param == "pair":  # x = (logit θ of C, logit θ̂ of C⁻¹): the noise is BLT(θ̂, ω̂)
+                th = 1.0 / (1.0 + np.exp(-x[d:]))
+                om = pair_output_scales(1.0 / (1.0 + np.exp(-x[:d])), th)[1]
+            elif param == "strategy":
                 try:  # the noise generator needs C⁻¹ as a real BLT
                     th, om = blt_inverse_parameters(th, om)
                 except ValueError:
@@ -723,6 +723,7 @@ def _objective(workload, participation, objective, d, param):
     closed_error = objective == "mean_se" and bool(np.all(a == a[0]))
     chi = workload.scale
     a0_sq = float(a[0] * a[0])
+    prefix_sq = _prefix_scale_sq(workload, participation)
 
     def error(theta_n, omega_n):
         """error² and its gradient in the noise parameters (θ, ω)."""
@@ -734,6 +735,24 @@ def _objective(workload, participation, objective, d, param):
         gt, go = chain(ge)
         return e2, gt, go
 
+    def pair(x):
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            theta = 1.0 / (1.0 + np.exp(-x[:d]))
+            theta_hat = 1.0 / (1.0 + np.exp(-x[d:]))
+            if not (_distinct(theta) and _distinct(theta_hat)):
+                return None
+            if not _well_conditioned(theta_hat, pair_output_scales(theta, theta_hat)[1]):
+                return None
+            s2, e2, gs, ge = pair_objective_terms(theta, theta_hat, n, objective)
+            if not (np.isfinite(s2) and np.isfinite(e2) and s2 > 0 and e2 > 0):
+                return None
+            t = np.concatenate([theta, theta_hat])
+            grad = (gs / s2 + ge / e2) * t * (1.0 - t)
+            value = float(np.log(s2) + np.log(e2) + np.log(prefix_sq))
+        if not np.isfinite(value) or not np.all(np.isfinite(grad)):
+            return None
+        return value, grad
+
     def fun(x):
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             theta, omega = _unpack(x, d)
@@ -742,11 +761,11 @@ def _objective(workload, participation, objective, d, param):
             if param == "strategy":
                 if not _real_inverse(theta, omega):
                     return None
-                out = _strategy_terms(theta, omega)
+                out = _closed_terms(theta, omega) if prefix_sq else _strategy_terms(theta, omega)
             else:
                 if not _well_conditioned(theta, omega):
                     return None
-                out = _noise_terms(theta, omega)
+                out = _closed_terms(theta, omega) if prefix_sq else _noise_terms(theta, omega)
             if out is None:
                 return None
             value, grad_theta, grad_omega = out
@@ -754,6 +773,14 @@ def _objective(workload, participation, objective, d, param):
         if not np.isfinite(value) or not np.all(np.isfinite(grad)):
             return None
         return value, grad
+
+    def _closed_terms(theta, omega):
+        # single participation, prefix sum: closed forms in O(d³ log n) (blt_closed)
+        s2, e2, gs, ge = objective_terms(theta, omega, n, objective, param)
+        if not (np.isfinite(s2) and np.isfinite(e2) and s2 > 0 and e2 > 0):
+            return None
+        grad = gs / s2 + ge / e2
+        return float(np.log(s2) + np.log(e2) + np.log(prefix_sq)), grad[:d], grad[d:]
 
     def sens(c, series=False):
         # coefficients from the parameters differ from the power series that evaluate() uses
@@ -817,7 +844,29 @@ def _objective(workload, participation, objective, d, param):
         value = float(np.log(s2) + np.log(e2))
         return value, gs_t / s2 + ge_t / e2, gs_o / s2 + ge_o / e2
 
-    return fun
+    return pair if param == "pair" else fun
+
+
+def _distinct(theta: np.ndarray) -> bool:
+    """Decays in (0, 1) with relative gaps of 1 − θ of at least 1e-6 (see ``_well_conditioned``)."""
+    if np.any(theta <= 0.0) or np.any(theta >= 1.0):
+        return False
+    r = np.sort(1.0 - theta)
+    return bool(np.all(np.diff(r) > _MIN_DECAY_GAP * r[1:]))
+
+
+def _prefix_scale_sq(workload: Workload, participation: Participation) -> float | None:
+    """a² when the workload is a·A₁ (the prefix sum up to a constant: Toeplitz with equal
+    coefficients and a constant column scale) under single participation, where the closed
+    forms of ``blt_closed`` give the objective at any n; None otherwise."""
+    n = workload.n
+    a = np.asarray(workload.coeffs)
+    if participation.participations(n) > 1 and participation.kind != "single":
+        return None
+    if not workload.is_toeplitz or not np.all(a == a[0]):
+        return None
+    scale = float(workload.scale[0]) if workload.column_scale is not None else 1.0
+    return float((a[0] * scale) ** 2)
 
 
 def _starting_points(workload, participation, d, starts, param):
@@ -828,10 +877,23 @@ def _starting_points(workload, participation, d, starts, param):
     region."""
     n = workload.n
     ranges = [(1.2, n / 4.0), (2.0, float(n)), (5.0, 5.0 * n), (1.5, float(n))]
+    if param == "pair":
+        # 2d log-spaced timescales, alternating between the noise's decays θ̂ (the shortest
+        # first) and the strategy's θ: zeros and poles interlaced like those of rational
+        # approximations of (1 − x)^{∓1/2}
+        for lo, hi in ranges[:starts]:
+            tau = np.exp(np.linspace(np.log(lo), np.log(max(hi, 2.0 * lo)), 2 * d))
+            theta = 1.0 - 1.0 / tau
+            yield np.log(theta / (1.0 - theta))[np.r_[1 : 2 * d : 2, 0 : 2 * d : 2]]
+        return
+    # single participation needs no check of C beyond bounded growth: test it on a prefix of
+    # its coefficients (and its decays inside the unit disc), not all n
+    multi = participation.kind != "single" and participation.participations(n) > 1
+    n_check = n if multi else min(n, 8192)
     if param == "noise":
         base = workload.toeplitz_coeffs if workload.is_toeplitz else np.asarray(workload.coeffs)
-        target = inverse_sqrt_coefficients(base / base[0])
         m = min(n - 1, 4096)
+        target = inverse_sqrt_coefficients(base[: m + 1] / base[0])
     for lo, hi in ranges[:starts]:
         hi = max(hi, lo * 1.5)
         tau = np.exp(np.linspace(np.log(lo), np.log(hi), d)) if d > 1 else np.array([np.sqrt(lo * hi)])
@@ -842,13 +904,16 @@ def _starting_points(workload, participation, d, starts, param):
         P = theta[None, :] ** np.arange(m)[:, None]  # (m, d)
         omega, *_ = np.linalg.lstsq(P, target[1 : m + 1], rcond=None)
         for _ in range(60):
-            g = blt_coefficients(theta, omega, n)
+            g = blt_coefficients(theta, omega, n_check)
             try:
                 c = inverse_coefficients(g)
             except ValueError:
-                c = np.full(n, np.nan)
+                c = np.full(n_check, np.nan)
             # C must not blow up (its decays inside the unit disc: max |c| stays small)
             tame = np.all(np.isfinite(c)) and float(np.max(np.abs(c))) <= 2.0
+            if n_check < n:
+                radius = np.max(np.abs(np.linalg.eigvals(np.diag(theta) - np.outer(np.ones(d), omega))))
+                tame = tame and radius < 1.0
             if tame and closed_form_valid(c, participation):
                 break
             omega = 0.7 * omega

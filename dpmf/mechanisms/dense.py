@@ -637,7 +637,8 @@ def optimize_dense(
     if n > DENSE_MAX_STEPS:
         raise ValueError(
             f"n={n} is invalid for the dense strategy: must be <= {DENSE_MAX_STEPS} "
-            "(O(n³) time, O(n²) memory); use a banded or BLT strategy"
+            f"(O(n³) time, O(n²) memory: {8 * n * n / 1e9:.3g} GB per n×n array); use a "
+            "banded (bisr_opt:p), BLT (blt:d) or learning-rate-aware (lr_aware) strategy"
         )
     participation.check_steps(n)
     k = participation.participations(n)

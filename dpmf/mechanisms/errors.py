@@ -11,8 +11,10 @@ is ``ScaledToeplitz`` and A = Toep(a)·diag(d):
 
 * B Toeplitz up to a column scale (d·(row scale of C⁻¹) constant): O(n log n) by cumulative
   sums or one convolution;
-* A = a₀·A₁·diag(d) (learning-rate workloads) with any Toeplitz C⁻¹: row i of B is row i−1 plus
-  d_i times a reversed copy of C⁻¹'s coefficients, O(n²) time and O(n) memory;
+* A = a₀·A₁·diag(d) (learning-rate workloads) with any Toeplitz C⁻¹ = Toep(g) (no column
+  scale): O(n log² n) by divide and conquer over the pairs of coefficients (``prefix_rows``);
+  with a column scale, row i of B is row i−1 plus d_i times a reversed copy of C⁻¹'s
+  coefficients, O(n²) time and O(n) memory;
 * otherwise (momentum workloads with a schedule, dense strategies) B is formed densely.
 """
 
@@ -26,9 +28,10 @@ from dpmf.mechanisms._fft import fftconvolve
 from dpmf.mechanisms.bounds import lower_bound
 from dpmf.mechanisms.factorizations import Factorization
 from dpmf.mechanisms.participation import Participation
+from dpmf.mechanisms.prefix_rows import prefix_row_norms_sq
 from dpmf.mechanisms.sensitivity import Sensitivity, sensitivity
 from dpmf.mechanisms.structured import ScaledToeplitz
-from dpmf.mechanisms.toeplitz import toeplitz_product
+from dpmf.mechanisms.toeplitz import geometric_ratio, toeplitz_product
 
 __all__ = ["b_row_norms", "max_se", "mean_se", "Evaluation", "evaluate"]
 
@@ -36,8 +39,9 @@ __all__ = ["b_row_norms", "max_se", "mean_se", "Evaluation", "evaluate"]
 def b_row_norms(factorization: Factorization) -> np.ndarray:
     """ℓ2 norms of the rows of B = A·C⁻¹, shape (n,), float64.
 
-    Cost: O(n log n) when B is Toeplitz up to scaling, O(n²) time and O(n) memory for
-    learning-rate workloads A₁·diag(χ) with a Toeplitz-structured C⁻¹; O(n³) (dense) otherwise.
+    Cost: O(n log n) when B is Toeplitz up to scaling, O(n log² n) for learning-rate workloads
+    A₁·diag(χ) with a Toeplitz C⁻¹ (O(n²) time and O(n) memory when C⁻¹ has a column scale);
+    O(n³) (dense) otherwise.
     """
     f = factorization
     G = f.C_inverse
@@ -45,18 +49,40 @@ def b_row_norms(factorization: Factorization) -> np.ndarray:
         return np.linalg.norm(f.B_dense(), axis=1)
     a = np.asarray(f.workload.coeffs)
     w = f.workload.scale * G.rows()
+    if not (np.all(w == w[0]) or np.all(a == a[0])):
+        _check_dense(f)
+        return np.linalg.norm(f.B_dense(), axis=1)
     v = G.cols()
     n = f.n
     if np.all(w == w[0]):
-        b2 = (w[0] * toeplitz_product(a, G.coeffs, n)) ** 2
+        g = G.coeffs[: G.bandwidth]
+        if np.all(a == a[0]):  # the prefix sum: a running sum, O(n)
+            h = np.zeros(n)
+            h[: g.shape[0]] = g
+            b2 = (w[0] * a[0] * np.cumsum(h)) ** 2
+        else:  # direct convolution when banded
+            b2 = (w[0] * toeplitz_product(a, g, n)) ** 2
         if np.all(v == v[0]):
             norms2 = np.cumsum(b2) * v[0] ** 2
         else:
             norms2 = fftconvolve(b2, v**2)[:n]
         return np.sqrt(np.maximum(norms2, 0.0))
-    if np.all(a == a[0]):
-        return abs(a[0]) * _prefix_rows(w, G.coeffs[: G.bandwidth], v)
-    return np.linalg.norm(f.B_dense(), axis=1)
+    return abs(a[0]) * _prefix_rows(w, G.coeffs[: G.bandwidth], v)
+
+
+#: the largest n for which B = A·C⁻¹ is formed densely (structures without a fast path)
+DENSE_EVALUATION_MAX_STEPS = 16384
+
+
+def _check_dense(f: Factorization) -> None:
+    n = f.n
+    if n > DENSE_EVALUATION_MAX_STEPS:
+        raise ValueError(
+            f"n={n} is invalid for evaluating {f.label!r} on {f.workload.name!r}: B = A·C⁻¹ has "
+            f"no structure to exploit here and would be a dense n×n array ({8 * n * n / 1e9:.3g} GB, "
+            f"O(n³) time), allowed up to n = {DENSE_EVALUATION_MAX_STEPS}; use a Toeplitz "
+            "workload (no momentum with a schedule) or n <= the limit"
+        )
 
 
 def _prefix_rows(w: np.ndarray, g: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -64,18 +90,22 @@ def _prefix_rows(w: np.ndarray, g: np.ndarray, v: np.ndarray) -> np.ndarray:
 
     When w is geometric (w_i = w_0ρ^i, the exponential schedule), diag(w)·Toep(g) =
     w_0·Toep(ρ^k g_k)·diag(ρ^j) and B is Toeplitz up to a column scale: O(n log n).
+    With a constant v (every Toeplitz noise without a column scale): the divide-and-conquer
+    of ``prefix_rows``, O(n log² n) time, O(n) memory, for any w and bandwidth.
     Otherwise row i = row i−1 + w_i·(g_{i−j} v_j)_j changes only the p columns of the band;
     the columns left of it keep their values and enter as one running sum of squares:
     O(n·p) time, O(n) memory, element-wise numpy only (no BLAS calls, whose thread pools
     stall a loop of small calls when the cores are shared)."""
     n, p = w.shape[0], g.shape[0]
-    rho = _geometric_ratio(w)
+    rho = geometric_ratio(w)
     if rho is not None:
         gk = np.zeros(n)
         gk[:p] = g * rho ** np.arange(p)
         b2 = (w[0] * np.cumsum(gk)) ** 2  # first column of A₁·Toep(ρ^k g_k), squared
         u2 = (v * rho ** np.arange(n)) ** 2
         return np.sqrt(np.maximum(fftconvolve(b2, u2)[:n], 0.0))
+    if np.all(v == v[0]):
+        return abs(v[0]) * np.sqrt(np.maximum(prefix_row_norms_sq(w, g), 0.0))
     g_rev = g[::-1]
     row = np.zeros(n)
     out = np.empty(n)
@@ -90,18 +120,6 @@ def _prefix_rows(w: np.ndarray, g: np.ndarray, v: np.ndarray) -> np.ndarray:
         seg += w[i] * g_rev[p - (i + 1 - lo) :] * v[lo : i + 1]
         out[i] = np.sqrt(frozen + np.einsum("i,i->", seg, seg))
     return out
-
-
-def _geometric_ratio(w: np.ndarray) -> float | None:
-    """ρ when w_i = w_0·ρ^i to 1e-13 (relative) for every i, else None."""
-    n = w.shape[0]
-    if n < 3:
-        return None
-    rho = float(np.exp(np.log(w[-1] / w[0]) / (n - 1)))
-    fit = w[0] * np.exp(np.arange(n) * np.log(rho))
-    if np.max(np.abs(fit - w) / w) > 1e-13:
-        return None
-    return rho
 
 
 def max_se(factorization: Factorization, sens: float | Sensitivity) -> float:

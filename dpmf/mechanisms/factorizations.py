@@ -55,8 +55,8 @@ from dpmf.mechanisms.structured import DenseLowerTriangular, LowerTriangular, Sc
 from dpmf.mechanisms.toeplitz import (
     band,
     binomial_series,
-    inverse_sqrt_coefficients,
     sqrt_coefficients,
+    toeplitz_roots,
 )
 from dpmf.mechanisms.triangular import sqrtm_lower_triangular
 from dpmf.workloads.workload import Workload
@@ -179,7 +179,14 @@ def _output(workload: Workload, p) -> Factorization:
 
 
 def _sqrt_prefix(workload: Workload, p) -> Factorization:
-    return Factorization("sqrt_prefix", None, workload, ScaledToeplitz(binomial_series(-0.5, workload.n)))
+    n = workload.n  # A₁^{±1/2} = Toep((1 − x)^{∓1/2}): both in closed form
+    return Factorization(
+        "sqrt_prefix",
+        None,
+        workload,
+        ScaledToeplitz(binomial_series(-0.5, n)),
+        ScaledToeplitz(binomial_series(0.5, n)),
+    )
 
 
 def _sqrt_prefix_scaled(workload: Workload, p) -> Factorization:
@@ -187,19 +194,30 @@ def _sqrt_prefix_scaled(workload: Workload, p) -> Factorization:
     return Factorization("sqrt_prefix_scaled", None, workload, C)
 
 
+#: the largest n for which ``sqrt`` of a non-Toeplitz workload (a dense square root) is built
+DENSE_SQRT_MAX_STEPS = 8192
+
+
 def _sqrt(workload: Workload, p) -> Factorization:
     if workload.is_toeplitz:
         return Factorization(
             "sqrt", None, workload, ScaledToeplitz(sqrt_coefficients(workload.toeplitz_coeffs))
+        )
+    n = workload.n
+    if n > DENSE_SQRT_MAX_STEPS:
+        raise ValueError(
+            f"n={n} is invalid for factorization='sqrt' of the non-Toeplitz workload "
+            f"{workload.name!r}: its square root is a dense n×n matrix (O(n³) time, "
+            f"{8 * n * n / 1e9:.3g} GB per array), allowed up to n = {DENSE_SQRT_MAX_STEPS}; "
+            "use lr_aware, sqrt_prefix_scaled or a banded strategy (Toeplitz, O(n log n))"
         )
     X = sqrtm_lower_triangular(workload.dense())
     return Factorization("sqrt", None, workload, DenseLowerTriangular(X), None, X)
 
 
 def _lr_aware(workload: Workload, p) -> Factorization:
-    return Factorization(
-        "lr_aware", None, workload, ScaledToeplitz(sqrt_coefficients(workload.schedule_values))
-    )
+    root, inv_root = toeplitz_roots(workload.schedule_values)
+    return Factorization("lr_aware", None, workload, ScaledToeplitz(root), ScaledToeplitz(inv_root))
 
 
 def _banded_base(workload: Workload, lr: bool) -> np.ndarray:
@@ -212,7 +230,7 @@ def _banded_base(workload: Workload, lr: bool) -> np.ndarray:
 def _bsr(name: str, lr: bool):
     def build(workload: Workload, p: int) -> Factorization:
         p = min(p, workload.n)  # more bands than steps: all of them (the label says how many)
-        C = ScaledToeplitz(band(sqrt_coefficients(_banded_base(workload, lr)), p))
+        C = ScaledToeplitz(band(toeplitz_roots(_banded_base(workload, lr))[0], p))
         return Factorization(name, p, workload, C)
 
     return build
@@ -221,7 +239,7 @@ def _bsr(name: str, lr: bool):
 def _bisr(name: str, lr: bool):
     def build(workload: Workload, p: int) -> Factorization:
         p = min(p, workload.n)
-        noise = ScaledToeplitz(band(inverse_sqrt_coefficients(_banded_base(workload, lr)), p))
+        noise = ScaledToeplitz(band(toeplitz_roots(_banded_base(workload, lr))[1], p))
         return Factorization(name, p, workload, noise.inverse(), noise)
 
     return build

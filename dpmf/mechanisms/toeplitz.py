@@ -7,7 +7,9 @@ takes and returns coefficient vectors of shape (n,), float64, and never forms an
 
 Cost: products are exact direct convolutions up to ``_DIRECT_MAX`` coefficients and FFT
 convolutions beyond (O(n log n)); inverse and (inverse) square root use Newton iteration with
-those products (O(M(n)), i.e. O(n log n) for large n).
+those products (O(M(n)), i.e. O(n log n) for large n), each Newton step computing only the
+coefficients it needs (middle products at the smallest FFT size free of wrap-around, the
+transform of y reused for y² and for the correction).
 
 References:
     Brent & Kung, "Fast algorithms for manipulating formal power series", J. ACM 25 (1978):
@@ -17,9 +19,10 @@ References:
 from __future__ import annotations
 
 import numpy as np
+from scipy import fft as _sfft
 
 from dpmf._validation import check_int, check_real, check_vector
-from dpmf.mechanisms._fft import fftconvolve
+from dpmf.mechanisms._fft import fftconvolve, lfilter
 
 __all__ = [
     "binomial_series",
@@ -29,9 +32,13 @@ __all__ = [
     "inverse_sqrt_coefficients",
     "band",
     "is_nonincreasing_nonnegative",
+    "geometric_ratio",
+    "toeplitz_roots",
 ]
 
 _DIRECT_MAX = 8192
+_BANDED_MAX = 64  # reciprocals of series with at most this many terms use their recurrence,
+_RECURRENCE_MIN_STEPS = 1 << 16  # from this n on (below, Newton is fast and scipy.signal unneeded)
 
 
 def binomial_series(exponent: float, n: int, ratio: float = 1.0) -> np.ndarray:
@@ -86,7 +93,8 @@ def toeplitz_product(a, b, n: int | None = None) -> np.ndarray:
 def inverse_coefficients(c) -> np.ndarray:
     """Coefficients g of the reciprocal series, ``Toep(c)⁻¹ = Toep(g)``, shape (n,).
 
-    Newton iteration g ← g·(2 − c·g), doubling the number of correct terms each step.
+    Newton iteration g ← g·(2 − c·g), doubling the number of correct terms each step; for a
+    banded c (at most 64 non-zero terms, n ≥ 65536) the recurrence of 1/c(x), O(n·p).
 
     Raises:
         ValueError: c empty, non-finite, or c[0] = 0 (singular matrix).
@@ -95,14 +103,40 @@ def inverse_coefficients(c) -> np.ndarray:
     if c[0] == 0:
         raise ValueError("c is invalid: c[0] must be non-zero for Toep(c) to be invertible")
     n = c.shape[0]
-    g = np.array([1.0 / c[0]])
+    nz = np.flatnonzero(c)
+    p = int(nz[-1]) + 1
+    if p <= _BANDED_MAX and n >= _RECURRENCE_MIN_STEPS:
+        # a banded c: the reciprocal's linear recurrence g_t = −Σ_{0<l<p} c_l g_{t−l}/c_0 as an
+        # all-pole filter, O(n·p)
+        impulse = np.zeros(n)
+        impulse[0] = 1.0
+        return lfilter([1.0], c[:p], impulse)
+    g = np.empty(n)
+    g[0] = 1.0 / c[0]
     k = 1
     while k < n:
         m = min(2 * k, n)
-        e = toeplitz_product(c[:m], g, m)  # c·g = 1 + O(x^k)
-        g = np.concatenate([g, -toeplitz_product(g[: m - k], e[k:m], m - k)])
+        if m <= _DIRECT_MAX:
+            e = toeplitz_product(c[:m], g[:k], m)  # c·g = 1 + O(x^k)
+            g[k:m] = -toeplitz_product(g[: m - k], e[k:m], m - k)
+        else:
+            e = _middle_product(c[:m], g[:k], k, m)
+            g[k:m] = -_low_product(g[: m - k], e, m - k)
         k = m
     return g
+
+
+def _middle_product(a: np.ndarray, b: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Coefficients lo..hi−1 of a·b by one real FFT of the smallest size that keeps them free
+    of wrap-around (len(a) + len(b) − 1 − lo)."""
+    size = _sfft.next_fast_len(a.shape[0] + b.shape[0] - 1 - lo, real=True)
+    return _sfft.irfft(_sfft.rfft(a, size) * _sfft.rfft(b, size), size)[lo:hi]
+
+
+def _low_product(a: np.ndarray, b: np.ndarray, m: int) -> np.ndarray:
+    """The first m coefficients of a·b by one real FFT."""
+    size = _sfft.next_fast_len(a.shape[0] + b.shape[0] - 1, real=True)
+    return _sfft.irfft(_sfft.rfft(a, size) * _sfft.rfft(b, size), size)[:m]
 
 
 def inverse_sqrt_coefficients(c) -> np.ndarray:
@@ -117,13 +151,25 @@ def inverse_sqrt_coefficients(c) -> np.ndarray:
     if c[0] <= 0:
         raise ValueError(f"c is invalid: c[0]={c[0]!r} must be > 0 for a real square root")
     n = c.shape[0]
-    y = np.array([1.0 / np.sqrt(c[0])])
+    y = np.empty(n)
+    y[0] = 1.0 / np.sqrt(c[0])
     k = 1
     while k < n:
         m = min(2 * k, n)
-        yy = np.concatenate([y, np.zeros(m - k)])
-        e = toeplitz_product(c[:m], toeplitz_product(yy, yy, m), m)  # 1 + O(x^k)
-        y = np.concatenate([y, -0.5 * toeplitz_product(y[: m - k], e[k:m], m - k)])
+        if m <= _DIRECT_MAX:
+            yy = np.concatenate([y[:k], np.zeros(m - k)])
+            e = toeplitz_product(c[:m], toeplitz_product(yy, yy, m), m)  # 1 + O(x^k)
+            y[k:m] = -0.5 * toeplitz_product(y[: m - k], e[k:m], m - k)
+        else:
+            size = _sfft.next_fast_len(2 * k - 1, real=True)
+            Y = _sfft.rfft(y[:k], size)
+            y2 = _sfft.irfft(Y * Y, size)[: min(m, 2 * k - 1)]  # y², exact (no wrap)
+            e = _middle_product(c[:m], y2, k, m)  # c·y² = 1 + O(x^k): its terms k..m−1
+            if m - k == k:  # reuse ŷ: the correction y·e has the same length
+                corr = _sfft.irfft(Y * _sfft.rfft(e, size), size)[: m - k]
+            else:
+                corr = _low_product(y[: m - k], e, m - k)
+            y[k:m] = -0.5 * corr
         k = m
     return y
 
@@ -163,3 +209,38 @@ def is_nonincreasing_nonnegative(c, *, rtol: float = 1e-12) -> bool:
     c = np.asarray(c, dtype=np.float64)
     tol = rtol * float(np.max(np.abs(c))) if c.size else 0.0
     return bool(np.all(c >= -tol) and np.all(np.diff(c) <= tol))
+
+
+def geometric_ratio(w) -> float | None:
+    """ρ when w_i = w_0·ρ^i to 1e-13 (relative) for every i, else None (n < 3: None)."""
+    w = np.asarray(w, dtype=np.float64)
+    n = w.shape[0]
+    if n < 3 or w[0] == 0 or np.any(w / w[0] <= 0):
+        return None
+    log_rho = float(np.log(w[-1] / w[0])) / (n - 1)
+    fit = w[0] * np.exp(np.arange(n) * log_rho)
+    if np.max(np.abs(fit - w) / np.abs(w)) > 1e-13:
+        return None
+    return float(np.exp(log_rho))
+
+
+def toeplitz_roots(c) -> tuple[np.ndarray, np.ndarray]:
+    """(s, y) with Toep(s) = Toep(c)^{1/2} and Toep(y) = Toep(c)^{−1/2}, shapes (n,).
+
+    For geometric c (c_j = c_0ρ^j, an exponential learning-rate decay) in closed form:
+    s_j = √c_0·ρ^j·r_j, y_j = ρ^j·binom(1/2)_j/√c_0 (``binomial_series``), O(n); otherwise y
+    by Newton iteration and s = c·y, O(n log n).
+
+    Raises:
+        ValueError: c empty, non-finite, or c[0] ≤ 0.
+    """
+    c = check_vector("c", c)
+    if c[0] <= 0:
+        raise ValueError(f"c is invalid: c[0]={c[0]!r} must be > 0 for a real square root")
+    n = c.shape[0]
+    if geometric_ratio(c) is not None:
+        root = float(np.sqrt(c[0]))
+        powers = np.exp(np.arange(n) * (float(np.log(c[-1] / c[0])) / (n - 1)))  # ρ^j
+        return root * binomial_series(-0.5, n) * powers, binomial_series(0.5, n) * powers / root
+    y = inverse_sqrt_coefficients(c)
+    return toeplitz_product(c, y, n), y

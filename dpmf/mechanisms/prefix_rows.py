@@ -1,0 +1,154 @@
+"""Row norms of B = A₁·diag(w)·Toep(g) in O(n log² n): learning-rate workloads at any n.
+
+Row i of B is x_iᵀ·Toep(g) with x_i = w ⊙ 1_{≤i}, so with M = Toep(g)·Toep(g)ᵀ
+
+    r_i = ‖B_i‖² = r_{i−1} + 2w_i·y_i + w_i²·Σ_{k≤i} g_k²,   y_i = Σ_{l<i} w_l M_{il},
+
+and M_{il} = Σ_{m≤l} g_{i−m}g_{l−m} gives, with q = i − m and k = l − m,
+
+    y_i = Σ_{0≤k<q≤i} g_k g_q w_{i−(q−k)}.
+
+The pairs (k, q) are split by divide and conquer on [0, P) (P a power of two): a node [lo, hi)
+with midpoint mid takes the pairs k ∈ [lo, mid), q ∈ [mid, hi), which add
+
+* to rows i ∈ [mid, hi) (only q ≤ i): Σ_{q∈[mid,i]} g_q z(i − q) with
+  z(a) = Σ_{k∈[lo,mid)} g_k w_{a+k} — a correlation, then a causal convolution;
+* to rows i ≥ hi (every q): Σ_δ u(δ) w_{i−δ}, u(δ) = Σ_{q−k=δ} g_k g_q (a cross-correlation);
+  summed over the nodes of a level that end before row i's block (a running sum over nodes),
+  one convolution per block of rows.
+
+Each level costs O(P log P) by batched FFTs (direct products for the smallest blocks), so
+O(n log² n) in all with O(n) memory. When g has p < n non-zero coefficients (a banded noise)
+the recursion covers [0, p) and every later row gets Σ_δ ρ_δ w_{i−δ}, ρ the autocorrelation
+of g: O(n log n + p log² p). The same sums over n terms the O(n·p) row-by-row recursion adds,
+in another order: round-off O(ε·log n) relative per term, no cancellation beyond what the
+row norms themselves carry.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy import fft as sfft
+
+from dpmf.mechanisms._fft import fftconvolve
+
+__all__ = ["prefix_row_norms_sq"]
+
+_DIRECT_MAX = 8  # blocks up to this size use direct products (FFT overhead dominates)
+_CHUNK = 1 << 20  # elements per batched FFT call (bounds memory at any n)
+
+
+def _level_direct(g, w, s, y):
+    """One level of the recursion with direct products (small s)."""
+    h = s // 2
+    N = g.shape[0] // s
+    G = g.reshape(N, s)
+    W = w.reshape(N, s)
+    gL, gR = G[:, :h], G[:, h:]
+    z = np.zeros((N, h))
+    for j in range(h):
+        z += gL[:, j : j + 1] * W[:, j : j + h]
+    part = np.zeros((N, h))
+    for u in range(h):
+        part[:, u:] += gR[:, u : u + 1] * z[:, : h - u]
+    Y = y.reshape(N, s)
+    Y[:, h:] += part
+    u_ = np.zeros((N, s))  # u(δ), δ = 0..s−1
+    for j in range(h):
+        u_[:, h - j : s - j] += gL[:, j : j + 1] * gR
+    V = np.cumsum(u_, axis=0)
+    if N > 1:
+        wp = np.concatenate([np.zeros(s), w])
+        for d in range(1, s):
+            # rows of block b ≥ 1 get V[b−1, δ]·w[b·s + t − δ]
+            shifted = wp[s - d : s - d + g.shape[0]].reshape(N, s)
+            Y[1:] += V[:-1, d : d + 1] * shifted[1:]
+
+
+def _rows(n_rows: int, width: int) -> int:
+    return max(1, _CHUNK // max(width, 1)) if n_rows else 1
+
+
+def _level_fft(g, w, s, y):
+    """One level of the recursion with batched real FFTs of size 2s, the transforms of g's
+    halves and of w's blocks shared by all four products: the shifted cross-correlation u is
+    conj(ĝ_L)·ĝ_R·(−i)^f (a shift by s/2), the running sum over nodes is taken on the spectra,
+    and a window w[(b−1)s : (b+1)s] has the spectrum ŵ_{b−1} + (−1)^f·ŵ_b."""
+    h = s // 2
+    P = g.shape[0]
+    N = P // s
+    G = g.reshape(N, s)
+    W = w.reshape(N, s)
+    Y = y.reshape(N, s)
+    L = 2 * s
+    f = np.arange(s + 1)
+    shift = (-1j) ** (f % 4)  # e^{−2πi f h/L}
+    sign = np.where(f % 2 == 0, 1.0, -1.0)  # e^{−2πi f s/L}
+    step = _rows(N, L)
+    carry = np.zeros(s + 1, dtype=np.complex128)  # Σ of the spectra of u over earlier nodes
+    for a in range(0, N, step):
+        b = min(N, a + step)
+        GL = sfft.rfft(G[a:b, :h], L, axis=1)
+        GR = sfft.rfft(G[a:b, h:], L, axis=1)
+        Wf = sfft.rfft(W[a:b], L, axis=1)
+        cGL = np.conj(GL)
+        # z(t) = Σ_j gL_j w_{lo+j+t}, t < h; then rows mid..hi−1: Σ_{q≤i} g_q z(i − q)
+        z = sfft.irfft(cGL * Wf, L, axis=1)[:, :h]
+        Y[a:b, h:] += sfft.irfft(GR * sfft.rfft(z, L, axis=1), L, axis=1)[:, :h]
+        # V_c = Σ_{c' ≤ c} û_{c'}; rows of block c+1 get irfft(V_c · window spectrum)
+        V = np.cumsum(cGL * GR * shift, axis=0)
+        V += carry
+        carry = V[-1].copy()
+        # blocks a+1..b (those that exist) use V of nodes a..b−1 and windows (c, c+1)
+        hi = min(b, N - 1)
+        if hi > a:
+            if hi < b:
+                nxt = Wf[1 : hi - a + 1]
+            else:
+                nxt = np.concatenate([Wf[1:], sfft.rfft(W[b : b + 1], L, axis=1)])
+            win = Wf[: hi - a] + sign * nxt
+            Y[a + 1 : hi + 1] += sfft.irfft(V[: hi - a] * win, L, axis=1)[:, s:]
+
+
+def _cross_terms(g: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """y_i = Σ_{0≤k<q≤i} g_k g_q w_{i−(q−k)}, shape (len(w),); g of any length ≤ len(w)."""
+    n = w.shape[0]
+    p = g.shape[0]
+    P = 1
+    while P < p:
+        P *= 2
+    gp = np.zeros(P)
+    gp[:p] = g
+    wp = np.zeros(P)
+    m = min(n, P)
+    wp[:m] = w[:m]
+    y = np.zeros(P)
+    s = 2
+    while s <= P:
+        (_level_direct if s <= _DIRECT_MAX else _level_fft)(gp, wp, s, y)
+        s *= 2
+    out = np.zeros(n)
+    out[:m] = y[:m]
+    if n > P:  # every pair complete: the autocorrelation of g
+        rho = fftconvolve(g[::-1], g)[p - 1 :]  # rho[δ] = Σ_k g_k g_{k+δ}
+        rho[0] = 0.0
+        out[P:] = fftconvolve(rho, w)[P:n]
+    return out
+
+
+def prefix_row_norms_sq(w, g) -> np.ndarray:
+    """‖B_i‖² for B = A₁·diag(w)·Toep(g) (n×n), shape (n,), O(n log² n) (module docstring).
+
+    Args:
+        w: the column scale of A₁ (learning-rate multipliers times C⁻¹'s row scale), shape (n,).
+        g: the first p ≤ n coefficients of C⁻¹ (the rest zero), shape (p,).
+    """
+    w = np.asarray(w, dtype=np.float64)
+    g = np.asarray(g, dtype=np.float64)
+    n = w.shape[0]
+    g = g[:n]
+    y = _cross_terms(g, w)
+    diag = np.zeros(n)
+    diag[: g.shape[0]] = g * g
+    diag = np.cumsum(diag)
+    return np.cumsum(2.0 * w * y + w * w * diag)
