@@ -7,7 +7,15 @@ torch when first used. Every name is imported on first use.
 
 __version__ = "0.1.0"
 
-__all__ = ["PrivatePlan", "account", "calibrate", "make_private", "PrivateTraining"]
+__all__ = [
+    "PrivatePlan",
+    "account",
+    "calibrate",
+    "make_private",
+    "PrivateTraining",
+    "register_clipping_layer",
+    "ClippingHandler",
+]
 
 
 def __getattr__(name):
@@ -20,4 +28,8 @@ def __getattr__(name):
         from dpmf.train import private
 
         return getattr(private, name)
+    if name in ("register_clipping_layer", "ClippingHandler"):
+        from dpmf.optim import ghost_layers
+
+        return getattr(ghost_layers, name)
     raise AttributeError(f"module 'dpmf' has no attribute {name!r}")
