@@ -65,7 +65,8 @@ def loss(out, y):
 
 def data(b=6):
     g = torch.Generator().manual_seed(1)
-    return torch.randn(b, 3, 4, generator=g, dtype=torch.float64), torch.randn(b, 3, generator=g, dtype=torch.float64)
+    x = torch.randn(b, 3, 4, generator=g, dtype=torch.float64)
+    return x, torch.randn(b, 3, generator=g, dtype=torch.float64)
 
 
 def test_a_registered_layer_is_clipped_by_its_handler_and_equals_vmap():

@@ -225,9 +225,7 @@ class _Engine:
         canonical = {id(p): n for n, p in model.named_parameters()}  # a tied tensor: its first name
         by_param: dict[str, list[_Layer]] = {}
         for mname, m in model.named_modules():  # a shared module once: its uses are its calls
-            own = [
-                (canonical[id(p)], a) for a, p in m.named_parameters(recurse=False) if p.requires_grad
-            ]
+            own = [(canonical[id(p)], a) for a, p in m.named_parameters(recurse=False) if p.requires_grad]
             own = [(q, a) for q, a in own if q in self.trainable]
             if not own:
                 continue

@@ -145,9 +145,7 @@ def register_clipping_layer(module_type, handler: ClippingHandler) -> None:
     else:
         raise TypeError(f"module_type={module_type!r} is invalid: must be an nn.Module subclass or its name")
     if not isinstance(handler, ClippingHandler):
-        raise TypeError(
-            f"handler={handler!r} is invalid: must be an instance of dpmf.optim.ClippingHandler"
-        )
+        raise TypeError(f"handler={handler!r} is invalid: must be an instance of dpmf.optim.ClippingHandler")
     _REGISTRY[key] = handler
 
 

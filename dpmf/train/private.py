@@ -42,6 +42,7 @@ from dpmf.plan.plan import PrivatePlan, steps_per_epoch
 from dpmf.plan.schemes import auto_scheme, get_scheme
 from dpmf.train.checkpoint import as_numpy, load_checkpoint, save_checkpoint
 from dpmf.train.config import DISTRIBUTED_MODES, NOISE_KEYS
+from dpmf.train.hf import batch_size_of, load_model_state, model_state, split_batch
 from dpmf.train.ledger import export as export_files
 from dpmf.train.ledger import privacy_ledger
 from dpmf.train.shards import (
@@ -218,7 +219,7 @@ class PrivateTraining:
         """Private steps taken so far (empty batches included)."""
         return self.privatizer.step
 
-    def backward(self, *inputs, target, return_loss: bool = True) -> float | None:
+    def backward(self, *inputs, target=None, return_loss: bool = True) -> float | None:
         """The private gradient of one batch into ``p.grad``: per-example gradients, clipping to
         ζ, sum, the step's correlated noise σ·ζ·s·(C⁻¹Z)_t, division by the expected batch size
         B̄; also sets the learning rate η·χ_t of the plan's schedule.
@@ -226,7 +227,8 @@ class PrivateTraining:
         Args:
             inputs: the model's inputs for the batch (one tensor, several tensors, or one dict
                 passed as keyword arguments), batched along dimension 0 (size 0: noise only).
-            target: the targets, batched along dimension 0.
+            target: the targets, batched along dimension 0; None: taken from a dict batch by
+                the loss (``dpmf.train.hf.causal_lm_loss()``: its ``labels``).
             return_loss: compute the batch's mean loss for logging (one more forward pass
                 without gradients, about a third of a non-private step); False skips it.
 
@@ -249,13 +251,15 @@ class PrivateTraining:
                 "inputs are invalid: give the model's input (a tensor, several tensors or a dict)"
             )
         x = inputs[0] if len(inputs) == 1 else tuple(inputs)  # several tensors: model(*inputs)
+        if target is None:  # a Hugging Face batch: the loss splits it (dpmf.train.hf)
+            x, target = split_batch(self.privatizer.loss_fn, x)
         chi = float(self._multipliers[t])
         for group, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
             group["lr"] = base * chi
         self.privatizer.privatize(x, target)
         if not return_loss:
             return None
-        if target.shape[0] == 0:
+        if batch_size_of(target) == 0:
             return 0.0
         with torch.no_grad():  # still at θ_t: the optimizer has not stepped yet
             if isinstance(x, dict):
@@ -307,7 +311,7 @@ class PrivateTraining:
             "plan": self.plan.to_dict(),
             "secret": {"seed": self._seed},
             "step": self.steps_taken,
-            "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+            "model": model_state(self.model),
             "optimizer": self.optimizer.state_dict(),
             "sampler": self.sampler.state_dict(),
             "noise": noise_state(self.privatizer.noise),
@@ -324,7 +328,7 @@ class PrivateTraining:
         if state.get("plan") != self.plan.to_dict():
             raise ValueError("state is invalid: it belongs to another plan (data size, batches, scheme or σ)")
         load_noise_state(self.privatizer.noise, state["noise"], "state")
-        self.model.load_state_dict(state["model"])
+        load_model_state(self.model, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.sampler.load_state_dict(as_numpy(state["sampler"]))
         keep_own_optimizer_state(self.optimizer, self.privatizer)
