@@ -256,3 +256,18 @@ def test_bf16_autocast_on_cpu():
     torch.testing.assert_close(out.norms, ref.norms, rtol=5e-2, atol=0)  # bf16 rounding
     cos = torch.nn.functional.cosine_similarity(flat(out.grads), flat(ref.grads), dim=0)
     assert float(cos) > 0.99
+
+
+def test_example_lora_finetune_lowers_the_loss_at_epsilon_8():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "hf_lora_finetune.py"
+    spec = importlib.util.spec_from_file_location("hf_lora_finetune", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = "--records 400 --batch-size 50 --epochs 2 --seed 0 --factorization bsr:4 --epsilon 8"
+    out = example.main(args.split())
+    assert out["strategy"] == "bsr:4"
+    assert out["epsilon"][-1] == pytest.approx(8.0, rel=1e-2)  # the calibrated target, spent
+    assert out["loss"][-1] < out["loss"][0] - 0.1  # from ≈ log(vocabulary) = 4.1 (3.90 recorded)
