@@ -115,6 +115,8 @@ class _Capture(torch.autograd.Function):
         if call.recording:
             h = g if call.shape is None else g.view(call.shape)
             call.grad = h if call.grad is None else call.grad + h
+            if call.arrived is not None:
+                call.arrived(call)
         return g, g.new_zeros(()), None
 
 
@@ -137,6 +139,7 @@ class _Call:
     params: dict | None = None  # generic modules: the parameter values this call used
     recording: bool = True
     shape: torch.Size | None = None  # the output's shape when the node sits on its base
+    arrived: Callable | None = None  # called when the output gradient is recorded
 
 
 @dataclass(eq=False)
@@ -252,6 +255,43 @@ class _Engine:
         self.quiet = False  # the hooks' own operations are not the model's
         self.probe_dims: dict[int, set] = {}
         self.handles = []
+        self.early: dict[int, tuple] = {}  # id(layer) → (handler, squared norms) done in the backward
+        self._pending: dict[int, int] = {}
+
+    def process_early(self, b: int, dtype, autocast_device: str | None) -> None:
+        """Let each layer with a registered handler (untied, recorded) take its norms as soon as
+        all its output gradients arrive in the backward, and drop its recorded tensors then,
+        so that they do not all stay alive until the end of the backward."""
+        self._batch, self._dtype, self._autocast = b, dtype, autocast_device
+        for layer in self.layers:
+            if layer.fallback is not None or layer.handler is None or not layer.calls:
+                continue
+            if any(q in self.tied for q, _ in layer.params):
+                continue
+            self._pending[id(layer)] = len(layer.calls)
+            for c in layer.calls:
+                c.arrived = self._arrived(layer)
+
+    def _arrived(self, layer):
+        def done(call):
+            call.arrived = None
+            left = self._pending[id(layer)] - 1
+            self._pending[id(layer)] = left
+            if left or any(c.grad.shape[:1] != (self._batch,) for c in layer.calls):
+                return
+            h = _Handler(layer, self._dtype)
+            if self._autocast is not None:
+                with torch.autocast(self._autocast, enabled=False):
+                    sq = h.sq_norms()
+            else:
+                sq = h.sq_norms()
+            self.early[id(layer)] = (h, sq)
+            for c in layer.calls:  # the handler's state keeps what its sum needs
+                c.grad = None
+                c.inputs = None
+                c.recording = False
+
+        return done
 
     # hooks
     def __enter__(self):
@@ -609,6 +649,7 @@ def ghost_clipped_sum(
             engine.stack.clear()
             engine.owner_of = {}
             per = per_example_losses(loss_fn, out, targets)
+            del out  # the output (e.g. a language model's logits) is not needed by the backward
             losses.append(per)
             leaves.append(values)
         # every recorded tensor must have the examples along dim 0
@@ -621,11 +662,13 @@ def ghost_clipped_sum(
             return None
         total = sum(w * ell.sum() for (w, _), ell in zip(points, losses, strict=True))
         keep = method == "ghost"
+        engine.process_early(b, dtype, device.type if autocast_on else None)
         if total.requires_grad:
             torch.autograd.grad(total, [engine.anchor], retain_graph=keep, allow_unused=True)
         for layer in engine.layers:
             for c in layer.calls:
                 c.recording = False
+                c.arrived = None
                 if c.grad is not None and c.grad.shape[:1] != (b,):
                     layer.fallback = layer.fallback or "its dim 0 does not follow the examples"
         # a tied parameter: every use recorded, else the whole-model path for all its uses
@@ -643,6 +686,11 @@ def ghost_clipped_sum(
             for layer in engine.layers:
                 if layer.fallback is not None:
                     fallback[layer.name or "<model>"] = layer.fallback
+                    continue
+                if id(layer) in engine.early:  # its norms were taken in the backward
+                    h, done = engine.early[id(layer)]
+                    sq.update(done)
+                    handlers.append(h)
                     continue
                 tied_attrs = [a for q, a in layer.params if q in engine.tied]
                 if not layer.calls:  # not called: its parameters get no gradient
