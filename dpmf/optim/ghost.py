@@ -228,8 +228,11 @@ class _Engine:
         canonical = {id(p): n for n, p in model.named_parameters()}  # a tied tensor: its first name
         by_param: dict[str, list[_Layer]] = {}
         for mname, m in model.named_modules():  # a shared module once: its uses are its calls
-            own = [(canonical[id(p)], a) for a, p in m.named_parameters(recurse=False) if p.requires_grad]
-            own = [(q, a) for q, a in own if q in self.trainable]
+            own = [  # its own parameters, as named_parameters(recurse=False) without the generator
+                (canonical[id(p)], a)
+                for a, p in m._parameters.items()
+                if p is not None and p.requires_grad and canonical[id(p)] in self.trainable
+            ]
             if not own:
                 continue
             handler, _ = clipping_handler(m)
@@ -424,7 +427,8 @@ class _Handler:
         if not self.attrs:
             return {}
         out = self._sq(self.dtype)
-        if not all(bool(torch.isfinite(v).all()) for v in out.values()) and self.dtype != torch.float64:
+        finite = len(out) == 0 or bool(torch.isfinite(torch.stack([v.double() for v in out.values()])).all())
+        if not finite and self.dtype != torch.float64:
             self.dtype = torch.float64
             out = self._sq(self.dtype)  # overflow of a finite gradient's square
         names = {a: q for q, a in layer.params}

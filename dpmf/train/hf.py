@@ -146,12 +146,14 @@ class HFLoss:
                 return F.cross_entropy(logits.to(dtype), labels, reduction="none")
         labels = target["labels"] if isinstance(target, dict) else target
         mask = target.get("attention_mask") if isinstance(target, dict) else None
-        nxt = labels[:, 1:]
+        # position t predicts token t+1; the last position predicts nothing (weight 0). The
+        # logits are used whole (a view, no copy of the (B, T, V) tensor).
+        nxt = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)
         valid = nxt != -100
         if mask is not None:
-            valid = valid & (mask[:, 1:] != 0)
+            valid = valid & torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], 1).bool()
         with torch.autocast(logits.device.type, enabled=False):
-            lg = logits[:, :-1].to(dtype)
+            lg = logits.to(dtype)
             ce = F.cross_entropy(
                 lg.reshape(-1, lg.shape[-1]), torch.where(valid, nxt, 0).reshape(-1), reduction="none"
             ).reshape(nxt.shape)
