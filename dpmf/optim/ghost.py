@@ -58,6 +58,7 @@ order of the input's dim 0.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -162,8 +163,28 @@ _METADATA = frozenset(
 )
 
 
+def _check_use(engine, func, args, kwargs) -> None:
+    """Flag the layers whose trainable parameter ``func`` reads outside their module's forward."""
+    owners = engine.owner_of
+    if not owners or engine.quiet or _metadata_only(func):
+        return
+    for a in _tensors(args, kwargs or {}):
+        layers = owners.get(id(a))
+        if layers is None:
+            continue
+        stack = engine.stack
+        inside = bool(stack) and any(
+            (stack[-1] is layer if layer.handler is not None else layer in stack) for layer in layers
+        )
+        if not inside:
+            for layer in layers:
+                if layer.fallback is None:
+                    layer.fallback = "a trainable parameter is used outside its module's forward"
+
+
 class _Watch(TorchFunctionMode):
-    """Flags a trainable parameter read by an operation outside its own module's forward."""
+    """Flags a trainable parameter read by an operation outside its own module's forward (every
+    operation passes through it; used when the parameters cannot be watched themselves)."""
 
     def __init__(self, engine):
         super().__init__()
@@ -171,21 +192,54 @@ class _Watch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        owners = self.engine.owner_of
-        if owners and not self.engine.quiet and not _metadata_only(func):
-            for a in _tensors(args, kwargs):
-                layers = owners.get(id(a))
-                if layers is None:
-                    continue
-                stack = self.engine.stack
-                inside = bool(stack) and any(
-                    (stack[-1] is layer if layer.handler is not None else layer in stack) for layer in layers
-                )
-                if not inside:
-                    for layer in layers:
-                        if layer.fallback is None:
-                            layer.fallback = "a trainable parameter is used outside its module's forward"
+        _check_use(self.engine, func, args, kwargs)
         return func(*args, **kwargs)
+
+
+_ACTIVE = threading.local()  # the engine whose forward runs in this thread
+
+
+class _WatchedParameter(nn.Parameter):
+    """A trainable ``nn.Parameter`` during a recorded forward: only the operations that read it
+    pass through Python (``_check_use``), not every operation of the model as under ``_Watch``."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        engine = getattr(_ACTIVE, "engine", None)
+        if engine is not None:
+            _check_use(engine, func, args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+class _watching:
+    """The parameters turned into ``_WatchedParameter`` for one forward (plain ``nn.Parameter``s
+    only), else the ``_Watch`` mode; restored on exit."""
+
+    def __init__(self, engine, params):
+        self.engine = engine
+        self.params = params
+        self.swap = params is not None and all(type(p) is nn.Parameter for p in params)
+        self.mode = None
+
+    def __enter__(self):
+        if not self.swap:
+            self.mode = _Watch(self.engine)
+            return self.mode.__enter__()
+        self.previous = getattr(_ACTIVE, "engine", None)
+        _ACTIVE.engine = self.engine
+        for p in self.params:
+            p.__class__ = _WatchedParameter
+        return self
+
+    def __exit__(self, *exc):
+        if self.mode is not None:
+            return self.mode.__exit__(*exc)
+        for p in self.params:
+            p.__class__ = nn.Parameter
+        _ACTIVE.engine = self.previous
+        return False
 
 
 _SIZE_QUERIES = frozenset(
@@ -648,7 +702,7 @@ def ghost_clipped_sum(
             for layer in engine.layers:
                 for q, _ in layer.params:
                     engine.owner_of.setdefault(owner_ids[q], []).append(layer)
-            with _Watch(engine):
+            with _watching(engine, list(values.values()) if shift is None else None):
                 out = _forward(model, inputs, None if shift is None else values)
             engine.stack.clear()
             engine.owner_of = {}
