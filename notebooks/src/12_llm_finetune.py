@@ -103,6 +103,8 @@ plt.show()
 # %% [markdown]
 # **Reading.** Training only the adapters, every run lowers the held-out loss from about
 # log(vocabulary) ≈ 4.1 — the untrained model's — and a larger ε (less noise) lowers it further.
+# In this run DP-Muon ends lower than DP-Adam at both privacy levels, and `pick` chose a banded
+# strategy with cyclic Poisson sampling at ε = 2 and a dense one at ε = 8.
 # The base model here is random, so what the adapters learn is limited; with pretrained weights
 # (`python examples/hf_lora_finetune.py --model gpt2`, which needs the Hugging Face hub) the same
 # code fine-tunes GPT-2 itself. Numbers at this size are from one seed: compare curves, not
