@@ -271,3 +271,11 @@ def test_example_lora_finetune_lowers_the_loss_at_epsilon_8():
     assert out["strategy"] == "bsr:4"
     assert out["epsilon"][-1] == pytest.approx(8.0, rel=1e-2)  # the calibrated target, spent
     assert out["loss"][-1] < out["loss"][0] - 0.1  # from ≈ log(vocabulary) = 4.1 (3.90 recorded)
+
+
+def test_vmap_on_transformers_sdpa_code_names_the_way_out():
+    model = gpt2(True)  # SDPA attention: transformers' mask code branches on the data
+    loss = causal_lm_loss()
+    x, y = loss.split(batch())
+    with pytest.raises(RuntimeError, match=r"clipping='vmap'.*cannot run this model.*clipping='auto'"):
+        clipped_sum(model, loss, x, y, clip_norm=1.0, clipping="vmap")

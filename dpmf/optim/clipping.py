@@ -395,7 +395,17 @@ def clipped_sum(
                 all_norms.append(norms[0])
                 start = stop
                 continue
-        grads = _vmap_gradients(model, loss_fn, x, y, plan, names)
+        try:
+            grads = _vmap_gradients(model, loss_fn, x, y, plan, names)
+        except RuntimeError as exc:
+            if "vmap" not in str(exc):
+                raise
+            raise RuntimeError(
+                f"clipping={clipping!r}: torch.func per-example gradients (vmap) cannot run this model: "
+                f"{str(exc).splitlines()[0]} Use clipping='auto' with layers that have clipping handlers "
+                "(dpmf.register_clipping_layer; Hugging Face models: a dpmf.train.hf loss), or make the "
+                "model's forward free of data-dependent branches (transformers: attn_implementation='eager')"
+            ) from exc
         grads = [grads[n] for n in names]
         with torch.autocast(device.type, enabled=False):  # norms and sums not in bf16
             _vmap_clip_into(sums, names, grads, clip_norm, start, step, example_ids, all_norms)
