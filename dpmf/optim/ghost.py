@@ -30,17 +30,28 @@ norms; c_i = min(1, ζ/‖g_i‖). Then, in one of two ways:
   output gradients, one GEMM per layer and no second backward (Bu et al., "Differentially
   Private Optimization on Large Model at Small Cost", ICML 2023, Algorithm 1).
 
-Every other module with trainable parameters takes its per-example gradients from
-``torch.func``: a module called with one tensor (examples along dim 0) and returning one
-tensor gets ``vmap(grad(·))`` of that module alone, against its recorded input and output
-gradient; anything else — a parameter used outside its own module's forward (e.g. the output
-projection of ``nn.MultiheadAttention``, tied weights), a module with several inputs, or a
-layer whose dim 0 does not follow the examples (``batch_first=False``) — gets the
-whole-model ``vmap(grad(·))`` path for its parameters. Those conditions are checked at run
-time (a ``TorchFunctionMode`` watches which parameters each operation reads, and a one-example
-probe pass checks that every recorded tensor's leading dimension follows the batch), never
-assumed, because a missed use would make a per-example norm too small: the clipping bound —
-the sensitivity the noise is calibrated to — would silently fail.
+Which layers have closed forms is the clipping-layer registry (``dpmf.optim.ghost_layers``:
+module type → handler; ``register_clipping_layer`` adds one). A parameter shared by several
+registered layers (tied input/output embeddings) gets the sum of its uses' per-example
+gradients, instantiated by their handlers. Every other module with trainable parameters takes
+its per-example gradients from ``torch.func``: a module called with one tensor (examples along
+dim 0) and returning one tensor gets ``vmap(grad(·))`` of that module alone, against its
+recorded input and output gradient; anything else — a parameter used outside its own module's
+forward (e.g. the output projection of ``nn.MultiheadAttention``), a parameter shared with a
+module without a handler, a module with several inputs, or a layer whose dim 0 does not follow
+the examples (``batch_first=False``) — gets the whole-model ``vmap(grad(·))`` path for its
+parameters. Those conditions are checked at run time (during the recorded forward the
+trainable parameters report every operation that reads them — a ``Parameter`` subclass, or a
+``TorchFunctionMode`` for evaluation plans — and a one-example probe pass checks that every
+recorded tensor's leading dimension follows the batch), never assumed, because a missed use
+would make a per-example norm too small: the clipping bound — the sensitivity the noise is
+calibrated to — would silently fail. Reading a parameter's metadata (dtype, shape, device) is
+not a use.
+
+Inputs are one tensor (``model(x)``) or a dict of tensors (``model(**batch)``, e.g. a Hugging
+Face batch); a ``loss_fn`` with a ``per_example`` method gives the per-example losses itself
+(``dpmf.train.hf``). A layer's norms are taken as soon as all its output gradients have arrived
+in the backward, and its recorded tensors dropped then.
 
 The probe is one forward of the first example under ``torch.no_grad`` (the random state is
 restored afterwards), once per model, input shape and set of trainable parameters; a module
