@@ -211,13 +211,15 @@ def train(private, steps):
                 break
 
 
-@pytest.mark.parametrize("which", ["gpt2", "bert"])
+@pytest.mark.parametrize("which", ["gpt2", "bert", "gpt2-full"])
 def test_make_private_trains_only_the_adapter(which, tmp_path):
-    model = gpt2(True) if which == "gpt2" else bert(True)
-    loss = causal_lm_loss() if which == "gpt2" else sequence_classification_loss()
+    model = {"gpt2": lambda: gpt2(True), "bert": lambda: bert(True), "gpt2-full": lambda: gpt2(False)}[
+        which
+    ]()
+    loss = sequence_classification_loss() if which == "bert" else causal_lm_loss()
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    private = private_run(model, loss, 3, classes=None if which == "gpt2" else 3)
+    private = private_run(model, loss, 3, classes=3 if which == "bert" else None)
     assert private.privatizer.noise.dim == sum(p.numel() for p in trainable.values())
     train(private, 3)
     for n, p in model.named_parameters():
@@ -225,7 +227,11 @@ def test_make_private_trains_only_the_adapter(which, tmp_path):
             assert torch.equal(p, frozen[n]), n  # bit-identical
     assert all(not torch.equal(p, trainable[n]) for n, p in model.named_parameters() if n in trainable)
     state = private.state_dict()["model"]
-    assert set(state["tensors"]) >= set(trainable) and not set(state["tensors"]) & set(frozen)
+    if frozen:  # the trainable tensors only, with the frozen weights' digest
+        assert set(state["tensors"]) >= set(trainable) and not set(state["tensors"]) & set(frozen)
+    else:  # full fine-tuning (tied embeddings included): the whole state_dict
+        assert set(state) == set(model.state_dict())
+    assert private.privatizer.last_step is not None
 
 
 def test_resume_gives_the_weights_of_an_uninterrupted_run(tmp_path):
