@@ -249,6 +249,7 @@ def test_resume_gives_the_weights_of_an_uninterrupted_run(tmp_path):
     other = private_run(gpt2(True, seed=1), loss, 4, seed=5)  # another base model: refused
     with pytest.raises(ValueError, match="frozen weights differ"):
         other.resume(str(tmp_path / "ck.pt"))
+    assert other.steps_taken == 0  # refused before anything was loaded
 
 
 def test_bf16_autocast_on_cpu():

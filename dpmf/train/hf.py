@@ -56,6 +56,7 @@ __all__ = [
     "split_batch",
     "batch_size_of",
     "model_state",
+    "check_model_state",
     "load_model_state",
 ]
 
@@ -255,6 +256,20 @@ def model_state(model: nn.Module) -> dict:
     if all(p.requires_grad for p in model.parameters()):
         return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return trainable_state(model)
+
+
+def check_model_state(model: nn.Module, state: dict, name: str = "state") -> None:
+    """Refuse, before anything is loaded, a trainable-only state saved from other frozen weights.
+
+    Raises:
+        ValueError: the frozen weights' digest differs from the model's.
+    """
+    if isinstance(state, dict) and "frozen_sha256" in state and "tensors" in state:
+        if state["frozen_sha256"] != frozen_digest(model):
+            raise ValueError(
+                f"{name} is invalid: its frozen weights differ from the model's (another base model or "
+                "another set of trainable parameters); resume into the model it was saved from"
+            )
 
 
 def load_model_state(model: nn.Module, state: dict) -> None:

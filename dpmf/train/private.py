@@ -42,7 +42,7 @@ from dpmf.plan.plan import PrivatePlan, steps_per_epoch
 from dpmf.plan.schemes import auto_scheme, get_scheme
 from dpmf.train.checkpoint import as_numpy, load_checkpoint, save_checkpoint
 from dpmf.train.config import DISTRIBUTED_MODES, NOISE_KEYS
-from dpmf.train.hf import batch_size_of, load_model_state, model_state, split_batch
+from dpmf.train.hf import batch_size_of, check_model_state, load_model_state, model_state, split_batch
 from dpmf.train.ledger import export as export_files
 from dpmf.train.ledger import privacy_ledger
 from dpmf.train.shards import (
@@ -327,6 +327,7 @@ class PrivateTraining:
             raise ValueError("state is invalid: not a make_private state (format mismatch)")
         if state.get("plan") != self.plan.to_dict():
             raise ValueError("state is invalid: it belongs to another plan (data size, batches, scheme or σ)")
+        check_model_state(self.model, state["model"])  # other frozen weights: before any loading
         load_noise_state(self.privatizer.noise, state["noise"], "state")
         load_model_state(self.model, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
