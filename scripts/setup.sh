@@ -23,7 +23,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-EXTRAS="torch,test,bench"
+EXTRAS="torch,test,bench,hf"
 if "$VENV/bin/python" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)'; then
   EXTRAS="$EXTRAS,fl"  # Flower 1.42 (dpmf fl) needs Python >= 3.11
 else

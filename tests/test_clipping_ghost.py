@@ -195,7 +195,7 @@ def test_clipped_sum_and_norms_equal_explicit_per_example_gradients(name, method
     torch.testing.assert_close(flat(out.grads), ref, rtol=rtol, atol=rtol * float(ref.abs().max()))
     # the auto choice: book-keeping unless a parameter needs the whole-model torch.func path
     if method == "auto":
-        assert out.method == ("vmap" if name in ("functional", "attention", "tied") else "bk")
+        assert out.method == ("vmap" if name in ("functional", "attention") else "bk")
     else:
         assert out.method == method
 

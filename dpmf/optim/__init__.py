@@ -34,6 +34,7 @@ from dpmf.optim.filters import (
     make_filter,
     single_pass_gamma,
 )
+from dpmf.optim.ghost_layers import ClippingHandler, register_clipping_layer, registered_clipping_layers
 from dpmf.optim.lookahead import EvaluationPoint
 from dpmf.optim.matrix import aspect_factor, check_matrix_parameter, matrix_shape, matrix_view
 from dpmf.optim.model_guard import ModelChangedError, ModelStateChangedError
@@ -96,6 +97,9 @@ __all__ = [
     "NonFiniteGradientError",
     "check_per_example_safe",
     "clipped_sum",
+    "register_clipping_layer",
+    "registered_clipping_layers",
+    "ClippingHandler",
     "per_example_gradients",
     "CorrelatedNoise",
     "ToeplitzInverseNoise",

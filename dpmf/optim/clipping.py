@@ -208,7 +208,7 @@ def _vmap_gradients(model, loss_fn, inputs, targets, plan, wanted) -> dict[str, 
         at = p if shift is None else {n: p[n] + shift[n] for n in p}
         rest = fixed if shift is None else {n: v + shift[n] if n in shift else v for n, v in fixed.items()}
         out = _call(model, (at, rest, buffers), x)
-        return loss_fn(out, y.unsqueeze(0))
+        return loss_fn(out, _map_tensors(lambda t: t.unsqueeze(0), y))
 
     def loss_of_one(p, x, y):
         if plan is None:
@@ -344,12 +344,13 @@ def clipped_sum(
     clipping = check_choice("clipping", clipping, CLIPPING_MODES)
     if not isinstance(inputs, torch.Tensor):  # a tuple (model(*x)) or dict (model(**x)) of tensors
         leaves = _leaves(inputs)
-        if clipping in ("ghost", "bk"):
-            raise ValueError(
-                f"clipping={clipping!r} is invalid with tuple or dict inputs: ghost norms need one input "
-                "tensor; use clipping='auto' or 'vmap' (torch.func per-example gradients)"
-            )
-        clipping = "vmap"
+        if not isinstance(inputs, dict):
+            if clipping in ("ghost", "bk"):
+                raise ValueError(
+                    f"clipping={clipping!r} is invalid with tuple inputs: ghost norms need one input "
+                    "tensor or a dict (model(**batch)); use clipping='auto' or 'vmap'"
+                )
+            clipping = "vmap"
         first = leaves[0]
         if any(t.shape[0] != first.shape[0] for t in leaves):
             raise ValueError("inputs are invalid: the tensors of a tuple/dict batch differ in dimension 0")
@@ -358,15 +359,14 @@ def clipped_sum(
     else:
         batch = int(inputs.shape[0])
         device = inputs.device
+    target_batch = int(_leaves(targets)[0].shape[0])
     if micro_batch_size is not None:
         micro_batch_size = check_int("micro_batch_size", micro_batch_size, minimum=1)
     if micro_batch_entries is not None:
         micro_batch_entries = check_int("micro_batch_entries", micro_batch_entries, minimum=1)
     check_per_example_safe(model)
-    if batch != targets.shape[0]:
-        raise ValueError(
-            f"inputs and targets are invalid: batch sizes differ ({batch} vs {targets.shape[0]})"
-        )
+    if batch != target_batch:
+        raise ValueError(f"inputs and targets are invalid: batch sizes differ ({batch} vs {target_batch})")
     named = trainable_parameters(model)
     names = [n for n, _ in named]
     plan = _check_points(points, named)
@@ -385,7 +385,7 @@ def clipped_sum(
     start = 0
     while start < batch:
         stop = min(start + (vmap_micro if used == "vmap" else micro_batch_size), batch)
-        x, y = _slice(inputs, start, stop), targets[start:stop]
+        x, y = _slice(inputs, start, stop), _slice(targets, start, stop)
         if used != "vmap":
             got = _ghost_micro_batch(model, loss_fn, x, y, clip_norm, names, plan, used, clipping == "auto")
             if got is None:  # auto: a parameter needs the whole-model path; use it for all
@@ -402,7 +402,17 @@ def clipped_sum(
                 all_norms.append(norms[0])
                 start = stop
                 continue
-        grads = _vmap_gradients(model, loss_fn, x, y, plan, names)
+        try:
+            grads = _vmap_gradients(model, loss_fn, x, y, plan, names)
+        except RuntimeError as exc:
+            if "vmap" not in str(exc):
+                raise
+            raise RuntimeError(
+                f"clipping={clipping!r}: torch.func per-example gradients (vmap) cannot run this model: "
+                f"{str(exc).splitlines()[0]} Use clipping='auto' with layers that have clipping handlers "
+                "(dpmf.register_clipping_layer; Hugging Face models: a dpmf.train.hf loss), or make the "
+                "model's forward free of data-dependent branches (transformers: attn_implementation='eager')"
+            ) from exc
         grads = [grads[n] for n in names]
         with torch.autocast(device.type, enabled=False):  # norms and sums not in bf16
             _vmap_clip_into(sums, names, grads, clip_norm, start, step, example_ids, all_norms)
@@ -494,6 +504,13 @@ _WARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _signature(inputs, names, model):
+    if isinstance(inputs, dict):
+        shapes = tuple(
+            (k, tuple(v.shape[1:]), v.dtype) for k, v in inputs.items() if isinstance(v, torch.Tensor)
+        )
+        return (shapes, tuple(names), model.training)
+    if not isinstance(inputs, torch.Tensor):
+        return (len(inputs), tuple(names), model.training)
     return (tuple(inputs.shape[1:]), inputs.dtype, tuple(names), model.training)
 
 

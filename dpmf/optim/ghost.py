@@ -30,17 +30,28 @@ norms; c_i = min(1, ζ/‖g_i‖). Then, in one of two ways:
   output gradients, one GEMM per layer and no second backward (Bu et al., "Differentially
   Private Optimization on Large Model at Small Cost", ICML 2023, Algorithm 1).
 
-Every other module with trainable parameters takes its per-example gradients from
-``torch.func``: a module called with one tensor (examples along dim 0) and returning one
-tensor gets ``vmap(grad(·))`` of that module alone, against its recorded input and output
-gradient; anything else — a parameter used outside its own module's forward (e.g. the output
-projection of ``nn.MultiheadAttention``, tied weights), a module with several inputs, or a
-layer whose dim 0 does not follow the examples (``batch_first=False``) — gets the
-whole-model ``vmap(grad(·))`` path for its parameters. Those conditions are checked at run
-time (a ``TorchFunctionMode`` watches which parameters each operation reads, and a one-example
-probe pass checks that every recorded tensor's leading dimension follows the batch), never
-assumed, because a missed use would make a per-example norm too small: the clipping bound —
-the sensitivity the noise is calibrated to — would silently fail.
+Which layers have closed forms is the clipping-layer registry (``dpmf.optim.ghost_layers``:
+module type → handler; ``register_clipping_layer`` adds one). A parameter shared by several
+registered layers (tied input/output embeddings) gets the sum of its uses' per-example
+gradients, instantiated by their handlers. Every other module with trainable parameters takes
+its per-example gradients from ``torch.func``: a module called with one tensor (examples along
+dim 0) and returning one tensor gets ``vmap(grad(·))`` of that module alone, against its
+recorded input and output gradient; anything else — a parameter used outside its own module's
+forward (e.g. the output projection of ``nn.MultiheadAttention``), a parameter shared with a
+module without a handler, a module with several inputs, or a layer whose dim 0 does not follow
+the examples (``batch_first=False``) — gets the whole-model ``vmap(grad(·))`` path for its
+parameters. Those conditions are checked at run time (during the recorded forward the
+trainable parameters report every operation that reads them — a ``Parameter`` subclass, or a
+``TorchFunctionMode`` for evaluation plans — and a one-example probe pass checks that every
+recorded tensor's leading dimension follows the batch), never assumed, because a missed use
+would make a per-example norm too small: the clipping bound — the sensitivity the noise is
+calibrated to — would silently fail. Reading a parameter's metadata (dtype, shape, device) is
+not a use.
+
+Inputs are one tensor (``model(x)``) or a dict of tensors (``model(**batch)``, e.g. a Hugging
+Face batch); a ``loss_fn`` with a ``per_example`` method gives the per-example losses itself
+(``dpmf.train.hf``). A layer's norms are taken as soon as all its output gradients have arrived
+in the backward, and its recorded tensors dropped then.
 
 The probe is one forward of the first example under ``torch.no_grad`` (the random state is
 restored afterwards), once per model, input shape and set of trainable parameters; a module
@@ -58,6 +69,7 @@ order of the input's dim 0.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,40 +81,25 @@ from torch.func import functional_call, grad, vmap
 from torch.overrides import TorchFunctionMode
 
 from dpmf.optim.choices import CLIPPING_MODES
+from dpmf.optim.ghost_layers import ClippingHandler, _sq, clipping_handler
 
 __all__ = ["CLIPPING_MODES", "GhostResult", "ghost_clipped_sum", "ghost_layer_kinds"]
 
 
-_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
-
-
-def _kind(module: nn.Module) -> str:
-    """'linear', 'conv', 'embedding', 'norm' for the layers with closed forms; else 'generic'."""
-    t = type(module)
-    if isinstance(module, nn.Linear) and t.forward is nn.Linear.forward:
-        return "linear"
-    if isinstance(module, (nn.Conv1d, nn.Conv2d)) and t.forward in (nn.Conv1d.forward, nn.Conv2d.forward):
-        return "conv"
-    if isinstance(module, nn.Embedding) and t.forward is nn.Embedding.forward:
-        if not module.sparse and not module.scale_grad_by_freq:  # batch-coupled frequencies
-            return "embedding"
-        return "generic"
-    if isinstance(module, _NORMS) and t.forward in tuple(c.forward for c in _NORMS):
-        return "norm"
-    return "generic"
-
 
 def ghost_layer_kinds(model: nn.Module) -> dict[str, str]:
-    """How each module owning trainable parameters is handled before any run-time check:
-    ``linear``, ``conv``, ``embedding``, ``norm`` (closed forms) or ``generic`` (``torch.func``).
+    """How each module owning trainable parameters is handled before any run-time check: the
+    name of its registered handler (``linear``, ``conv``, ``conv1d``, ``embedding``, ``norm``,
+    or a user's; ``dpmf.optim.ghost_layers``) or ``generic`` (``torch.func``).
 
     Module names are those of ``model.named_modules()`` (``""`` for the model itself).
     """
-    return {
-        name: _kind(m)
-        for name, m in model.named_modules()
-        if any(p.requires_grad for p in m.parameters(recurse=False))
-    }
+    out = {}
+    for name, m in model.named_modules():
+        if any(p.requires_grad for p in m.parameters(recurse=False)):
+            handler, _ = clipping_handler(m)
+            out[name] = "generic" if handler is None else handler.name
+    return out
 
 
 # -- recording ------------------------------------------------------------------------------
@@ -130,6 +127,8 @@ class _Capture(torch.autograd.Function):
         if call.recording:
             h = g if call.shape is None else g.view(call.shape)
             call.grad = h if call.grad is None else call.grad + h
+            if call.arrived is not None:
+                call.arrived(call)
         return g, g.new_zeros(()), None
 
 
@@ -152,20 +151,51 @@ class _Call:
     params: dict | None = None  # generic modules: the parameter values this call used
     recording: bool = True
     shape: torch.Size | None = None  # the output's shape when the node sits on its base
+    arrived: Callable | None = None  # called when the output gradient is recorded
 
 
 @dataclass(eq=False)
 class _Layer:
     name: str
     module: nn.Module
-    kind: str
+    handler: ClippingHandler | None  # None: torch.func on the module alone ("generic")
     params: list[tuple[str, str]]  # (model-level name, attribute name) of its trainable params
     calls: list[_Call] = field(default_factory=list)
     fallback: str | None = None  # why it needs the whole-model torch.func path
 
+    @property
+    def kind(self) -> str:
+        return "generic" if self.handler is None else self.handler.name
+
+
+# Reading these attributes of a parameter reads no value: not a use of the parameter.
+_METADATA = frozenset(
+    ("dtype", "device", "shape", "requires_grad", "is_cuda", "layout", "ndim", "is_leaf", "grad_fn")
+)
+
+
+def _check_use(engine, func, args, kwargs) -> None:
+    """Flag the layers whose trainable parameter ``func`` reads outside their module's forward."""
+    owners = engine.owner_of
+    if not owners or engine.quiet or _metadata_only(func):
+        return
+    for a in _tensors(args, kwargs or {}):
+        layers = owners.get(id(a))
+        if layers is None:
+            continue
+        stack = engine.stack
+        inside = bool(stack) and any(
+            (stack[-1] is layer if layer.handler is not None else layer in stack) for layer in layers
+        )
+        if not inside:
+            for layer in layers:
+                if layer.fallback is None:
+                    layer.fallback = "a trainable parameter is used outside its module's forward"
+
 
 class _Watch(TorchFunctionMode):
-    """Flags a trainable parameter read by an operation outside its own module's forward."""
+    """Flags a trainable parameter read by an operation outside its own module's forward (every
+    operation passes through it; used when the parameters cannot be watched themselves)."""
 
     def __init__(self, engine):
         super().__init__()
@@ -173,18 +203,68 @@ class _Watch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        owners = self.engine.owner_of
-        if owners and not self.engine.quiet:
-            for a in _tensors(args, kwargs):
-                layer = owners.get(id(a))
-                if layer is not None and layer.fallback is None:
-                    stack = self.engine.stack
-                    inside = bool(stack) and (
-                        stack[-1] is layer if layer.kind != "generic" else layer in stack
-                    )
-                    if not inside:
-                        layer.fallback = "a trainable parameter is used outside its module's forward"
+        _check_use(self.engine, func, args, kwargs)
         return func(*args, **kwargs)
+
+
+_ACTIVE = threading.local()  # the engine whose forward runs in this thread
+
+
+class _WatchedParameter(nn.Parameter):
+    """A trainable ``nn.Parameter`` during a recorded forward: only the operations that read it
+    pass through Python (``_check_use``), not every operation of the model as under ``_Watch``."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        engine = getattr(_ACTIVE, "engine", None)
+        if engine is not None:
+            _check_use(engine, func, args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+class _watching:
+    """The parameters turned into ``_WatchedParameter`` for one forward (plain ``nn.Parameter``s
+    only), else the ``_Watch`` mode; restored on exit."""
+
+    def __init__(self, engine, params):
+        self.engine = engine
+        self.params = params
+        self.swap = params is not None and all(type(p) is nn.Parameter for p in params)
+        self.mode = None
+
+    def __enter__(self):
+        if not self.swap:
+            self.mode = _Watch(self.engine)
+            return self.mode.__enter__()
+        self.previous = getattr(_ACTIVE, "engine", None)
+        _ACTIVE.engine = self.engine
+        for p in self.params:
+            p.__class__ = _WatchedParameter
+        return self
+
+    def __exit__(self, *exc):
+        if self.mode is not None:
+            return self.mode.__exit__(*exc)
+        for p in self.params:
+            p.__class__ = nn.Parameter
+        _ACTIVE.engine = self.previous
+        return False
+
+
+_SIZE_QUERIES = frozenset(
+    (torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.element_size, torch.Tensor.stride)
+)
+
+
+def _metadata_only(func) -> bool:
+    """An operation that reads a tensor's metadata (dtype, shape, …), never its values."""
+    if func in _SIZE_QUERIES:
+        return True
+    if getattr(func, "__name__", "") == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", None) in _METADATA
+    return False
 
 
 def _tensors(args, kwargs):
@@ -210,36 +290,76 @@ class _Engine:
         self.model = model
         self.trainable = set(names)
         self.layers: list[_Layer] = []
-        by_param: dict[int, list[_Layer]] = {}
-        for mname, m in model.named_modules(remove_duplicate=False):
-            own = [
-                (f"{mname}.{a}" if mname else a, a)
-                for a, p in m.named_parameters(recurse=False)
-                if p.requires_grad
+        canonical = {id(p): n for n, p in model.named_parameters()}  # a tied tensor: its first name
+        by_param: dict[str, list[_Layer]] = {}
+        for mname, m in model.named_modules():  # a shared module once: its uses are its calls
+            own = [  # its own parameters, as named_parameters(recurse=False) without the generator
+                (canonical[id(p)], a)
+                for a, p in m._parameters.items()
+                if p is not None and p.requires_grad and canonical[id(p)] in self.trainable
             ]
             if not own:
                 continue
-            if any(q in self.trainable for q, _ in own):
-                layer = _Layer(mname, m, _kind(m), own)
-                self.layers.append(layer)
-                for _, a in own:
-                    by_param.setdefault(id(getattr(m, a)), []).append(layer)
-            else:  # a module reached under another name (shared module): its params are tied
-                for _, a in own:
-                    by_param.setdefault(id(getattr(m, a)), []).append(None)
-        for holders in by_param.values():
+            handler, _ = clipping_handler(m)
+            layer = _Layer(mname, m, handler, own)
+            self.layers.append(layer)
+            for q, _ in own:
+                by_param.setdefault(q, []).append(layer)
+        # a parameter used by several modules (tied weights): the per-example gradient is the sum
+        # of the uses, instantiated by each use's handler; torch.func when a use has no handler
+        self.tied: dict[str, list[_Layer]] = {}
+        for q, holders in by_param.items():
             if len(holders) > 1:
-                for layer in holders:
-                    if layer is not None:
+                if all(layer.handler is not None for layer in holders):
+                    self.tied[q] = holders
+                else:
+                    for layer in holders:
                         layer.fallback = "its parameters are shared with another module"
         self.anchor = None
         self.stack: list[_Layer] = []
-        self.owner_of: dict[int, _Layer] = {}
+        self.owner_of: dict[int, list[_Layer]] = {}
         self.point = 0
         self.mode = "record"  # "record", "probe" or "off"
         self.quiet = False  # the hooks' own operations are not the model's
         self.probe_dims: dict[int, set] = {}
         self.handles = []
+        self.early: dict[int, tuple] = {}  # id(layer) → (handler, squared norms) done in the backward
+        self._pending: dict[int, int] = {}
+
+    def process_early(self, b: int, dtype, autocast_device: str | None) -> None:
+        """Let each layer with a registered handler (untied, recorded) take its norms as soon as
+        all its output gradients arrive in the backward, and drop its recorded tensors then,
+        so that they do not all stay alive until the end of the backward."""
+        self._batch, self._dtype, self._autocast = b, dtype, autocast_device
+        for layer in self.layers:
+            if layer.fallback is not None or layer.handler is None or not layer.calls:
+                continue
+            if any(q in self.tied for q, _ in layer.params):
+                continue
+            self._pending[id(layer)] = len(layer.calls)
+            for c in layer.calls:
+                c.arrived = self._arrived(layer)
+
+    def _arrived(self, layer):
+        def done(call):
+            call.arrived = None
+            left = self._pending[id(layer)] - 1
+            self._pending[id(layer)] = left
+            if left or any(c.grad.shape[:1] != (self._batch,) for c in layer.calls):
+                return
+            h = _Handler(layer, self._dtype)
+            if self._autocast is not None:
+                with torch.autocast(self._autocast, enabled=False):
+                    sq = h.sq_norms()
+            else:
+                sq = h.sq_norms()
+            self.early[id(layer)] = (h, sq)
+            for c in layer.calls:  # the handler's state keeps what its sum needs
+                c.grad = None
+                c.inputs = None
+                c.recording = False
+
+        return done
 
     # hooks
     def __enter__(self):
@@ -282,15 +402,17 @@ class _Engine:
                 if not isinstance(out, torch.Tensor):
                     layer.fallback = "its output is not one tensor"
                 return None
-            if layer.kind == "generic" and (len(args) != 1 or not isinstance(args[0], torch.Tensor)):
+            if layer.handler is None and (len(args) != 1 or not isinstance(args[0], torch.Tensor)):
                 layer.fallback = "it is called with other than one tensor"
                 return None
             call = _Call(self.point, tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
             layer.calls.append(call)
             self.quiet = True
             try:
-                if layer.kind == "generic":
+                if layer.handler is None:
                     call.params = {n: _get(module, n).detach() for n, _ in module.named_parameters()}
+                    return _CaptureCopy.apply(out, self.anchor, call)
+                if layer.handler.copy_output:
                     return _CaptureCopy.apply(out, self.anchor, call)
                 base = out._base
                 if base is not None and base.numel() == out.numel() and out.is_contiguous():
@@ -309,96 +431,17 @@ class _Engine:
 # -- per-layer norms and sums ---------------------------------------------------------------
 
 
-def _conv_padded(m, x):
-    """The input padded as the convolution pads it (any padding mode, 'same' included)."""
-    k = len(m.kernel_size)
-    if isinstance(m.padding, str):
-        pads = [0] * (2 * k)
-        if m.padding == "same":  # PyTorch puts the odd element on the right / bottom
-            for i in range(k):
-                total = m.dilation[i] * (m.kernel_size[i] - 1)
-                j = 2 * (k - 1 - i)
-                pads[j], pads[j + 1] = total // 2, total - total // 2
-    else:
-        pads = [q for p in reversed(m.padding) for q in (p, p)]
-    if not any(pads):
-        return x
-    return F.pad(x, pads, mode="constant" if m.padding_mode == "zeros" else m.padding_mode)
-
-
-def _shape_of(layer: _Layer, call: _Call) -> tuple[int, int, int]:
-    """(T, d, p) of one call: tokens per example, inputs and outputs per group."""
-    m, g = layer.module, call.grad
-    if layer.kind == "linear":
-        return g[0].numel() // g.shape[-1], m.in_features, m.out_features
-    k = 1
-    for s in m.kernel_size:
-        k *= s
-    return g[0, 0].numel(), m.in_channels // m.groups * k, m.out_channels // m.groups
-
-
-def _linear_form(layer: _Layer, call: _Call):
-    """(A, G) of one call as (b, groups, T, d), (b, groups, T, p)."""
-    m, x, g = layer.module, call.inputs[0], call.grad
-    b = x.shape[0]
-    if layer.kind == "linear":
-        return x.reshape(b, 1, -1, x.shape[-1]), g.reshape(b, 1, -1, g.shape[-1])
-    # convolution: unfold the (padded) input; one linear layer per group
-    x = _conv_padded(m, x)
-    if isinstance(m, nn.Conv1d):
-        x, g = x.unsqueeze(-2), g.unsqueeze(-2)
-        kernel, stride, dilation = (1, *m.kernel_size), (1, *m.stride), (1, *m.dilation)
-    else:
-        kernel, stride, dilation = m.kernel_size, m.stride, m.dilation
-    cols = F.unfold(x, kernel, dilation=dilation, stride=stride)  # (b, C_in·k, L)
-    grp = m.groups
-    a = cols.reshape(b, grp, -1, cols.shape[-1]).transpose(2, 3)  # (b, g, L, d)
-    gg = g.reshape(b, grp, g.shape[1] // grp, -1).transpose(2, 3)  # (b, g, L, p)
-    return a, gg
-
-
-def _conv_per_example(m, call, dtype) -> torch.Tensor:
-    """Per-example conv weight gradients, (b, *weight.shape), by one grouped convolution
-    backward with the examples as groups (no unfolded input is formed)."""
-    x, g = _conv_padded(m, call.inputs[0].to(dtype)), call.grad.to(dtype)
-    b = x.shape[0]
-    xi = x.reshape(1, b * x.shape[1], *x.shape[2:])
-    gi = g.reshape(1, b * g.shape[1], *g.shape[2:])
-    shape = (b * m.out_channels, m.in_channels // m.groups, *m.kernel_size)
-    w = torch.ops.aten.convolution_backward(
-        gi,
-        xi,
-        torch.empty(shape, dtype=dtype, device=x.device),
-        None,
-        list(m.stride),
-        [0] * len(m.kernel_size),
-        list(m.dilation),
-        False,
-        [0] * len(m.kernel_size),
-        b * m.groups,
-        [False, True, False],
-    )[1]
-    return w.reshape(b, *m.weight.shape)
-
-
-def _cat_calls(layer, dtype):
-    """A, G over all calls (and evaluation points), tokens concatenated (the output gradients
-    of a point already carry its weight: the backward was of Σ_j w_j Σ_i ℓ_ij)."""
-    calls = [c for c in layer.calls if c.grad is not None]
-    parts = [_linear_form(layer, c) for c in calls]
-    if len(parts) == 1:
-        return parts[0][0].to(dtype), parts[0][1].to(dtype)
-    a = torch.cat([a.to(dtype) for a, _ in parts], dim=2)
-    g = torch.cat([g.to(dtype) for _, g in parts], dim=2)
-    return a, g
-
-
-def per_example_losses(loss_fn, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def per_example_losses(loss_fn, out, targets) -> torch.Tensor:
     """ℓ_i = loss_fn(out[i:i+1], targets[i:i+1]) for every i, shape (b,).
 
-    ``F.cross_entropy`` and ``F.nll_loss`` on (b, classes) outputs and integer class targets
-    use ``reduction="none"`` (the same numbers, one kernel); any other loss is ``vmap``-ed.
+    A ``loss_fn`` with a ``per_example(out, targets)`` method (e.g. the losses of
+    ``dpmf.train.hf``) gives the (b,) losses itself. ``F.cross_entropy`` and ``F.nll_loss`` on
+    (b, classes) outputs and integer class targets use ``reduction="none"`` (the same numbers,
+    one kernel); any other loss is ``vmap``-ed.
     """
+    per = getattr(loss_fn, "per_example", None)
+    if callable(per):
+        return per(out, targets)
     if (
         loss_fn in (F.cross_entropy, F.nll_loss)
         and out.dim() == 2
@@ -407,175 +450,81 @@ def per_example_losses(loss_fn, out: torch.Tensor, targets: torch.Tensor) -> tor
         and not bool((targets == -100).any())  # ignore_index: a mean over no element
     ):
         return loss_fn(out, targets, reduction="none")
-    return vmap(lambda o, t: loss_fn(o.unsqueeze(0), t.unsqueeze(0)))(out, targets)
+    return vmap(lambda o, t: loss_fn(_unsqueeze(o), _unsqueeze(t)))(out, targets)
 
 
-def _sq(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Σ x² along ``dim`` as the square of one fused norm (no squared temporary)."""
-    return torch.linalg.vector_norm(x, dim=dim).double().square()
-
-
-def _total(parts):
-    """The sum of an iterable of tensors without a leading 0 + (a copy of the first)."""
-    out = None
-    for p in parts:
-        out = p if out is None else out + p
-    return out
-
-
-def _linear_per_example(call, dtype) -> torch.Tensor:
-    """Per-example Linear weight gradients G_iᵀA_i, (b, p, d), by one batched GEMM."""
-    x, g = call.inputs[0].to(dtype), call.grad.to(dtype)
-    b = x.shape[0]
-    return torch.bmm(g.reshape(b, -1, g.shape[-1]).transpose(1, 2), x.reshape(b, -1, x.shape[-1]))
-
-
-# Up to this many tokens per example an embedding's norm is a ghost norm (T² pairs); beyond, its
-# sparse per-example gradient (a sort of the b·T (example, token) keys and one index_add).
-_EMBEDDING_GHOST_TOKENS = 16
-
-
-def _embedding_sq_sparse(ids: torch.Tensor, g: torch.Tensor, vocab: int) -> torch.Tensor:
-    """‖Σ_t e_{x_t} G_i[t]‖² per example from the rows of its sparse gradient, shape (b,)."""
-    b, t, d = g.shape
-    keys = (ids + vocab * torch.arange(b, device=ids.device).unsqueeze(1)).reshape(-1)
-    rows, inverse = torch.unique(keys, return_inverse=True)
-    summed = torch.zeros(rows.shape[0], d, dtype=g.dtype, device=g.device)
-    summed.index_add_(0, inverse, g.reshape(-1, d))
-    sq = torch.zeros(b, dtype=torch.float64, device=g.device)
-    return sq.index_add_(0, rows // vocab, _sq(summed, 1))
-
-
-def _gram_sq(a, g):
-    """Σ_groups ⟨A Aᵀ, G Gᵀ⟩ per example, shape (b,)."""
-    if a.shape[2] == 1:
-        return (_sq(a, -1) * _sq(g, -1)).sum((1, 2))
-    aa = a @ a.transpose(-1, -2)
-    gg = g @ g.transpose(-1, -2)
-    return (aa * gg).sum((1, 2, 3))
+def _unsqueeze(tree):
+    if isinstance(tree, torch.Tensor):
+        return tree.unsqueeze(0)
+    if isinstance(tree, dict):
+        return {k: _unsqueeze(v) for k, v in tree.items()}
+    return type(tree)(_unsqueeze(v) for v in tree)
 
 
 class _Handler:
-    """Per-example squared norms of one layer's trainable parameters, then their clipped sum."""
+    """One layer's per-example squared norms, then its clipped sum, through its handler (the
+    registry's, or torch.func on the module alone for a layer without one)."""
 
-    def __init__(self, layer: _Layer, dtype):
+    def __init__(self, layer: _Layer, dtype, tied=()):
         self.layer = layer
         self.dtype = dtype
-        self.stored = {}
+        self.tied = set(tied)  # attributes whose parameter is tied: instantiated by the engine
+        self.state = None
+        self.attrs = [a for _, a in layer.params if a not in self.tied]
+        self.zero = False
 
+    @property
+    def sum_by_backward(self) -> bool:
+        h = self.layer.handler
+        return h is not None and h.sum_by_backward
+
+    def calls(self):
+        return [c for c in self.layer.calls if c.grad is not None]
+
+    @torch.no_grad()  # a handler reading a parameter's value must not put the norms in the graph
     def sq_norms(self) -> dict[str, torch.Tensor]:
+        layer = self.layer
+        if not self.calls():
+            c0 = layer.calls[0].inputs[0]
+            self.zero = True
+            zero = torch.zeros(c0.shape[0], dtype=torch.float64, device=c0.device)
+            return {q: zero for q, _ in layer.params}
+        if not self.attrs:
+            return {}
         out = self._sq(self.dtype)
-        if not all(bool(torch.isfinite(v).all()) for v in out.values()) and self.dtype != torch.float64:
-            out = self._sq(torch.float64)  # overflow of a finite gradient's square
-        return {k: v.double() for k, v in out.items()}
-
-    def _params(self):
-        return {a: q for q, a in self.layer.params}
+        finite = len(out) == 0 or bool(torch.isfinite(torch.stack([v.double() for v in out.values()])).all())
+        if not finite and self.dtype != torch.float64:
+            self.dtype = torch.float64
+            out = self._sq(self.dtype)  # overflow of a finite gradient's square
+        names = {a: q for q, a in layer.params}
+        return {names[a]: v.double() for a, v in out.items()}
 
     def _sq(self, dtype):
-        layer, kind, params = self.layer, self.layer.kind, self._params()
-        if not any(c.grad is not None for c in layer.calls):
-            b = layer.calls[0].inputs[0].shape[0]
-            self.stored = {"zero": b}
-            return {
-                q: torch.zeros(b, dtype=dtype, device=layer.calls[0].inputs[0].device)
-                for q, _ in layer.params
-            }
-        out = {}
-        if kind in ("linear", "conv"):
-            calls = [c for c in layer.calls if c.grad is not None]
-            shapes = [_shape_of(layer, c) for c in calls]
-            t, d, p = sum(s[0] for s in shapes), shapes[0][1], shapes[0][2]
-            # the mixed rule: ghost when its flops T²(d+p) are below those of instantiating, T·p·d
-            ghost = t == 1 or t * (d + p) < p * d
-            if "weight" in params:
-                if ghost:
-                    a, g = _cat_calls(layer, dtype)
-                    out[params["weight"]] = _gram_sq(a, g)
-                    self.stored["weight"] = ("ghost", a, g)
-                else:
-                    if kind == "conv":
-                        w = _total(_conv_per_example(layer.module, c, dtype) for c in calls)
-                    else:
-                        w = _total(_linear_per_example(c, dtype) for c in calls)
-                    out[params["weight"]] = _sq(w.reshape(w.shape[0], -1), 1)
-                    self.stored["weight"] = ("inst", w)
-            if "bias" in params:
-                b = calls[0].grad.shape[0]
-                if kind == "conv":
-                    gb = _total(c.grad.to(dtype).reshape(b, c.grad.shape[1], -1).sum(-1) for c in calls)
-                else:
-                    gb = _total(c.grad.to(dtype).reshape(b, -1, c.grad.shape[-1]).sum(1) for c in calls)
-                out[params["bias"]] = _sq(gb, 1)
-                self.stored["bias"] = ("inst", gb)
-        elif kind == "embedding":
-            m = layer.module
-            ids, gs = [], []
-            for c in layer.calls:
-                if c.grad is None:
-                    continue
-                i = c.inputs[0].reshape(c.inputs[0].shape[0], -1)
-                gg = c.grad.reshape(i.shape[0], -1, c.grad.shape[-1]).to(dtype)
-                if m.padding_idx is not None:
-                    gg = gg * (i != m.padding_idx).unsqueeze(-1).to(dtype)
-                ids.append(i)
-                gs.append(gg)
-            i, gg = torch.cat(ids, 1), torch.cat(gs, 1)
-            if i.shape[1] <= _EMBEDDING_GHOST_TOKENS:  # ghost: Σ_{t,u} [x_t = x_u]⟨G_t, G_u⟩
-                same = (i.unsqueeze(2) == i.unsqueeze(1)).to(dtype)
-                out[params["weight"]] = ((gg @ gg.transpose(1, 2)) * same).sum((1, 2)).double()
-            else:  # the sparse per-example gradient: one row per distinct (example, token)
-                out[params["weight"]] = _embedding_sq_sparse(i, gg, m.num_embeddings)
-            self.stored["weight"] = ("embedding", i, gg)
-        elif kind == "norm":
+        h, m = self.layer.handler, self.layer.module
+        if h is None:
             sums = {}
-            for c in layer.calls:
-                if c.grad is None:
-                    continue
-                for attr, v in self._norm_grads(c, dtype).items():
-                    sums[attr] = v if attr not in sums else sums[attr] + v
-            for attr, q in params.items():
-                v = sums[attr]
-                out[q] = _sq(v.reshape(v.shape[0], -1), 1)
-                self.stored[attr] = ("inst", v)
-        else:  # generic: torch.func on the module alone
-            sums = {}
-            for c in layer.calls:
-                if c.grad is None:
-                    continue
-                for attr, v in self._generic_grads(c).items():
-                    sums[attr] = v if attr not in sums else sums[attr] + v
-            for attr, q in params.items():
-                v = sums[attr].to(dtype)
-                out[q] = _sq(v.reshape(v.shape[0], -1), 1)
-                self.stored[attr] = ("inst", v)
-        return out
+            for c in self.calls():
+                for a, v in self._generic_grads(c).items():
+                    sums[a] = v if a not in sums else sums[a] + v
+            per = {a: sums[a].to(dtype) for a in self.attrs}
+            self.state = per
+            return {a: _sq(v.reshape(v.shape[0], -1), 1) for a, v in per.items()}
+        sq, self.state = h.sq_norms(m, self.calls(), list(self.attrs), dtype)
+        return sq
 
-    def _norm_grads(self, call, dtype):
-        m, x, g = self.layer.module, call.inputs[0].to(dtype), call.grad.to(dtype)
-        b = x.shape[0]
-        if isinstance(m, nn.GroupNorm):
-            xhat = F.group_norm(x, m.num_groups, None, None, m.eps)
-            per = {
-                "weight": (g * xhat).reshape(b, m.num_channels, -1).sum(-1),
-                "bias": g.reshape(b, m.num_channels, -1).sum(-1),
-            }
-        else:
-            shape = tuple(m.normalized_shape)
-            if isinstance(m, nn.LayerNorm):
-                xhat = F.layer_norm(x, shape, None, None, m.eps)
-            else:
-                eps = m.eps if m.eps is not None else torch.finfo(call.inputs[0].dtype).eps
-                xhat = F.rms_norm(x, shape, None, eps)
-            per = {
-                "weight": (g * xhat).reshape(b, -1, *shape).sum(1),
-                "bias": g.reshape(b, -1, *shape).sum(1),
-            }
-        return {a: per[a] for a in self._params()}
+    @torch.no_grad()
+    def per_example(self, attr) -> torch.Tensor:
+        """The instantiated per-example gradient of one (tied) attribute, (b, *shape)."""
+        h, m = self.layer.handler, self.layer.module
+        if not self.calls():
+            p = _get(m, attr)
+            b = self.layer.calls[0].inputs[0].shape[0]
+            return torch.zeros((b, *p.shape), dtype=self.dtype, device=p.device)
+        return h.per_example(m, self.calls(), [attr], self.dtype)[attr]
 
     def _generic_grads(self, call):
         m = self.layer.module
-        own = list(self._params())
+        own = [a for _, a in self.layer.params]
         values = dict(call.params)
         trainable = {a: values.pop(a) for a in own}
 
@@ -583,31 +532,29 @@ class _Handler:
             out = functional_call(m, ({**p}, values), (x.unsqueeze(0),))
             return (out * g.unsqueeze(0).to(out.dtype)).sum()
 
-        gr = vmap(grad(inner), in_dims=(None, 0, 0), randomness="different")(
+        return vmap(grad(inner), in_dims=(None, 0, 0), randomness="different")(
             trainable, call.inputs[0], call.grad
         )
-        return gr
 
+    @torch.no_grad()
     def summed(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Σ_i c_i·g_i for each trainable parameter of the layer (book-keeping)."""
-        out = {}
+        """Σ_i c_i·g_i for each (untied) trainable parameter of the layer (book-keeping)."""
         m = self.layer.module
-        if "zero" in self.stored:
-            return {q: torch.zeros_like(_get(m, a)) for q, a in self.layer.params}
-        for attr, q in self._params().items():
-            p = _get(m, attr)
-            entry = self.stored[attr]
-            c = factors.to(self.dtype)
-            if entry[0] == "ghost":
-                _, a, g = entry
-                s = torch.einsum("bgtp,bgtd->gpd", g * c.view(-1, 1, 1, 1), a)
-            elif entry[0] == "embedding":
-                _, i, g = entry
-                s = torch.zeros(p.shape, dtype=self.dtype, device=g.device)
-                s.index_add_(0, i.reshape(-1), (g * c.view(-1, 1, 1)).reshape(-1, g.shape[-1]))
-            else:
-                s = torch.tensordot(c, entry[1], dims=1)
-            out[q] = s.reshape(p.shape).to(p.dtype)
+        names = {a: q for q, a in self.layer.params}
+        if self.zero:
+            return {names[a]: torch.zeros_like(_get(m, a)) for a in self.attrs}
+        if not self.attrs:
+            return {}
+        c = factors.to(self.dtype)
+        h = self.layer.handler
+        if h is None:
+            got = {a: torch.tensordot(c, self.state[a], dims=1) for a in self.attrs}
+        else:
+            got = h.clipped_sum(m, self.state, c, list(self.attrs), self.dtype)
+        out = {}
+        for a in self.attrs:
+            p = _get(m, a)
+            out[names[a]] = got[a].reshape(p.shape).to(p.dtype)
         return out
 
 
@@ -635,18 +582,53 @@ class GhostResult:
 _PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _input_signature(inputs) -> tuple:
+    """Shapes (without the batch dimension) and dtypes of a tensor or a dict of tensors."""
+    if isinstance(inputs, dict):
+        return tuple((k, *_input_signature(v)) for k, v in inputs.items())
+    if isinstance(inputs, torch.Tensor):
+        return (tuple(inputs.shape[1:]), inputs.dtype)
+    return (repr(inputs),)
+
+
+def _head(inputs, stop: int):
+    """The first ``stop`` examples of a tensor or a dict of tensors (other values as they are)."""
+    if isinstance(inputs, dict):
+        return {k: _head(v, stop) for k, v in inputs.items()}
+    return inputs[:stop] if isinstance(inputs, torch.Tensor) else inputs
+
+
+def _forward(model, inputs, values=None):
+    """model(inputs), or model(**inputs) for a dict; at ``values`` by ``functional_call``."""
+    args, kwargs = ((), inputs) if isinstance(inputs, dict) else ((inputs,), {})
+    if values is None:
+        return model(*args, **kwargs)
+    return functional_call(model, values, args, kwargs)
+
+
+def _batch_tensor(inputs) -> torch.Tensor:
+    """The tensor whose dim 0 gives the batch: the input, or a dict's first tensor."""
+    if isinstance(inputs, dict):
+        for v in inputs.values():
+            if isinstance(v, torch.Tensor):
+                return v
+        raise ValueError("inputs are invalid: the dict holds no tensor")
+    return inputs
+
+
 def _probe(model, engine, inputs, plan) -> dict[str, str]:
     """Module name → why its recorded tensors do not follow the batch (a one-example pass)."""
-    key = (tuple(inputs.shape[1:]), inputs.dtype, tuple(sorted(engine.trainable)), model.training)
+    key = (_input_signature(inputs), tuple(sorted(engine.trainable)), model.training)
     cache = _PROBED.setdefault(model, {})
     if key in cache:
         return cache[key]
     engine.mode = "probe"
     engine.probe_dims = {}
-    devices = [inputs.device] if inputs.device.type == "cuda" else []
+    device = _batch_tensor(inputs).device
+    devices = [device] if device.type == "cuda" else []
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            model(inputs[:1])
+            _forward(model, _head(inputs, 1))
     finally:
         engine.mode = "record"
         engine.stack.clear()
@@ -705,8 +687,9 @@ def ghost_clipped_sum(
     points = plan if plan is not None else [(1.0, None)]
     named = dict(model.named_parameters())
     dtype = torch.float64 if named[names[0]].dtype == torch.float64 else torch.float32
-    device = inputs.device
-    b = int(inputs.shape[0])
+    lead = _batch_tensor(inputs)
+    device = lead.device
+    b = int(lead.shape[0])
     autocast_on = torch.is_autocast_enabled(device.type)
     with torch.enable_grad(), _Engine(model, names) as engine:
         if b > 1:
@@ -722,21 +705,20 @@ def ghost_clipped_sum(
             engine.point = j
             if shift is None:
                 values = {n: named[n] for n in names}
-                engine.owner_of = {
-                    id(getattr(layer.module, a)): layer for layer in engine.layers for _, a in layer.params
-                }
-                with _Watch(engine):
-                    out = model(inputs)
+                owner_ids = {q: id(named[q]) for q in names}
             else:
                 values = {n: (named[n].detach() + shift[n]).requires_grad_(True) for n in names}
-                engine.owner_of = {
-                    id(values[q]): layer for layer in engine.layers for q, _ in layer.params if q in values
-                }
-                with _Watch(engine):
-                    out = functional_call(model, values, (inputs,))
+                owner_ids = {q: id(values[q]) for q in names}
+            engine.owner_of = {}
+            for layer in engine.layers:
+                for q, _ in layer.params:
+                    engine.owner_of.setdefault(owner_ids[q], []).append(layer)
+            with _watching(engine, list(values.values()) if shift is None else None):
+                out = _forward(model, inputs, None if shift is None else values)
             engine.stack.clear()
             engine.owner_of = {}
             per = per_example_losses(loss_fn, out, targets)
+            del out  # the output (e.g. a language model's logits) is not needed by the backward
             losses.append(per)
             leaves.append(values)
         # every recorded tensor must have the examples along dim 0
@@ -749,30 +731,58 @@ def ghost_clipped_sum(
             return None
         total = sum(w * ell.sum() for (w, _), ell in zip(points, losses, strict=True))
         keep = method == "ghost"
+        engine.process_early(b, dtype, device.type if autocast_on else None)
         if total.requires_grad:
             torch.autograd.grad(total, [engine.anchor], retain_graph=keep, allow_unused=True)
         for layer in engine.layers:
             for c in layer.calls:
                 c.recording = False
+                c.arrived = None
                 if c.grad is not None and c.grad.shape[:1] != (b,):
                     layer.fallback = layer.fallback or "its dim 0 does not follow the examples"
+        # a tied parameter: every use recorded, else the whole-model path for all its uses
+        for holders in engine.tied.values():
+            if any(layer.fallback for layer in holders):
+                for layer in holders:
+                    layer.fallback = layer.fallback or "its tied parameter's other use falls back"
         if not allow_fallback and any(layer.fallback for layer in engine.layers):
             return None
         engine.mode = "off"
         with torch.autocast(device.type, enabled=False) if autocast_on else _null():
             handlers, sq = [], {}
             fallback = {}
+            tied_per: dict[str, torch.Tensor] = {}
             for layer in engine.layers:
                 if layer.fallback is not None:
                     fallback[layer.name or "<model>"] = layer.fallback
                     continue
+                if id(layer) in engine.early:  # its norms were taken in the backward
+                    h, done = engine.early[id(layer)]
+                    sq.update(done)
+                    handlers.append(h)
+                    continue
+                tied_attrs = [a for q, a in layer.params if q in engine.tied]
                 if not layer.calls:  # not called: its parameters get no gradient
                     for q, _ in layer.params:
-                        sq[q] = torch.zeros(b, dtype=torch.float64, device=device)
+                        if q not in engine.tied:
+                            sq[q] = torch.zeros(b, dtype=torch.float64, device=device)
                     continue
-                h = _Handler(layer, dtype)
+                h = _Handler(layer, dtype, tied_attrs)
                 sq.update(h.sq_norms())
                 handlers.append(h)
+                for q, a in layer.params:
+                    if q in engine.tied:  # the sum of the uses' per-example gradients
+                        g = h.per_example(a)
+                        tied_per[q] = g if q not in tied_per else tied_per[q] + g
+            for q, g in tied_per.items():
+                part = torch.linalg.vector_norm(g.reshape(b, -1), dim=1)
+                if not bool(torch.isfinite(part).all()):
+                    part = torch.linalg.vector_norm(g.reshape(b, -1), dim=1, dtype=torch.float64)
+                sq[q] = part.double() ** 2
+            for q in engine.tied:
+                if q not in sq and not any(layer.fallback for layer in engine.tied[q]):
+                    sq[q] = torch.zeros(b, dtype=torch.float64, device=device)  # no use was called
+                    tied_per[q] = torch.zeros((b, *named[q].shape), dtype=dtype, device=device)
             rest = [n for n in names if n not in sq]
             per_example = subset_gradients(rest) if rest else {}
             for n, g in per_example.items():
@@ -788,10 +798,12 @@ def ghost_clipped_sum(
             factors = norms.new_tensor(clip_norm) / torch.clamp(norms, min=clip_norm)
             for n, g in per_example.items():
                 result_grads[n] = torch.tensordot(factors.to(g.dtype), g, dims=1)
+            for q, g in tied_per.items():
+                result_grads[q] = torch.tensordot(factors.to(g.dtype), g, dims=1).to(named[q].dtype)
             for h in handlers:
                 # torch.func gradients (possibly with their own dropout masks) are summed from
                 # the same vectors whose norms were taken, in both methods
-                if method == "bk" or h.layer.kind == "generic":
+                if method == "bk" or not h.sum_by_backward:
                     result_grads.update(h.summed(factors))
             handlers.clear()
             if method == "ghost":

@@ -52,6 +52,7 @@ from dpmf.plan.plan import PrivatePlan, steps_per_epoch
 from dpmf.plan.schemes import auto_scheme, get_scheme
 from dpmf.train.checkpoint import as_numpy, load_checkpoint, save_checkpoint
 from dpmf.train.config import DISTRIBUTED_MODES, NOISE_KEYS
+from dpmf.train.hf import batch_size_of, check_model_state, load_model_state, model_state, split_batch
 from dpmf.train.ledger import export as export_files
 from dpmf.train.ledger import privacy_ledger
 from dpmf.train.private_loader import PrivateDataLoader, TransformedDataset
@@ -251,7 +252,7 @@ class PrivateTraining:
         """Private steps taken so far (empty batches included)."""
         return self.privatizer.step
 
-    def backward(self, *inputs, target, return_loss: bool = True) -> float | None:
+    def backward(self, *inputs, target=None, return_loss: bool = True) -> float | None:
         """The private gradient of one batch into ``p.grad``: per-example gradients, clipping to
         ζ, sum, the step's correlated noise σ·ζ·s·(C⁻¹Z)_t, division by the expected batch size
         B̄. The optimizer's next ``step`` uses each group's lr times χ_t of the plan's schedule.
@@ -265,7 +266,8 @@ class PrivateTraining:
         Args:
             inputs: the model's inputs for the batch (one tensor, several tensors, or one dict
                 passed as keyword arguments), batched along dimension 0 (size 0: noise only).
-            target: the targets, batched along dimension 0.
+            target: the targets, batched along dimension 0; None: taken from a dict batch by
+                the loss (``dpmf.train.hf.causal_lm_loss()``: its ``labels``).
             return_loss: compute the batch's mean loss for logging (one more forward pass
                 without gradients, about a third of a non-private step); False skips it.
 
@@ -293,10 +295,12 @@ class PrivateTraining:
                 "inputs are invalid: give the model's input (a tensor, several tensors or a dict)"
             )
         x = inputs[0] if len(inputs) == 1 else tuple(inputs)  # several tensors: model(*inputs)
+        if target is None:  # a Hugging Face batch: the loss splits it (dpmf.train.hf)
+            x, target = split_batch(self.privatizer.loss_fn, x)
         self.privatizer.privatize(x, target)
         if not return_loss:
             return None
-        if target.shape[0] == 0:
+        if batch_size_of(target) == 0:
             return 0.0
         before = state_versions(self.model)
         with torch.no_grad():  # still at θ_t: the optimizer has not stepped yet
@@ -351,7 +355,7 @@ class PrivateTraining:
             "plan": self.plan.to_dict(),
             "secret": {"seed": self._seed, "given": self.seed_given},
             "step": self.steps_taken,
-            "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+            "model": model_state(self.model),
             "optimizer": self.optimizer.state_dict(),
             # the sampler at the privatized step, not where a prefetching loader has drawn to
             "sampler": self.privatizer.drawn.sampler_state(self.steps_taken),
@@ -370,9 +374,10 @@ class PrivateTraining:
             raise ValueError("state is invalid: not a make_private state (format mismatch)")
         if state.get("plan") != self.plan.to_dict():
             raise ValueError("state is invalid: it belongs to another plan (data size, batches, scheme or σ)")
+        check_model_state(self.model, state["model"])  # other frozen weights: before any loading
         self._adopt_key(state.get("secret"))
         load_noise_state(self.privatizer.noise, state["noise"], "state")
-        self.model.load_state_dict(state["model"])
+        load_model_state(self.model, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.sampler.load_state_dict(as_numpy(state["sampler"]))
         self.privatizer.drawn.reset()  # earlier draws and loader iterations are void

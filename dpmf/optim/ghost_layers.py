@@ -1,0 +1,453 @@
+"""The clipping-layer registry: per-example squared norms and clipped sums of one layer kind.
+
+Ghost clipping and book-keeping (``dpmf.optim.ghost``) need, for each module owning trainable
+parameters, the squared norm of each example's gradient restricted to those parameters and,
+given the clip factors c, the sum Σ_i c_i·g_i — from the module's recorded inputs and output
+gradients, without a per-example backward. A **handler** says how for one module type;
+``register_clipping_layer(module_type, handler)`` adds one. A module is matched by its exact
+type, else by its nearest registered base class whose ``forward`` it does not override (a
+subclass that changes the forward is not the registered layer); then the handler's ``check``
+may still decline it (for instance a sparse embedding). Modules without a handler take the
+``torch.func`` path of ``dpmf.optim.ghost`` (per module, or for the whole model).
+
+Built-in handlers (registered below through the same function):
+
+- ``nn.Linear``: s = aWᵀ + b on T tokens; ‖G_iᵀA_i‖² as a ghost norm ⟨A_iA_iᵀ, G_iG_iᵀ⟩ when
+  T²(d + p) < T·p·d, else the per-example gradient instantiated (the mixed rule of Bu et al.,
+  NeurIPS 2022, §3.2; Li et al., ICLR 2022, §4); the sum (c∘G)ᵀA (Bu et al., ICML 2023, Alg. 1).
+- ``nn.Conv1d``/``nn.Conv2d``: the same on the unfolded input, one linear layer per group.
+- transformers' ``Conv1D`` (GPT-2; s = aW + b with W of shape (d, p)): the linear rule with
+  the weight transposed; registered by its qualified name so that transformers is never
+  imported here.
+- ``nn.Embedding``: ‖Σ_t e_{x_t}G_i[t]‖² = Σ_{t,u}[x_t = x_u]⟨G_i[t], G_i[u]⟩ (the sparse
+  per-example gradient beyond 16 tokens per example); not for ``sparse`` or
+  ``scale_grad_by_freq`` embeddings (their gradients couple the batch's token counts).
+- ``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.RMSNorm``: the affine gradients Σ_t G∘x̂ and Σ_t G,
+  instantiated per example.
+
+A handler implements ``per_example`` (instantiated per-example gradients; the default norms and
+sums are taken from them) or, for a cheaper closed form, ``sq_norms`` and ``clipped_sum``.
+Every handler that can also instantiate its per-example gradients supports tied parameters
+(one parameter used by several registered layers, e.g. GPT-2's input and output embeddings):
+the per-example gradient of such a parameter is the sum of its uses, instantiated.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "ClippingHandler",
+    "register_clipping_layer",
+    "clipping_handler",
+    "registered_clipping_layers",
+]
+
+
+def _sq(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Σ x² along ``dim`` as the square of one fused norm (no squared temporary)."""
+    return torch.linalg.vector_norm(x, dim=dim).double().square()
+
+
+def _total(parts):
+    """The sum of an iterable of tensors without a leading 0 + (a copy of the first)."""
+    out = None
+    for p in parts:
+        out = p if out is None else out + p
+    return out
+
+
+class ClippingHandler:
+    """How one kind of layer gives its per-example squared norms and clipped sums.
+
+    Subclass it and register an instance with ``register_clipping_layer``. The methods receive:
+
+    - ``module``: the layer;
+    - ``calls``: its forward calls in this micro-batch that received an output gradient, each
+      with ``call.inputs`` (the positional inputs, detached; examples along dim 0) and
+      ``call.grad`` (∂L/∂output, same shape as the output, L = Σ_i ℓ_i; with an evaluation
+      plan of several points, one call per point and use, already weighted);
+    - ``attrs``: the attribute names of its trainable parameters (e.g. ``["weight", "bias"]``);
+    - ``dtype``: float32 (float64 for a float64 model or after an overflow) — compute in it.
+
+    A layer called several times (shared module, several evaluation points) has the sum of
+    its calls' contributions as each example's gradient, so sum over ``calls`` before squaring.
+
+    Class attributes:
+        name: a short name of the kind (``ghost_layer_kinds`` reports it).
+        copy_output: the recorded output is a copy (True, safe for any layer), or the node sits
+            on the output itself (False: only when the layer's own backward does not save its
+            output, e.g. Linear, convolutions, embeddings, norms).
+        sum_by_backward: with ``clipping="ghost"``, Σ_i c_i·g_i may come from the second
+            backward through the model (True) instead of ``clipped_sum`` (False).
+    """
+
+    name: ClassVar[str] = "custom"
+    copy_output: ClassVar[bool] = True
+    sum_by_backward: ClassVar[bool] = True
+
+    def check(self, module: nn.Module) -> str | None:
+        """Why this module cannot take this handler (it then takes torch.func), or None."""
+        return None
+
+    def per_example(self, module, calls, attrs, dtype) -> dict[str, torch.Tensor]:
+        """attr → per-example gradients, shape (b, *parameter.shape)."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.per_example is not implemented: a handler implements per_example, "
+            "or sq_norms and clipped_sum"
+        )
+
+    def sq_norms(self, module, calls, attrs, dtype) -> tuple[dict[str, torch.Tensor], object]:
+        """(attr → ‖g_i restricted to it‖², shape (b,), state for ``clipped_sum``)."""
+        per = self.per_example(module, calls, attrs, dtype)
+        return {a: _sq(per[a].reshape(per[a].shape[0], -1), 1) for a in attrs}, per
+
+    def clipped_sum(self, module, state, factors, attrs, dtype) -> dict[str, torch.Tensor]:
+        """attr → Σ_i factors_i·g_i (the parameter's shape), from ``sq_norms``'s state."""
+        return {a: torch.tensordot(factors.to(state[a].dtype), state[a], dims=1) for a in attrs}
+
+
+# type (or "module.QualName") → handler
+_REGISTRY: dict[object, ClippingHandler] = {}
+
+
+def _key_of(cls) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def register_clipping_layer(module_type, handler: ClippingHandler) -> None:
+    """Register ``handler`` for the layers of ``module_type`` (ghost clipping and book-keeping).
+
+    Args:
+        module_type: an ``nn.Module`` subclass, or its qualified name ``"package.module.Class"``
+            (matched without importing the package). Subclasses that keep its ``forward`` are
+            matched too; registering a type again replaces its handler.
+        handler: a ``ClippingHandler`` instance.
+
+    Raises:
+        TypeError: ``module_type`` is not an ``nn.Module`` subclass or a dotted name, or
+            ``handler`` is not a ``ClippingHandler``.
+
+    Example: ``tests/test_clipping_registry.py`` and docs/architecture.md ("Add a clipping layer").
+    """
+    if isinstance(module_type, str):
+        if "." not in module_type:
+            raise TypeError(
+                f"module_type={module_type!r} is invalid: a name must be qualified, 'package.module.Class'"
+            )
+        key = module_type
+    elif isinstance(module_type, type) and issubclass(module_type, nn.Module):
+        key = _key_of(module_type)
+    else:
+        raise TypeError(f"module_type={module_type!r} is invalid: must be an nn.Module subclass or its name")
+    if not isinstance(handler, ClippingHandler):
+        raise TypeError(f"handler={handler!r} is invalid: must be an instance of dpmf.optim.ClippingHandler")
+    _REGISTRY[key] = handler
+
+
+def registered_clipping_layers() -> dict[str, str]:
+    """Qualified module type name → handler kind name, for every registered layer type."""
+    return {k: h.name for k, h in _REGISTRY.items()}
+
+
+def clipping_handler(module: nn.Module) -> tuple[ClippingHandler | None, str | None]:
+    """(handler, None) for a registered layer; (None, reason) otherwise."""
+    t = type(module)
+    for cls in t.__mro__:
+        if cls is nn.Module or cls is object:
+            break
+        handler = _REGISTRY.get(_key_of(cls))
+        if handler is None:
+            continue
+        if t.forward is not cls.forward:
+            return None, f"{t.__name__} overrides the forward of the registered {cls.__name__}"
+        reason = handler.check(module)
+        if reason is not None:
+            return None, reason
+        return handler, None
+    return None, f"no clipping handler is registered for {t.__name__}"
+
+
+# -- built-in handlers ----------------------------------------------------------------------
+
+
+def _gram_sq(a, g):
+    """Σ_groups ⟨A Aᵀ, G Gᵀ⟩ per example, shape (b,)."""
+    if a.shape[2] == 1:
+        return (_sq(a, -1) * _sq(g, -1)).sum((1, 2))
+    aa = a @ a.transpose(-1, -2)
+    gg = g @ g.transpose(-1, -2)
+    return (aa * gg).sum((1, 2, 3))
+
+
+class LinearHandler(ClippingHandler):
+    """``nn.Linear``: mixed ghost norm / instantiated gradient; book-keeping sum."""
+
+    name = "linear"
+    copy_output = False
+
+    def dims(self, module, call) -> tuple[int, int, int]:
+        """(T, d, p): tokens per example, inputs and outputs (per group)."""
+        g = call.grad
+        return g[0].numel() // g.shape[-1], module.in_features, module.out_features
+
+    def form(self, module, call):
+        """(A, G) as (b, groups, T, d), (b, groups, T, p)."""
+        x, g = call.inputs[0], call.grad
+        b = x.shape[0]
+        return x.reshape(b, 1, -1, x.shape[-1]), g.reshape(b, 1, -1, g.shape[-1])
+
+    def weight_per_example(self, module, call, dtype):
+        """G_iᵀA_i, (b, *weight.shape), by one batched GEMM."""
+        x, g = call.inputs[0].to(dtype), call.grad.to(dtype)
+        b = x.shape[0]
+        return torch.bmm(g.reshape(b, -1, g.shape[-1]).transpose(1, 2), x.reshape(b, -1, x.shape[-1]))
+
+    def bias_per_example(self, module, call, dtype):
+        g = call.grad
+        return g.to(dtype).reshape(g.shape[0], -1, g.shape[-1]).sum(1)
+
+    def from_ghost(self, module, s):
+        """The weight from Σ_i c_i G_iᵀA_i of shape (groups, p, d)."""
+        return s.reshape(module.weight.shape)
+
+    def per_example(self, module, calls, attrs, dtype):
+        out = {}
+        if "weight" in attrs:
+            out["weight"] = _total(self.weight_per_example(module, c, dtype) for c in calls)
+        if "bias" in attrs:
+            out["bias"] = _total(self.bias_per_example(module, c, dtype) for c in calls)
+        return out
+
+    def sq_norms(self, module, calls, attrs, dtype):
+        out, state = {}, {}
+        shapes = [self.dims(module, c) for c in calls]
+        t, d, p = sum(s[0] for s in shapes), shapes[0][1], shapes[0][2]
+        # the mixed rule: ghost when its flops T²(d+p) are below those of instantiating, T·p·d
+        ghost = t == 1 or t * (d + p) < p * d
+        if "weight" in attrs:
+            if ghost:
+                parts = [self.form(module, c) for c in calls]
+                a = torch.cat([a.to(dtype) for a, _ in parts], dim=2)
+                g = torch.cat([g.to(dtype) for _, g in parts], dim=2)
+                out["weight"] = _gram_sq(a, g)
+                state["weight"] = ("ghost", a, g)
+            else:
+                w = _total(self.weight_per_example(module, c, dtype) for c in calls)
+                out["weight"] = _sq(w.reshape(w.shape[0], -1), 1)
+                state["weight"] = ("inst", w)
+        if "bias" in attrs:
+            gb = _total(self.bias_per_example(module, c, dtype) for c in calls)
+            out["bias"] = _sq(gb, 1)
+            state["bias"] = ("inst", gb)
+        return out, state
+
+    def clipped_sum(self, module, state, factors, attrs, dtype):
+        out = {}
+        for a in attrs:
+            entry = state[a]
+            c = factors.to(dtype)
+            if entry[0] == "ghost":
+                _, x, g = entry
+                out[a] = self.from_ghost(module, torch.einsum("bgtp,bgtd->gpd", g * c.view(-1, 1, 1, 1), x))
+            else:
+                out[a] = torch.tensordot(c, entry[1], dims=1)
+        return out
+
+
+class Conv1DHandler(LinearHandler):
+    """transformers' ``Conv1D`` (GPT-2): s = aW + b, W of shape (d, p) — Linear with Wᵀ."""
+
+    name = "conv1d"
+
+    def dims(self, module, call):
+        g = call.grad
+        return g[0].numel() // g.shape[-1], module.weight.shape[0], module.weight.shape[1]
+
+    def weight_per_example(self, module, call, dtype):
+        x, g = call.inputs[0].to(dtype), call.grad.to(dtype)
+        b = x.shape[0]
+        return torch.bmm(x.reshape(b, -1, x.shape[-1]).transpose(1, 2), g.reshape(b, -1, g.shape[-1]))
+
+    def from_ghost(self, module, s):
+        return s[0].transpose(0, 1)
+
+
+def _conv_padded(m, x):
+    """The input padded as the convolution pads it (any padding mode, 'same' included)."""
+    k = len(m.kernel_size)
+    if isinstance(m.padding, str):
+        pads = [0] * (2 * k)
+        if m.padding == "same":  # PyTorch puts the odd element on the right / bottom
+            for i in range(k):
+                total = m.dilation[i] * (m.kernel_size[i] - 1)
+                j = 2 * (k - 1 - i)
+                pads[j], pads[j + 1] = total // 2, total - total // 2
+    else:
+        pads = [q for p in reversed(m.padding) for q in (p, p)]
+    if not any(pads):
+        return x
+    return F.pad(x, pads, mode="constant" if m.padding_mode == "zeros" else m.padding_mode)
+
+
+class ConvHandler(LinearHandler):
+    """``nn.Conv1d``/``nn.Conv2d``: the linear rule on the unfolded input, per group."""
+
+    name = "conv"
+
+    def dims(self, module, call):
+        k = 1
+        for s in module.kernel_size:
+            k *= s
+        m = module
+        return call.grad[0, 0].numel(), m.in_channels // m.groups * k, m.out_channels // m.groups
+
+    def form(self, module, call):
+        m, x, g = module, call.inputs[0], call.grad
+        b = x.shape[0]
+        x = _conv_padded(m, x)
+        if isinstance(m, nn.Conv1d):
+            x, g = x.unsqueeze(-2), g.unsqueeze(-2)
+            kernel, stride, dilation = (1, *m.kernel_size), (1, *m.stride), (1, *m.dilation)
+        else:
+            kernel, stride, dilation = m.kernel_size, m.stride, m.dilation
+        cols = F.unfold(x, kernel, dilation=dilation, stride=stride)  # (b, C_in·k, L)
+        grp = m.groups
+        a = cols.reshape(b, grp, -1, cols.shape[-1]).transpose(2, 3)  # (b, g, L, d)
+        gg = g.reshape(b, grp, g.shape[1] // grp, -1).transpose(2, 3)  # (b, g, L, p)
+        return a, gg
+
+    def weight_per_example(self, module, call, dtype):
+        """Per-example weight gradients by one grouped convolution backward with the examples
+        as groups (no unfolded input is formed)."""
+        m = module
+        x, g = _conv_padded(m, call.inputs[0].to(dtype)), call.grad.to(dtype)
+        b = x.shape[0]
+        xi = x.reshape(1, b * x.shape[1], *x.shape[2:])
+        gi = g.reshape(1, b * g.shape[1], *g.shape[2:])
+        shape = (b * m.out_channels, m.in_channels // m.groups, *m.kernel_size)
+        w = torch.ops.aten.convolution_backward(
+            gi,
+            xi,
+            torch.empty(shape, dtype=dtype, device=x.device),
+            None,
+            list(m.stride),
+            [0] * len(m.kernel_size),
+            list(m.dilation),
+            False,
+            [0] * len(m.kernel_size),
+            b * m.groups,
+            [False, True, False],
+        )[1]
+        return w.reshape(b, *m.weight.shape)
+
+    def bias_per_example(self, module, call, dtype):
+        g = call.grad
+        return g.to(dtype).reshape(g.shape[0], g.shape[1], -1).sum(-1)
+
+
+# Up to this many tokens per example an embedding's norm is a ghost norm (T² pairs); beyond, its
+# sparse per-example gradient (a sort of the b·T (example, token) keys and one index_add).
+_EMBEDDING_GHOST_TOKENS = 16
+
+
+def _embedding_sq_sparse(ids: torch.Tensor, g: torch.Tensor, vocab: int) -> torch.Tensor:
+    """‖Σ_t e_{x_t} G_i[t]‖² per example from the rows of its sparse gradient, shape (b,)."""
+    b, t, d = g.shape
+    keys = (ids + vocab * torch.arange(b, device=ids.device).unsqueeze(1)).reshape(-1)
+    rows, inverse = torch.unique(keys, return_inverse=True)
+    summed = torch.zeros(rows.shape[0], d, dtype=g.dtype, device=g.device)
+    summed.index_add_(0, inverse, g.reshape(-1, d))
+    sq = torch.zeros(b, dtype=torch.float64, device=g.device)
+    return sq.index_add_(0, rows // vocab, _sq(summed, 1))
+
+
+class EmbeddingHandler(ClippingHandler):
+    """``nn.Embedding``: ghost norm over equal tokens (or the sparse gradient's rows)."""
+
+    name = "embedding"
+    copy_output = False
+
+    def check(self, module):
+        if module.sparse or module.scale_grad_by_freq:  # batch-coupled frequencies
+            return "a sparse or scale_grad_by_freq embedding"
+        return None
+
+    def _ids_grads(self, module, calls, dtype):
+        ids, gs = [], []
+        for c in calls:
+            i = c.inputs[0].reshape(c.inputs[0].shape[0], -1)
+            gg = c.grad.reshape(i.shape[0], -1, c.grad.shape[-1]).to(dtype)
+            if module.padding_idx is not None:
+                gg = gg * (i != module.padding_idx).unsqueeze(-1).to(dtype)
+            ids.append(i)
+            gs.append(gg)
+        return torch.cat(ids, 1), torch.cat(gs, 1)
+
+    def per_example(self, module, calls, attrs, dtype):
+        i, g = self._ids_grads(module, calls, dtype)
+        b, _, d = g.shape
+        n = module.num_embeddings
+        keys = (i + n * torch.arange(b, device=i.device).unsqueeze(1)).reshape(-1)
+        out = torch.zeros(b * n, d, dtype=dtype, device=g.device)
+        out.index_add_(0, keys, g.reshape(-1, d))
+        return {"weight": out.reshape(b, n, d)}
+
+    def sq_norms(self, module, calls, attrs, dtype):
+        i, gg = self._ids_grads(module, calls, dtype)
+        if i.shape[1] <= _EMBEDDING_GHOST_TOKENS:  # ghost: Σ_{t,u} [x_t = x_u]⟨G_t, G_u⟩
+            same = (i.unsqueeze(2) == i.unsqueeze(1)).to(dtype)
+            sq = ((gg @ gg.transpose(1, 2)) * same).sum((1, 2)).double()
+        else:  # the sparse per-example gradient: one row per distinct (example, token)
+            sq = _embedding_sq_sparse(i, gg, module.num_embeddings)
+        return {"weight": sq}, (i, gg)
+
+    def clipped_sum(self, module, state, factors, attrs, dtype):
+        i, g = state
+        s = torch.zeros(module.weight.shape, dtype=dtype, device=g.device)
+        s.index_add_(0, i.reshape(-1), (g * factors.to(dtype).view(-1, 1, 1)).reshape(-1, g.shape[-1]))
+        return {"weight": s}
+
+
+class NormHandler(ClippingHandler):
+    """``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.RMSNorm``: affine gradients per example."""
+
+    name = "norm"
+    copy_output = False
+
+    def per_example(self, module, calls, attrs, dtype):
+        return {a: _total(self._one(module, c, dtype)[a] for c in calls) for a in attrs}
+
+    def _one(self, module, call, dtype):
+        m, x, g = module, call.inputs[0].to(dtype), call.grad.to(dtype)
+        b = x.shape[0]
+        if isinstance(m, nn.GroupNorm):
+            xhat = F.group_norm(x, m.num_groups, None, None, m.eps)
+            return {
+                "weight": (g * xhat).reshape(b, m.num_channels, -1).sum(-1),
+                "bias": g.reshape(b, m.num_channels, -1).sum(-1),
+            }
+        shape = tuple(m.normalized_shape)
+        if isinstance(m, nn.LayerNorm):
+            xhat = F.layer_norm(x, shape, None, None, m.eps)
+        else:
+            eps = m.eps if m.eps is not None else torch.finfo(call.inputs[0].dtype).eps
+            xhat = F.rms_norm(x, shape, None, eps)
+        return {
+            "weight": (g * xhat).reshape(b, -1, *shape).sum(1),
+            "bias": g.reshape(b, -1, *shape).sum(1),
+        }
+
+
+_LINEAR = LinearHandler()
+register_clipping_layer(nn.Linear, _LINEAR)
+register_clipping_layer(nn.Conv1d, ConvHandler())
+register_clipping_layer(nn.Conv2d, ConvHandler())
+register_clipping_layer(nn.Embedding, EmbeddingHandler())
+for _norm in (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm):
+    register_clipping_layer(_norm, NormHandler())
+register_clipping_layer("transformers.pytorch_utils.Conv1D", Conv1DHandler())
