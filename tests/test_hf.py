@@ -286,3 +286,24 @@ def test_vmap_on_transformers_sdpa_code_names_the_way_out():
     x, y = loss.split(batch())
     with pytest.raises(RuntimeError, match=r"clipping='vmap'.*cannot run this model.*clipping='auto'"):
         clipped_sum(model, loss, x, y, clip_norm=1.0, clipping="vmap")
+
+
+def test_a_hugging_face_batch_is_checked_as_the_loader_yielded_it():
+    # the loss splits a dict batch into model inputs and labels; the batch check is made on the
+    # dict as yielded, so the loader's batch passes and a foreign or repeated one is refused
+    from dpmf.optim.batches import BatchCheckError
+
+    private = private_run(gpt2(True), causal_lm_loss(), 3)
+    it = iter(private.data_loader)
+    first = next(it)
+    private.backward(first)
+    private.optimizer.step()
+    private.optimizer.zero_grad()
+    with pytest.raises(BatchCheckError, match="already privatized"):
+        private.backward(first)
+    foreign = {k: v.clone() for k, v in first.items()}
+    foreign["input_ids"] = (foreign["input_ids"] + 1) % 97
+    with pytest.raises(BatchCheckError):
+        private.backward(foreign)
+    private.backward(next(it))  # the loader's next batch is accepted
+    assert private.privatizer.step == 2

@@ -281,6 +281,7 @@ class Privatizer:
         *,
         example_ids: torch.Tensor | None = None,
         points=None,
+        handed_out=None,
     ) -> PrivateStep:
         """Compute g̃_t for this logical batch and store it in ``p.grad``; advance to t + 1.
 
@@ -292,6 +293,9 @@ class Privatizer:
             points: an evaluation plan (``dpmf.optim.lookahead``, e.g. DiSK's two points);
                 each example's combined vector is clipped to ζ and the noise added once, so
                 the step is one release at the same sensitivity. None: the gradient at θ.
+            handed_out: the batch exactly as the data loader yielded it, when the door derived
+                ``inputs`` and ``targets`` from it (a Hugging Face dict split into model inputs
+                and labels); the batch check is made on it. None: on (inputs, targets).
 
         Returns:
             ``PrivateStep`` with the step's public numbers and logging figures.
@@ -308,7 +312,10 @@ class Privatizer:
         t = self.noise.step
         self.structure.check("private step")
         if self.drawn is not None:
-            self.drawn.check(t, inputs, targets, example_ids)
+            if handed_out is None:
+                self.drawn.check(t, inputs, targets, example_ids)
+            else:
+                self.drawn.check(t, handed_out, None, example_ids)
         before = state_versions(self.model)
         try:
             summed = clipped_sum(

@@ -295,9 +295,11 @@ class PrivateTraining:
                 "inputs are invalid: give the model's input (a tensor, several tensors or a dict)"
             )
         x = inputs[0] if len(inputs) == 1 else tuple(inputs)  # several tensors: model(*inputs)
+        handed_out = None
         if target is None:  # a Hugging Face batch: the loss splits it (dpmf.train.hf)
+            handed_out = x
             x, target = split_batch(self.privatizer.loss_fn, x)
-        self.privatizer.privatize(x, target)
+        self.privatizer.privatize(x, target, handed_out=handed_out)
         if not return_loss:
             return None
         if batch_size_of(target) == 0:
