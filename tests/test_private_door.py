@@ -387,3 +387,37 @@ def test_changes_to_the_model_or_optimizer_are_named():
     model[2] = nn.Linear(8, K)
     with pytest.raises(ModelChangedError, match=r"parameter '2.weight' was replaced"):
         private.backward(xb, target=yb)
+
+
+# -- 4. one live run per model ----------------------------------------------------------------------
+
+
+def test_a_later_make_private_on_the_model_closes_the_earlier_run_and_says_they_compose(capsys):
+    model = _mlp()
+    first = _private(model)
+    for x, y in first.data_loader:  # two private steps
+        first.backward(x, target=y, return_loss=False)
+        first.optimizer.step()
+        first.optimizer.zero_grad()
+        if first.steps_taken == 2:
+            break
+    eps = first.get_epsilon()
+    capsys.readouterr()
+    later = _private(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    err = capsys.readouterr().err
+    assert f"earlier make_private run (2 private steps, ε = {eps:.4g} at δ = 1e-05), now closed" in err
+    assert "ε add up" in err  # the weights' privacy loss is both runs' (basic composition)
+    x, y = next(iter(first.data_loader))
+    with pytest.raises(RuntimeError, match="closed this run"):
+        first.backward(x, target=y)  # the two runs cannot interleave on one model
+    assert first.steps_taken == 2
+    x, y = next(iter(later.data_loader))
+    later.backward(x, target=y)
+    assert later.steps_taken == 1
+    capsys.readouterr()
+    _private(_mlp(1))  # another model: nothing to close
+    assert "earlier" not in capsys.readouterr().err
+    _private(model)  # closes `later` (one step)
+    assert "(1 private step, ε = " in capsys.readouterr().err
+    _private(model)  # closes a run that took no step: nothing to say
+    assert "earlier" not in capsys.readouterr().err
