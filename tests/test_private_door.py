@@ -228,6 +228,32 @@ class _Shrink(nn.Module):
         return self.inner(x)
 
 
+class _CounterData(nn.Module):
+    """A forward that writes the batch's mean into a buffer through ``.data`` (which keeps the
+    buffer's version counter: only its values show the write)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _mlp()
+        self.register_buffer("seen", torch.zeros(D))
+
+    def forward(self, x):
+        self.seen.data.copy_(x.detach().mean(0) if x.dim() > 1 else x.detach())
+        return self.inner(x)
+
+
+class _ShrinkData(nn.Module):
+    """A forward that rescales a parameter through ``.data``."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _mlp()
+
+    def forward(self, x):
+        self.inner[0].weight.data.mul_(0.999)
+        return self.inner(x)
+
+
 class _Tokens(nn.Module):
     def __init__(self, max_norm):
         super().__init__()
@@ -247,7 +273,7 @@ def test_in_place_modules_are_refused_before_any_work():
 
 
 @pytest.mark.parametrize("clipping", ["auto", "vmap", "bk"])
-@pytest.mark.parametrize("module", [_Counter, _Shrink])
+@pytest.mark.parametrize("module", [_Counter, _Shrink, _CounterData, _ShrinkData])
 def test_a_forward_that_writes_the_model_is_refused(module, clipping):
     private = _private(module(), clipping=clipping)
     xb, yb = next(iter(private.data_loader))
