@@ -228,6 +228,32 @@ class _Shrink(nn.Module):
         return self.inner(x)
 
 
+class _CounterData(nn.Module):
+    """A forward that writes the batch's mean into a buffer through ``.data`` (which keeps the
+    buffer's version counter: only its values show the write)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _mlp()
+        self.register_buffer("seen", torch.zeros(D))
+
+    def forward(self, x):
+        self.seen.data.copy_(x.detach().mean(0) if x.dim() > 1 else x.detach())
+        return self.inner(x)
+
+
+class _ShrinkData(nn.Module):
+    """A forward that rescales a parameter through ``.data``."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _mlp()
+
+    def forward(self, x):
+        self.inner[0].weight.data.mul_(0.999)
+        return self.inner(x)
+
+
 class _Tokens(nn.Module):
     def __init__(self, max_norm):
         super().__init__()
@@ -247,7 +273,7 @@ def test_in_place_modules_are_refused_before_any_work():
 
 
 @pytest.mark.parametrize("clipping", ["auto", "vmap", "bk"])
-@pytest.mark.parametrize("module", [_Counter, _Shrink])
+@pytest.mark.parametrize("module", [_Counter, _Shrink, _CounterData, _ShrinkData])
 def test_a_forward_that_writes_the_model_is_refused(module, clipping):
     private = _private(module(), clipping=clipping)
     xb, yb = next(iter(private.data_loader))
@@ -387,3 +413,37 @@ def test_changes_to_the_model_or_optimizer_are_named():
     model[2] = nn.Linear(8, K)
     with pytest.raises(ModelChangedError, match=r"parameter '2.weight' was replaced"):
         private.backward(xb, target=yb)
+
+
+# -- 4. one live run per model ----------------------------------------------------------------------
+
+
+def test_a_later_make_private_on_the_model_closes_the_earlier_run_and_says_they_compose(capsys):
+    model = _mlp()
+    first = _private(model)
+    for x, y in first.data_loader:  # two private steps
+        first.backward(x, target=y, return_loss=False)
+        first.optimizer.step()
+        first.optimizer.zero_grad()
+        if first.steps_taken == 2:
+            break
+    eps = first.get_epsilon()
+    capsys.readouterr()
+    later = _private(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    err = capsys.readouterr().err
+    assert f"earlier make_private run (2 private steps, ε = {eps:.4g} at δ = 1e-05), now closed" in err
+    assert "ε add up" in err  # the weights' privacy loss is both runs' (basic composition)
+    x, y = next(iter(first.data_loader))
+    with pytest.raises(RuntimeError, match="closed this run"):
+        first.backward(x, target=y)  # the two runs cannot interleave on one model
+    assert first.steps_taken == 2
+    x, y = next(iter(later.data_loader))
+    later.backward(x, target=y)
+    assert later.steps_taken == 1
+    capsys.readouterr()
+    _private(_mlp(1))  # another model: nothing to close
+    assert "earlier" not in capsys.readouterr().err
+    _private(model)  # closes `later` (one step)
+    assert "(1 private step, ε = " in capsys.readouterr().err
+    _private(model)  # closes a run that took no step: nothing to say
+    assert "earlier" not in capsys.readouterr().err

@@ -271,6 +271,8 @@ class PrivateLocalRun:
             expected_batch_size=self.sampler.expected_batch_size,
             noise=noise,
         )
+        # only the batch the sampler drew for step t is privatized, once (by dataset indices)
+        self.drawn = self.privatizer.draw_from(self.sampler)
 
     @property
     def steps_taken(self) -> int:
@@ -300,8 +302,12 @@ class PrivateLocalRun:
         self.privatizer.bind(opt)
         norms = []
         for _ in range(steps):
-            idx = torch.from_numpy(self.sampler.next())
-            info = self.privatizer.privatize(torch.from_numpy(self.x)[idx], torch.from_numpy(self.y)[idx])
+            t, drawn = self.drawn.draw()
+            self.drawn.record(t, ids=drawn)
+            idx = torch.from_numpy(drawn)
+            info = self.privatizer.privatize(
+                torch.from_numpy(self.x)[idx], torch.from_numpy(self.y)[idx], example_ids=idx
+            )
             self.privatizer.post_process(lambda: add_proximal_gradient(self.model, anchor, proximal_mu))
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -352,8 +358,11 @@ class AggregatorDPSGD:
                 expected_batch_size=self.sampler.expected_batch_size,
                 noise=self.noise,
             )
-            idx = torch.from_numpy(self.sampler.next())
-            priv.privatize(torch.from_numpy(self.x)[idx], torch.from_numpy(self.y)[idx])
+            drawn = priv.draw_from(self.sampler)  # only the batch drawn for step t, once
+            t, ids = drawn.draw()
+            drawn.record(t, ids=ids)
+            idx = torch.from_numpy(ids)
+            priv.privatize(torch.from_numpy(self.x)[idx], torch.from_numpy(self.y)[idx], example_ids=idx)
             with torch.no_grad():
                 for p in self.model.parameters():
                     p.add_(p.grad, alpha=-self.lr)

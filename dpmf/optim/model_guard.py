@@ -14,12 +14,14 @@ Two rules, checked by ``Privatizer`` at every step, whatever door built it (``ma
    of the batch released without noise. ``state_versions`` snapshots the version counter and
    identity of every parameter and buffer; ``check_state_unchanged`` compares after the
    forward/backward. torch bumps a tensor's version at every in-place operation on it or on a
-   view sharing its counter (``detach()`` included); writes through ``.data`` bypass the
-   counter and are not seen (they bypass autograd too).
+   view sharing its counter (``detach()`` included). Writes through ``.data`` bypass the
+   counter (and autograd): the snapshot also keeps each buffer's values and a float64 sum of
+   each parameter, so such a write is seen as well (one reduction per parameter per step).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 __all__ = [
@@ -147,11 +149,32 @@ class ModelStructure:
 
 
 def state_versions(model: nn.Module) -> list:
-    """(name, tensor, version, storage address) of every parameter and buffer of ``model``:
-    the snapshot ``check_state_unchanged`` compares with."""
-    out = [(n, p, p._version, p.data_ptr()) for n, p in model.named_parameters(remove_duplicate=False)]
-    out += [(n, b, b._version, b.data_ptr()) for n, b in model.named_buffers(remove_duplicate=False)]
+    """(name, tensor, version, storage address, content) of every parameter and buffer of
+    ``model``: the snapshot ``check_state_unchanged`` compares with. The content is a copy of a
+    buffer, and a float64 sum of a parameter (writes through ``.data`` keep the version)."""
+    params = list(model.named_parameters(remove_duplicate=False))
+    buffers = list(model.named_buffers(remove_duplicate=False))
+    out = [(n, p, p._version, p.data_ptr(), None) for n, p in params]
+    out += [(n, b, b._version, b.data_ptr(), b.detach().clone()) for n, b in buffers]
+    sums = [p.detach().sum(dtype=torch.float64) for _, p in params if p.is_floating_point()]
+    out.append(("", None, 0, 0, torch.stack(sums) if sums else None))
     return out
+
+
+def _same_content(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    if a.shape != b.shape or a.device != b.device:
+        return False
+    return bool(((a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else (a == b)).all())
+
+
+def _changed_parameter(model: nn.Module, before, after) -> str:
+    names = [n for n, p in model.named_parameters(remove_duplicate=False) if p.is_floating_point()]
+    for n, a, b in zip(names, before, after, strict=False):
+        if not _same_content(a.reshape(1), b.reshape(1)):
+            return n
+    return "a parameter"
 
 
 def check_state_unchanged(model: nn.Module, before: list, during: str, step: int | None = None) -> None:
@@ -171,10 +194,15 @@ def check_state_unchanged(model: nn.Module, before: list, during: str, step: int
         names = {n for n, *_ in before}
         changed = next((n for n, *_ in after if n not in names), "a tensor")
     else:
-        for (n, t, v, ptr), (n2, t2, v2, ptr2) in zip(before, after, strict=True):
+        for (n, t, v, ptr, _c), (n2, t2, v2, ptr2, _c2) in zip(before, after, strict=True):
             if n != n2 or t is not t2 or v != v2 or ptr != ptr2:
                 changed = n2
                 break
+        else:
+            for (n, *_, c), (*_, c2) in zip(before, after, strict=True):
+                if not _same_content(c, c2):  # a write through .data
+                    changed = n or _changed_parameter(model, before[-1][4], after[-1][4])
+                    break
     if changed is None:
         return
     at = "" if step is None else f" at step {step}"

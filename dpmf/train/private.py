@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -68,6 +69,8 @@ from dpmf.workloads.schedules import Schedule
 __all__ = ["make_private", "PrivateTraining", "PrivateOptimizer", "EmptySafeCollate"]
 
 _FORMAT = "dpmf.make_private/1"
+#: module → the live ``PrivateTraining`` over it (one per module: a later make_private closes it)
+_LIVE_RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class EmptySafeCollate:
@@ -229,6 +232,7 @@ class PrivateTraining:
     seed_given: bool
     _seed: int = field(repr=False)
     _delta: float | None
+    _closed_by_later_run: bool = field(default=False, repr=False)
 
     @property
     def noise_multiplier(self) -> float:
@@ -284,6 +288,12 @@ class PrivateTraining:
             ModelStateChangedError: the forward pass wrote a parameter or buffer.
             NonFiniteGradientError: a per-example gradient is NaN/inf (nothing is written).
         """
+        if self._closed_by_later_run:
+            raise RuntimeError(
+                "backward refused: a later make_private was called on this model, which closed this "
+                "run (two runs stepping one model would each report only their own ε); continue "
+                "with the run make_private returned last"
+            )
         t = self.privatizer.step
         if t >= self.plan.steps:
             raise RuntimeError(
@@ -574,7 +584,9 @@ def make_private(
             parameter and chunk: the noise of a distributed run; always with a process group).
 
     Returns:
-        ``PrivateTraining``.
+        ``PrivateTraining``. One run is live per module: an earlier ``make_private`` run over
+        ``module`` is closed (its ``backward`` refuses), and when it took steps a notice says
+        that the weights carry both runs' privacy loss (each ledger covers only its own steps).
 
     Raises:
         ValueError / TypeError: any invalid argument (named, before any work), a strategy the
@@ -710,7 +722,7 @@ def make_private(
         num_workers=num_workers,
     )
     multipliers = LearningRateSchedule(schedule, n).multipliers
-    return PrivateTraining(
+    run = PrivateTraining(
         model=module,
         optimizer=PrivateOptimizer(optimizer, privatizer, multipliers),
         data_loader=loader,
@@ -720,4 +732,32 @@ def make_private(
         seed_given=seed_given,
         _seed=master,
         _delta=target_delta,
+    )
+    _close_earlier_run(module)
+    _LIVE_RUNS[module] = weakref.ref(run)
+    return run
+
+
+def _close_earlier_run(module: nn.Module) -> None:
+    """Close the live run an earlier ``make_private`` made over ``module`` (its ``backward``
+    refuses from now on) and, when it took steps, say that the weights carry both runs'
+    privacy loss: each run's ledger covers only its own steps, the model's is their
+    composition (ε adds up at most, basic composition; Dwork & Roth 2014, Thm 3.16)."""
+    ref = _LIVE_RUNS.get(module)
+    earlier = None if ref is None else ref()
+    if earlier is None or earlier._closed_by_later_run:
+        return
+    earlier._closed_by_later_run = True
+    k = earlier.steps_taken
+    if k == 0:
+        return
+    eps = ""
+    if earlier._delta is not None:
+        eps = f", ε = {earlier.get_epsilon():.4g} at δ = {earlier._delta:g}"
+    print(
+        f"notice: this model was already trained by an earlier make_private run ({k} private "
+        f"step{'s' if k != 1 else ''}{eps}), now closed: its weights carry the privacy loss of "
+        "both runs (composed: the ε add up at most), while this run's ledger covers only its own "
+        "steps",
+        file=sys.stderr,
     )
