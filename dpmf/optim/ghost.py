@@ -86,7 +86,6 @@ from dpmf.optim.ghost_layers import ClippingHandler, _sq, clipping_handler
 __all__ = ["CLIPPING_MODES", "GhostResult", "ghost_clipped_sum", "ghost_layer_kinds"]
 
 
-
 def ghost_layer_kinds(model: nn.Module) -> dict[str, str]:
     """How each module owning trainable parameters is handled before any run-time check: the
     name of its registered handler (``linear``, ``conv``, ``conv1d``, ``embedding``, ``norm``,
