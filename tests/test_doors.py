@@ -816,6 +816,8 @@ NOT_DOORS = {
     "dpmf.max_steps": "accounting only",
     "dpmf.max_batch_size": "accounting only",
     "dpmf.PrivateTraining": "returned by make_private (its door)",
+    "dpmf.register_clipping_layer": "a layer's clipping rule, used inside every door's private step",
+    "dpmf.ClippingHandler": "the type of a clipping rule",
     "dpmf.train.DATASETS": "names",
     "dpmf.train.MODELS": "names",
     "dpmf.train.SCHEMES": "names",
