@@ -56,22 +56,35 @@ texts = example.make_records(RECORDS + 300, seed=1)
 train_set = example.Records(texts[:RECORDS], encode, length)
 test_set = example.Records(texts[RECORDS:], encode, length)
 frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-print(f"trainable {sum(p.numel() for p in model.parameters() if p.requires_grad)} of "
-      f"{sum(p.numel() for p in model.parameters())} parameters")
+print(
+    f"trainable {sum(p.numel() for p in model.parameters() if p.requires_grad)} of "
+    f"{sum(p.numel() for p in model.parameters())} parameters"
+)
 
 loss_fn = causal_lm_loss()
 optimizer = dpmf.optim.DPAdam([p for p in model.parameters() if p.requires_grad], lr=3e-3)
-private = dpmf.make_private(model, optimizer, train_set, loss_fn=loss_fn, batch_size=BATCH,
-                            epochs=EPOCHS, target_epsilon=8.0, target_delta=1e-5,
-                            factorization="bsr:4", seed=SEED)
+private = dpmf.make_private(
+    model,
+    optimizer,
+    train_set,
+    loss_fn=loss_fn,
+    batch_size=BATCH,
+    epochs=EPOCHS,
+    target_epsilon=8.0,
+    target_delta=1e-5,
+    factorization="bsr:4",
+    seed=SEED,
+)
 for epoch in range(EPOCHS):
     model.train()
     for batch in private.data_loader:
         private.backward(batch, return_loss=False)
         private.optimizer.step()
         private.optimizer.zero_grad()
-    print(f"epoch {epoch + 1}: held-out loss {example.held_out_loss(model, test_set, loss_fn):.3f}, "
-          f"ε = {private.get_epsilon():.2f}")
+    print(
+        f"epoch {epoch + 1}: held-out loss {example.held_out_loss(model, test_set, loss_fn):.3f}, "
+        f"ε = {private.get_epsilon():.2f}"
+    )
 assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
 print("frozen base weights unchanged:", len(frozen), "tensors")
 
@@ -85,15 +98,21 @@ print("frozen base weights unchanged:", len(frozen), "tensors")
 results = {}
 for optimizer_name in ("dp-adam", "dp-muon"):
     for epsilon in (2.0, 8.0):
-        args = (f"--optimizer {optimizer_name} --epsilon {epsilon} --records {RECORDS} "
-                f"--batch-size {BATCH} --epochs {EPOCHS} --seed {SEED} --factorization {FACTORIZATION}")
+        args = (
+            f"--optimizer {optimizer_name} --epsilon {epsilon} --records {RECORDS} "
+            f"--batch-size {BATCH} --epochs {EPOCHS} --seed {SEED} --factorization {FACTORIZATION}"
+        )
         results[(optimizer_name, epsilon)] = example.main(args.split())
 
 # %%
 fig, ax = plt.subplots(figsize=(6, 3.5))
 for (name, eps), out in results.items():
-    ax.plot(range(len(out["loss"])), out["loss"], marker="o",
-            label=f"{name}, ε = {eps:g} ({out['strategy']}, σ = {out['noise_multiplier']:.2f})")
+    ax.plot(
+        range(len(out["loss"])),
+        out["loss"],
+        marker="o",
+        label=f"{name}, ε = {eps:g} ({out['strategy']}, σ = {out['noise_multiplier']:.2f})",
+    )
 ax.set_xlabel("epoch")
 ax.set_ylabel("held-out loss")
 ax.set_title("LoRA fine-tuning of a small GPT-2")
