@@ -923,6 +923,13 @@ def _run_fl(args) -> int:
     from dpmf.federated.run import FLConfig
 
     overrides = {field: getattr(args, flag.lstrip("-").replace("-", "_")) for flag, field, _, _ in _FL_FLAGS}
+    from dpmf.federated.checks import flag_conflicts
+
+    flag_conflicts(
+        [k for k, v in overrides.items() if v is not None],
+        partition=overrides["partition"] or "iid",
+        strategy=args.strategy,
+    )
     config = FLConfig(
         dataset=args.dataset,
         num_clients=args.clients,

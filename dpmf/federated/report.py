@@ -95,11 +95,11 @@ def run_seeds(
         else [config.replace(seed=s, replica=i) for i, s in enumerate(seeds)]
     )
     results = []
-    os.makedirs(out_dir, exist_ok=True)
     for i, cfg in enumerate(runs):
         quiet = log if i == 0 else (lambda *_: None)  # the notices and the ledger once
         res = run_federated(cfg, compliance=compliance, backend=backend, log=quiet)
         results.append(res)
+        os.makedirs(out_dir, exist_ok=True)  # after the first run: a refused run leaves no folder
         log(
             f"replica {i}: test accuracy {100 * res.final_accuracy:.2f} % after {config.rounds} rounds "
             f"({res.seconds:.1f} s)"

@@ -444,9 +444,17 @@ def _client_app(config: FLConfig, data: FederatedData, idx, sigmas, ids, server,
 
     runs = {}
     if config.privacy == "record":
+        from dpmf.federated.prefetch import prefetch_record_privacy
+
+        prefetch_record_privacy(
+            (float(sigmas[j]), int(data.client_y[i].shape[0]), config.local_batch_size,
+             config.rounds * config.local_steps, config.delta, config.local_scheme,
+             config.local_factorization, config.accountant)
+            for j, i in enumerate(idx)
+        )  # fmt: skip
         for j, i in enumerate(idx):
             x, y = data.client_x[i], data.client_y[i]
-            b = min(config.local_batch_size, int(y.shape[0]))
+            b = config.local_batch_size  # ≤ N_k: checked by ``check_data``
             runs[j] = local.PrivateLocalRun(
                 x,
                 y,
@@ -585,8 +593,13 @@ def run_federated(
             seed=config.public_seed,
             aggregator_fraction=config.aggregator_fraction,
         )
+    from dpmf.federated.checks import check_data
+
+    warnings = check_data(config, data.client_sizes(), idx)  # refusals before any training
     for note in data.notes:
         log(f"notice: {note}")
+    for note in warnings:
+        log(f"warning: {note}")
     comp = compliance.select(config.num_clients)
     policy = seeds.SeedPolicy.of(config.seed)  # secret unless given; never stored or shown
     if policy.notice:
