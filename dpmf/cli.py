@@ -807,6 +807,7 @@ _FL_FLAGS = (
     ("--hidden", "hidden", int, "hidden width of the MLP (default 32)"),
     ("--delta", "delta", float, "δ of every ε (default 1e-5)"),
     ("--accountant", "accountant", str, "pld|rdp|prv (default pld)"),
+    ("--max-epsilon", "max_epsilon", float, "privacy budget: stop before the round whose ε would exceed it"),
 )
 
 

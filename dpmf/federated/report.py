@@ -101,8 +101,8 @@ def run_seeds(
         results.append(res)
         os.makedirs(out_dir, exist_ok=True)  # after the first run: a refused run leaves no folder
         log(
-            f"replica {i}: test accuracy {100 * res.final_accuracy:.2f} % after {config.rounds} rounds "
-            f"({res.seconds:.1f} s)"
+            f"replica {i}: test accuracy {100 * res.final_accuracy:.2f} % after {len(res.metrics) - 1} rounds "
+            f"({res.seconds:.1f} s)" + (f"; {res.stopped}" if res.stopped else "")
         )
         _write(results, out_dir, compliance)
     return results
@@ -162,6 +162,8 @@ def _write(results, out_dir: str, compliance) -> None:
                 {
                     "replica": r.config.replica,
                     "seed": r.config.seed,
+                    "rounds_run": len(r.metrics) - 1,
+                    "stopped": r.stopped or None,
                     "entries": [e.to_dict() for e in r.ledger],
                     "lines": [format_entry(e) for e in r.ledger],
                 }

@@ -82,6 +82,9 @@ class FLConfig:
         proximal_mu: FedProx's μ; ``fedopt_eta``: FedAdam/FedYogi's η (None: Flower's default).
         hidden: width of the MLP's hidden layer.
         delta: δ of every reported ε; ``accountant``: ``pld`` (default), ``rdp`` or ``prv``.
+        max_epsilon: a privacy budget: the run stops before the round whose ε (the ledger's
+            largest) would exceed it, and the ledger holds the ε of the rounds run with the
+            reason (``dpmf.federated.budget``); None: no budget.
         seed: None (default): a secret key for the noise and the private batches, drawn from
             the operating system (``dpmf.seeds``); an integer ≥ 0: the key itself (reproducible,
             the noise predictable to whoever knows it), which also seeds the weights, the
@@ -122,6 +125,7 @@ class FLConfig:
     hidden: int = 32
     delta: float = 1e-5
     accountant: str | None = None
+    max_epsilon: float | None = None
     seed: int | None = None
     replica: int = 0
 
@@ -174,6 +178,10 @@ class FLConfig:
                 f"client_factorization/client_noise_multiplier are invalid with privacy={self.privacy!r}: "
                 "they set client mode's noise"
             )
+        if self.max_epsilon is not None:
+            check_real("max_epsilon", self.max_epsilon, low=0.0, low_inclusive=False)
+            if not self.server_noise:
+                raise ValueError("max_epsilon is invalid with server_noise=False: that run has ε = ∞")
         if not self.server_noise and self.privacy != "aggregator":
             raise ValueError("server_noise=False is invalid: only aggregator mode has server noise")
 
@@ -208,6 +216,7 @@ class FLResult:
         sigmas: client id → σ_k (the allocation actually used).
         data: the run's data description.
         seconds: wall time.
+        stopped: why the run stopped before ``config.rounds`` (the privacy budget), or "".
     """
 
     config: FLConfig
@@ -217,6 +226,7 @@ class FLResult:
     sigmas: dict
     data: dict
     seconds: float = 0.0
+    stopped: str = ""
 
     @property
     def final_accuracy(self) -> float:
@@ -276,6 +286,7 @@ class _Server:
         self.initial = get_weights(self.model)
         self.dim = int(sum(v.size for v in self.initial.values()))
         P, R = len(self.idx), config.rounds
+        self.rounds = R  # fewer when a privacy budget binds (``dpmf.federated.budget``)
         self.strategy = make_strategy(
             config.strategy, P, proximal_mu=config.proximal_mu, server_lr=config.fedopt_eta
         )
@@ -303,6 +314,7 @@ class _Server:
                 seed=seeds.child_key(key, "fl-aggregator"),
             )
             self.steps_per_round = per_round.size
+            self.round_sigmas = per_round
             note = (
                 "protects only the server's aggregator dataset against the released models; the "
                 "clients' updates reach a semi-honest aggregator unprotected (client-level DP needs "
@@ -408,7 +420,7 @@ class _Server:
         acc, loss = self._evaluate(weights)
         rows = [{"round": 0, "test_accuracy": acc, "test_loss": loss, "train_loss": float("nan")}]
         arrays = record(weights)
-        for r in range(1, self.config.rounds + 1):
+        for r in range(1, self.rounds + 1):
             msgs = self.strategy.configure_train(
                 r, arrays, ConfigRecord({"local-steps": self.config.local_steps}), grid
             )
@@ -532,6 +544,31 @@ def _client_app(config: FLConfig, data: FederatedData, idx, sigmas, ids, server,
     return app
 
 
+def _budget(config: FLConfig, server: _Server, data: FederatedData) -> str:
+    """Apply ``config.max_epsilon`` (``dpmf.federated.budget``) before any training: set the
+    rounds to run and the ledger of the stopped run; the reason, or "" when it does not bind."""
+    from dpmf.federated import budget
+
+    if config.max_epsilon is None:
+        return ""
+    facts, per = {}, [1] * len(server.ledger)
+    if config.privacy == "aggregator":
+        facts = {"steps_per_round_sigmas": server.round_sigmas, "sampling_rate": server.dp.sampling_rate}
+        per = [server.steps_per_round]
+    elif config.privacy == "record":
+        facts = {"sigmas": server.sigmas, "sizes": [int(data.client_y[i].shape[0]) for i in server.idx]}
+        per = [config.local_steps] * len(server.ledger)
+    else:
+        facts = {"num_clients": len(server.idx)}
+    stop = budget.plan_budget(config, server.ledger, **facts)
+    if stop is None:
+        return ""
+    server.rounds = stop.rounds
+    server.ledger[:] = budget.apply(server.ledger, stop, per)
+    server.log(f"privacy budget: {stop.reason}")
+    return stop.reason
+
+
 def run_federated(
     config: FLConfig,
     *,
@@ -606,6 +643,7 @@ def run_federated(
         log(policy.notice)
     server = _Server(config, data, comp, idx, sigmas, log, policy.key)
     app = _client_app(config, data, idx, sigmas, server.ids, server, policy.key)
+    stopped = _budget(config, server, data)
     from flwr.app import Context, RecordDict
     from flwr.serverapp import Grid, ServerApp
 
@@ -655,4 +693,5 @@ def run_federated(
         {cid: float(s) for cid, s in zip(server.ids, server.sigmas, strict=True)},
         data_info,
         time.perf_counter() - began,
+        stopped,
     )
