@@ -806,7 +806,13 @@ _FL_FLAGS = (
     ("--fedopt-eta", "fedopt_eta", float, "FedAdam/FedYogi server learning rate (default Flower's)"),
     ("--hidden", "hidden", int, "hidden width of the MLP (default 32)"),
     ("--delta", "delta", float, "δ of every ε (default 1e-5)"),
-    ("--accountant", "accountant", str, "pld|rdp|prv (default pld)"),
+    (
+        "--accountant",
+        "accountant",
+        str,
+        "pld|rdp|prv (default pld); prv takes about 1.3x pld's time per accounting (record mode: one per "
+        "distinct client, ~10-13 s each at 250 steps and sampling rate 0.6)",
+    ),
     ("--max-epsilon", "max_epsilon", float, "privacy budget: stop before the round whose ε would exceed it"),
 )
 

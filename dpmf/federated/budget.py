@@ -43,9 +43,10 @@ def _epsilons_after(
     config, ledger, *, sigmas=(), sizes=(), steps_per_round_sigmas=(), sampling_rate=1.0, num_clients=1
 ):
     from dpmf.federated import local
+    from dpmf.plan.schemes import Poisson
 
     mode = config.privacy
-    if mode == "record" and (config.local_factorization != "identity" or config.local_scheme != "poisson"):
+    if mode == "record" and (config.local_factorization != "identity" or config.local_scheme != Poisson.name):
         raise ValueError(
             "max_epsilon is invalid with a correlated local strategy or a scheme other than poisson in "
             "record mode: the ε of a prefix of that run is not accounted; drop --max-epsilon or use "
