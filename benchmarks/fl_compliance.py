@@ -57,7 +57,8 @@ def main(argv=None) -> int:
             print(f"  {done}/{total} cells, {time.perf_counter() - began:.0f} s", flush=True)
 
     rows = compliance_grid(
-        datasets, strategies, rounds=a.rounds, seeds=seeds, num_clients=a.clients, progress=progress, base=base
+        datasets, strategies, rounds=a.rounds, seeds=seeds, num_clients=a.clients, progress=progress,
+        base=base,
     )
     cols = list(rows[0])
     atomic_write_csv(os.path.join(a.out, "grid.csv"), cols, [[r[c] for c in cols] for r in rows])

@@ -814,6 +814,7 @@ _FL_FLAGS = (
         "distinct client, ~10-13 s each at 250 steps and sampling rate 0.6)",
     ),
     ("--max-epsilon", "max_epsilon", float, "privacy budget: stop before the round whose ε would exceed it"),
+    ("--eval-fraction", "eval_fraction", float, "share of each client's records held out for evaluation"),
 )
 
 

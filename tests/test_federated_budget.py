@@ -47,7 +47,9 @@ def test_record_mode_budget_is_each_clients_epsilon_after_the_rounds_run(tmp_pat
     from dpmf.federated.local import record_privacy
     from dpmf.federated.run import FLConfig, participants
 
-    _, sigmas = participants(FLConfig(num_clients=4, noise_map=NoiseMap("linear", 2.0, 4.0)), example_profiles(4))
+    _, sigmas = participants(
+        FLConfig(num_clients=4, noise_map=NoiseMap("linear", 2.0, 4.0)), example_profiles(4)
+    )
     sizes = load_federated("breast-cancer", 4, seed=0).client_sizes()
 
     def eps(r):

@@ -1,8 +1,6 @@
 """``dpmf fl`` refusals and warnings (before any folder or training), MedMNIST file checks, the
 experiment grid on a data file, and record mode's parallel accountings (bit-equal to serial)."""
 
-import json
-
 import numpy as np
 import pytest
 

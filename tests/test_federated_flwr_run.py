@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,28 @@ def test_flwr_run_of_the_example_gives_dpmf_fls_epsilon(tmp_path):
           "client-factorization": "bisr:4", "seed": 0}  # fmt: skip
     ref = run_federated(config_from_run_config(rc), log=lambda *_: None)
     assert got == [format_entry(e) for e in ref.ledger]
+
+
+@pytest.mark.slow
+def test_dpmf_fl_ray_backend_runs_the_app_and_equals_the_local_backend():
+    from dpmf.federated.run import FLConfig, run_federated
+
+    cfg = FLConfig(num_clients=4, rounds=1, privacy="client", local_steps=1, seed=3)
+    ray = run_federated(cfg, backend="ray", log=lambda *_: None)
+    local = run_federated(cfg, log=lambda *_: None)
+    assert [e.epsilon for e in ray.ledger] == [e.epsilon for e in local.ledger]
+    assert [m["test_accuracy"] for m in ray.metrics] == [m["test_accuracy"] for m in local.metrics]
+    time.sleep(2)
+    assert _superlinks("dpmf-flwr-") == []  # the run ended its own SuperLink
+
+
+def _superlinks(marker: str) -> list[int]:
+    pids = []
+    for p in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            cmd = p.read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if "flower-superlink" in cmd and marker in cmd:
+            pids.append(int(p.parent.name))
+    return pids

@@ -59,7 +59,8 @@ def test_aggregate_is_fedavg_of_clipped_updates_plus_the_plans_noise():
     grid = LocalGrid(_app(), P)
     w0 = {k: np.zeros(s, dtype=np.float32) for k, s in SHAPES.items()}
     ref_noise = ClientLevelNoise(P, R, noise_multiplier=SIGMA, clip_norm=ZETA, delta=1e-5,
-                                 factorization="bisr:2", dim=9, seed=seeds.child_key(7, "fl-client-noise"))  # fmt: skip
+                                 factorization="bisr:2", dim=9,
+                                 seed=seeds.child_key(7, "fl-client-noise"))  # fmt: skip
     w = w0
     with server_identity():
         for r in (1, 2):
@@ -99,8 +100,9 @@ def test_a_median_or_trimmed_mean_is_refused_with_the_reason(cls):
 
 def test_runs_in_flowers_own_loop_with_fedadam_and_reports_epsilon():
     inner = fs.FedAdam(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=P, min_available_nodes=P)
-    dp = CorrelatedClientDP(inner, num_clients=P, rounds=2, noise_multiplier=SIGMA, clip_norm=ZETA,
-                            factorization="bsr:2")  # fmt: skip  (a secret key)
+    dp = CorrelatedClientDP(
+        inner, num_clients=P, rounds=2, noise_multiplier=SIGMA, clip_norm=ZETA, factorization="bsr:2"
+    )  # fmt: skip  (a secret key)
     grid = LocalGrid(_app(), P)
     with server_identity():
         result = dp.start(grid, ArrayRecord({k: Array(np.zeros(s, np.float32)) for k, s in SHAPES.items()}),

@@ -34,43 +34,11 @@ from flwr.serverapp import Grid, ServerApp
 from dpmf import seeds
 from dpmf.federated.compliance import NoiseMap, example_profiles
 from dpmf.federated.ledger import format_entry
+from dpmf.federated.runconfig import _KEYS, _MAP_KEYS
 
 __all__ = ["app", "clientapp", "config_from_run_config", "config_keys"]
 
 _LOG = logging.getLogger("dpmf.federated.app")
-
-# run-config key → (FLConfig field, type)
-_KEYS = {
-    "dataset": ("dataset", str),
-    "data-file": ("data_file", str),
-    "clients": ("num_clients", int),
-    "rounds": ("rounds", int),
-    "strategy": ("strategy", str),
-    "privacy": ("privacy", str),
-    "allocation": ("allocation", str),
-    "compliant-only": ("compliant_only", bool),
-    "partition": ("partition", str),
-    "alpha": ("alpha", float),
-    "local-steps": ("local_steps", int),
-    "local-batch-size": ("local_batch_size", int),
-    "local-lr": ("local_lr", float),
-    "local-optimizer": ("local_optimizer", str),
-    "local-factorization": ("local_factorization", str),
-    "clip-norm": ("clip_norm", float),
-    "server-steps": ("server_steps", int),
-    "server-batch-size": ("server_batch_size", int),
-    "server-lr": ("server_lr", float),
-    "client-clip": ("client_clip", float),
-    "client-noise-multiplier": ("client_noise_multiplier", float),
-    "client-factorization": ("client_factorization", str),
-    "proximal-mu": ("proximal_mu", float),
-    "fedopt-eta": ("fedopt_eta", float),
-    "hidden": ("hidden", int),
-    "delta": ("delta", float),
-    "accountant": ("accountant", str),
-    "max-epsilon": ("max_epsilon", float),
-}
-_MAP_KEYS = ("noise-map", "sigma-min", "sigma-max")
 
 
 def config_keys() -> tuple[str, ...]:
@@ -89,9 +57,11 @@ def config_from_run_config(run_config) -> object:
     from dpmf.federated.run import FLConfig
 
     cfg = dict(run_config)
-    unknown = sorted(set(cfg) - set(_KEYS) - set(_MAP_KEYS) - {"seed"})
+    unknown = sorted(set(cfg) - set(_KEYS) - set(_MAP_KEYS) - {"seed", "results-file"})
     if unknown:
-        raise ValueError(f"run config keys {unknown} are invalid: allowed are {sorted([*_KEYS, *_MAP_KEYS, 'seed'])}")
+        raise ValueError(
+            f"run config keys {unknown} are invalid: allowed are {sorted([*_KEYS, *_MAP_KEYS, 'seed'])}"
+        )
     kw = {}
     for key, (field, kind) in _KEYS.items():
         if key in cfg and cfg[key] != "":
@@ -102,7 +72,9 @@ def config_from_run_config(run_config) -> object:
     seed = int(cfg.get("seed", -1))
     kw["seed"] = None if seed < 0 else seed
     kw["noise_map"] = NoiseMap(
-        str(cfg.get("noise-map", "linear")), float(cfg.get("sigma-min", 0.8)), float(cfg.get("sigma-max", 2.0))
+        str(cfg.get("noise-map", "linear")),
+        float(cfg.get("sigma-min", 0.8)),
+        float(cfg.get("sigma-max", 2.0)),
     )
     return FLConfig(**kw)
 
@@ -124,6 +96,10 @@ def _setup(config):
             alpha=config.alpha, shards=config.shards, seed=config.public_seed,
             aggregator_fraction=config.aggregator_fraction,
         )  # fmt: skip
+        if config.eval_fraction > 0:
+            from dpmf.federated.evaluation import split_held_out
+
+            data = split_held_out(data, config.eval_fraction, config.public_seed)
         _CACHE[key] = (comp.select(config.num_clients), idx, sigmas, data)
     return _CACHE[key]
 
@@ -172,17 +148,42 @@ def main(grid: Grid, context: Context) -> None:
             "stopped": stopped,
         }
     )
+    path = context.run_config.get("results-file", "")
+    if path:  # ``dpmf fl --backend ray`` reads the run back from here (no secret in it)
+        from dpmf._io import atomic_write_json
+
+        atomic_write_json(
+            path, {"rows": rows, "ledger": [e.to_dict() for e in server.ledger], "stopped": stopped}
+        )
 
 
 # ---------------------------------------------------------------------------- ClientApp
 clientapp = ClientApp()
 
 
+def _inner(config, comp, idx, sigmas, data):
+    from dpmf.federated.run import _client_app
+
+    key = seeds.SeedPolicy.of(config.seed).key if config.seed is not None else _CLIENT_KEY.key
+    inner_key = repr(config.to_dict())
+    if inner_key not in _INNER:
+        _INNER[inner_key] = _client_app(
+            config, data, idx, sigmas, [p.client_id for p in comp.profiles], SimpleNamespace(ledger=[]), key
+        )
+    return inner_key, _INNER[inner_key]
+
+
+@clientapp.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """Node ``partition-id`` evaluates the global model on its held-out records."""
+    config = config_from_run_config(context.run_config)
+    _, inner = _inner(config, *_setup(config))
+    return inner(msg, context)
+
+
 @clientapp.train()
 def train(msg: Message, context: Context) -> Message:
     """Node ``partition-id`` trains participant ``partition-id`` as in ``dpmf fl``."""
-    from dpmf.federated.run import _client_app
-
     config = config_from_run_config(context.run_config)
     comp, idx, sigmas, data = _setup(config)
     if int(context.node_config["num-partitions"]) != len(idx):
@@ -190,12 +191,7 @@ def train(msg: Message, context: Context) -> Message:
             f"the federation has {context.node_config['num-partitions']} nodes and the run {len(idx)} "
             "participants: set the simulation's num-supernodes to the number of participants"
         )
-    key = seeds.SeedPolicy.of(config.seed).key if config.seed is not None else _CLIENT_KEY.key
-    inner_key = repr(config.to_dict())
-    if inner_key not in _INNER:
-        _INNER[inner_key] = _client_app(
-            config, data, idx, sigmas, [p.client_id for p in comp.profiles], SimpleNamespace(ledger=[]), key
-        )
+    inner_key, inner = _inner(config, comp, idx, sigmas, data)
     if config.privacy == "record":
         state = context.state.config_records.get("dpmf-record")
         taken = int(state["steps-taken"]) if state is not None else 0
@@ -206,8 +202,8 @@ def train(msg: Message, context: Context) -> Message:
                 f"node {j}: its private run took {taken} steps in another process; this process cannot "
                 "continue it without replaying noise (run record mode with one process per node)"
             )
-        reply = _INNER[inner_key](msg, context)
+        reply = inner(msg, context)
         seen[j] = taken + int(msg.content["config"]["local-steps"])
         context.state["dpmf-record"] = ConfigRecord({"steps-taken": seen[j]})
         return reply
-    return _INNER[inner_key](msg, context)
+    return inner(msg, context)

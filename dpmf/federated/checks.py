@@ -82,6 +82,10 @@ def check_data(config, sizes, participants) -> list[str]:
         notes.append(
             "only one client trains (compliant-only leaves one): the federation is a single client, "
             "its update is the global model"
-            + (" and client-level noise protects that one client's whole data" if config.privacy == "client" else "")
+            + (
+                " and client-level noise protects that one client's whole data"
+                if config.privacy == "client"
+                else ""
+            )
         )
     return notes

@@ -105,6 +105,8 @@ class FederatedData:
     test_y: np.ndarray
     num_classes: int
     notes: tuple = ()
+    eval_x: tuple = ()  # the clients' held-out records (``evaluation.split_held_out``), or ()
+    eval_y: tuple = ()
 
     @property
     def num_clients(self) -> int:
@@ -172,9 +174,7 @@ def load_medmnist(path: str) -> tuple[dict[str, np.ndarray], str]:
     try:
         z = np.load(path, allow_pickle=False)
     except ValueError:  # numpy: "pickled (object) data" for anything it cannot parse
-        raise ValueError(
-            f"data_file={path!r} is invalid: not a numpy .npz file; expected {layout}"
-        ) from None
+        raise ValueError(f"data_file={path!r} is invalid: not a numpy .npz file; expected {layout}") from None
     except (OSError, EOFError) as exc:
         raise ValueError(f"data_file={path!r} is invalid: not a readable .npz ({exc})") from None
     if not isinstance(z, np.lib.npyio.NpzFile):
@@ -191,7 +191,9 @@ def load_medmnist(path: str) -> tuple[dict[str, np.ndarray], str]:
     except ValueError as exc:
         if "pickled" not in str(exc):
             raise
-        raise ValueError(f"data_file={path!r} is invalid: it holds object arrays; expected {layout}") from None
+        raise ValueError(
+            f"data_file={path!r} is invalid: it holds object arrays; expected {layout}"
+        ) from None
     except (OSError, EOFError) as exc:
         raise ValueError(f"data_file={path!r} is invalid: not a readable .npz ({exc})") from None
     for split in ("train", "val", "test"):

@@ -101,7 +101,8 @@ def run_seeds(
         results.append(res)
         os.makedirs(out_dir, exist_ok=True)  # after the first run: a refused run leaves no folder
         log(
-            f"replica {i}: test accuracy {100 * res.final_accuracy:.2f} % after {len(res.metrics) - 1} rounds "
+            f"replica {i}: test accuracy {100 * res.final_accuracy:.2f} % "
+            f"after {len(res.metrics) - 1} rounds "
             f"({res.seconds:.1f} s)" + (f"; {res.stopped}" if res.stopped else "")
         )
         _write(results, out_dir, compliance)
@@ -131,14 +132,17 @@ def composition(results) -> dict:
 
 
 def _write(results, out_dir: str, compliance) -> None:
+    fed = results[0].config.eval_fraction > 0  # federated evaluation: two more columns
+    extra = ("federated_accuracy", "federated_loss") if fed else ()
     rows = [
-        (r.config.replica, m["round"], m["test_accuracy"], m["test_loss"], m["train_loss"])
+        (r.config.replica, m["round"], m["test_accuracy"], m["test_loss"], m["train_loss"],
+         *(m.get(k, float("nan")) for k in extra))
         for r in results
         for m in r.metrics
-    ]
+    ]  # fmt: skip
     atomic_write_csv(
         os.path.join(out_dir, "metrics.csv"),
-        ("replica", "round", "test_accuracy", "test_loss", "train_loss"),
+        ("replica", "round", "test_accuracy", "test_loss", "train_loss", *extra),
         rows,
     )
     first = results[0]

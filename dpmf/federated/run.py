@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -85,6 +86,8 @@ class FLConfig:
         max_epsilon: a privacy budget: the run stops before the round whose ε (the ledger's
             largest) would exceed it, and the ledger holds the ε of the rounds run with the
             reason (``dpmf.federated.budget``); None: no budget.
+        eval_fraction: f in [0, 0.5]: each client holds out ⌈f·N_k⌉ records and evaluates the
+            global model on them every round (``dpmf.federated.evaluation``); 0: none.
         seed: None (default): a secret key for the noise and the private batches, drawn from
             the operating system (``dpmf.seeds``); an integer ≥ 0: the key itself (reproducible,
             the noise predictable to whoever knows it), which also seeds the weights, the
@@ -126,6 +129,7 @@ class FLConfig:
     delta: float = 1e-5
     accountant: str | None = None
     max_epsilon: float | None = None
+    eval_fraction: float = 0.0
     seed: int | None = None
     replica: int = 0
 
@@ -178,6 +182,7 @@ class FLConfig:
                 f"client_factorization/client_noise_multiplier are invalid with privacy={self.privacy!r}: "
                 "they set client mode's noise"
             )
+        check_real("eval_fraction", self.eval_fraction, low=0.0, high=0.5)
         if self.max_epsilon is not None:
             check_real("max_epsilon", self.max_epsilon, low=0.0, low_inclusive=False)
             if not self.server_noise:
@@ -441,8 +446,24 @@ class _Server:
                 weights = self.dp.run(weights, self.steps_per_round)
             arrays = record(weights)
             acc, loss = self._evaluate(weights)
-            rows.append({"round": r, "test_accuracy": acc, "test_loss": loss, "train_loss": train_loss})
+            row = {"round": r, "test_accuracy": acc, "test_loss": loss, "train_loss": train_loss}
+            if self.config.eval_fraction > 0:
+                row.update(self._federated_evaluation(r, arrays, grid))
+            rows.append(row)
         return rows
+
+    def _federated_evaluation(self, r, arrays, grid) -> dict:
+        """Every participant evaluates the global model on its held-out records; the mean
+        weighted by their counts (the strategy's ``aggregate_evaluate``)."""
+        from flwr.app import ConfigRecord
+
+        msgs = self.strategy.configure_evaluate(r, arrays, ConfigRecord({}), grid)
+        replies = sorted(grid.send_and_receive(msgs), key=lambda m: m.metadata.src_node_id)
+        errors = [m for m in replies if m.has_error()]
+        if errors:
+            raise RuntimeError(f"round {r}: a ClientApp failed to evaluate: {errors[0].error.reason}")
+        agg = self.strategy.aggregate_evaluate(r, replies)
+        return {"federated_accuracy": float(agg["eval-accuracy"]), "federated_loss": float(agg["eval-loss"])}
 
 
 def _client_app(config: FLConfig, data: FederatedData, idx, sigmas, ids, server, key: int):
@@ -541,6 +562,19 @@ def _client_app(config: FLConfig, data: FederatedData, idx, sigmas, ids, server,
         )
         return Message(content=content, reply_to=msg)
 
+    @app.evaluate()
+    def evaluate_held_out(msg: Message, context) -> Message:
+        from dpmf.federated.models import evaluate
+
+        j = int(context.node_config["partition-id"])
+        i = idx[j]
+        model = build_model(data.input_shape, data.num_classes, hidden=config.hidden, seed=config.public_seed)
+        set_weights(model, {k: a.numpy() for k, a in msg.content["arrays"].items()})
+        acc, loss = evaluate(model, data.eval_x[i], data.eval_y[i])
+        n = int(data.eval_y[i].shape[0])
+        metrics = MetricRecord({"num-examples": n, "eval-accuracy": float(acc), "eval-loss": float(loss)})
+        return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)
+
     return app
 
 
@@ -632,6 +666,10 @@ def run_federated(
         )
     from dpmf.federated.checks import check_data
 
+    if config.eval_fraction > 0 and not data.eval_y:
+        from dpmf.federated.evaluation import split_held_out
+
+        data = split_held_out(data, config.eval_fraction, config.public_seed)
     warnings = check_data(config, data.client_sizes(), idx)  # refusals before any training
     for note in data.notes:
         log(f"notice: {note}")
@@ -641,36 +679,40 @@ def run_federated(
     policy = seeds.SeedPolicy.of(config.seed)  # secret unless given; never stored or shown
     if policy.notice:
         log(policy.notice)
-    server = _Server(config, data, comp, idx, sigmas, log, policy.key)
-    app = _client_app(config, data, idx, sigmas, server.ids, server, policy.key)
-    stopped = _budget(config, server, data)
-    from flwr.app import Context, RecordDict
-    from flwr.serverapp import Grid, ServerApp
+    if backend == "ray":  # the Flower app under ``flwr run`` on the simulation engine
+        from dpmf.federated.flwr_run import run_app
 
-    out: dict = {}
-    server_app = ServerApp()
+        if compliance.source != "example":
+            raise ValueError(
+                "backend='ray' is invalid with a compliance file: the Flower app runs the bundled example "
+                "profiles; use backend='local'"
+            )
+        rows, ledger, stopped = run_app(config, len(idx), log=log)
+        server = SimpleNamespace(ledger=ledger, ids=[comp.profiles[i].client_id for i in idx], sigmas=sigmas)
+        out = {"rows": rows}
+    else:
+        server = _Server(config, data, comp, idx, sigmas, log, policy.key)
+        app = _client_app(config, data, idx, sigmas, server.ids, server, policy.key)
+        stopped = _budget(config, server, data)
+        from flwr.app import Context, RecordDict
+        from flwr.serverapp import Grid, ServerApp
 
-    @server_app.main()
-    def main(grid: Grid, context: Context) -> None:
-        out["rows"] = server.serve(grid)
-
-    if backend == "local":
         from dpmf.federated.grid import LocalGrid, server_identity
+
+        out: dict = {}
+        server_app = ServerApp()
+
+        @server_app.main()
+        def main(grid: Grid, context: Context) -> None:
+            out["rows"] = server.serve(grid)
 
         grid = LocalGrid(app, len(idx))
         with server_identity():
             server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
-    else:  # pragma: no cover - needs Ray
-        from flwr.simulation import run_simulation
+    if config.eval_fraction > 0:
+        from dpmf.federated.evaluation import EVAL_NOTE
 
-        run_simulation(
-            server_app=server_app,
-            client_app=app,
-            num_supernodes=len(idx),
-            backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
-        )
-        if "rows" not in out:
-            raise RuntimeError("the Ray simulation ended without results (see Flower's log above)")
+        server.ledger[:] = [replace(e, note=e.note + "; " + EVAL_NOTE) for e in server.ledger]
     if not policy.is_secret:  # the guarantee holds only against whoever does not know the seed
         server.ledger[:] = [
             replace(e, note=e.note + "; the seed was given: only against whoever does not know it")

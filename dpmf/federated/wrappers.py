@@ -163,7 +163,8 @@ class CorrelatedClientDP(_Base):
             )
         if server_round > self.rounds:
             raise RuntimeError(
-                f"round {server_round} exceeds rounds={self.rounds}: the noise and ε were planned for that many"
+                f"round {server_round} exceeds rounds={self.rounds}: the noise and ε were planned "
+                "for that many"
             )
         self._base[server_round] = {k: a.numpy().astype(np.float64) for k, a in arrays.items()}
         return messages
@@ -175,7 +176,8 @@ class CorrelatedClientDP(_Base):
         base = self._base.pop(server_round)
         if any(m.has_error() for m in replies) or len(replies) != self.num_clients:
             raise RuntimeError(
-                f"round {server_round}: {len(replies)} replies ({sum(m.has_error() for m in replies)} errors) "
+                f"round {server_round}: {len(replies)} replies "
+                f"({sum(m.has_error() for m in replies)} errors) "
                 f"from {self.num_clients} clients; the round's noise is for all of them"
             )
         if self._noise is None:
