@@ -815,6 +815,8 @@ _FL_FLAGS = (
     ),
     ("--max-epsilon", "max_epsilon", float, "privacy budget: stop before the round whose ε would exceed it"),
     ("--eval-fraction", "eval_fraction", float, "share of each client's records held out for evaluation"),
+    ("--client-sampling", "client_sampling", str, "client mode: all (default) | poisson | fixed (cyclic)"),
+    ("--clients-per-round", "clients_per_round", int, "client sampling: K per round (expected: poisson)"),
 )
 
 

@@ -86,6 +86,9 @@ class FLConfig:
         max_epsilon: a privacy budget: the run stops before the round whose ε (the ledger's
             largest) would exceed it, and the ledger holds the ε of the rounds run with the
             reason (``dpmf.federated.budget``); None: no budget.
+        client_sampling: ``all`` (every participant every round), ``poisson`` or ``fixed``
+            (``client`` mode; ``dpmf.federated.sampling``), with ``clients_per_round`` K (the
+            expected number for Poisson); amplification by sampling is accounted.
         eval_fraction: f in [0, 0.5]: each client holds out ⌈f·N_k⌉ records and evaluates the
             global model on them every round (``dpmf.federated.evaluation``); 0: none.
         seed: None (default): a secret key for the noise and the private batches, drawn from
@@ -130,6 +133,8 @@ class FLConfig:
     accountant: str | None = None
     max_epsilon: float | None = None
     eval_fraction: float = 0.0
+    client_sampling: str = "all"
+    clients_per_round: int | None = None
     seed: int | None = None
     replica: int = 0
 
@@ -183,6 +188,29 @@ class FLConfig:
                 "they set client mode's noise"
             )
         check_real("eval_fraction", self.eval_fraction, low=0.0, high=0.5)
+        check_choice("client_sampling", self.client_sampling, ("all", "poisson", "fixed"))
+        if self.client_sampling != "all":
+            if self.privacy != "client":
+                raise ValueError(
+                    f"client_sampling={self.client_sampling!r} is invalid with privacy={self.privacy!r}: "
+                    "client sampling is accounted for client-level noise only; use privacy='client'"
+                )
+            if self.clients_per_round is None:
+                raise ValueError(
+                    f"client_sampling={self.client_sampling!r} needs clients_per_round (K >= 1, the "
+                    "expected number of clients per round)"
+                )
+            check_int("clients_per_round", self.clients_per_round, minimum=1, maximum=self.num_clients)
+            if self.max_epsilon is not None:
+                raise ValueError(
+                    "max_epsilon is invalid with client_sampling: the budget's prefix accounting is for "
+                    "full participation; drop one of them"
+                )
+        elif self.clients_per_round is not None:
+            raise ValueError(
+                "clients_per_round is invalid with client_sampling='all': every client trains every round; "
+                "add --client-sampling poisson or fixed"
+            )
         if self.max_epsilon is not None:
             check_real("max_epsilon", self.max_epsilon, low=0.0, low_inclusive=False)
             if not self.server_noise:
@@ -297,6 +325,7 @@ class _Server:
         )
         self.ledger: list[PrivacyEntry] = []
         self.dp = self.client_noise = None
+        self.sampled = config.client_sampling != "all"
         if config.privacy == "aggregator":
             per_round = np.repeat(self.sigmas, config.server_steps)
             steps = np.tile(per_round, R)
@@ -354,22 +383,37 @@ class _Server:
             sigma_c = config.client_noise_multiplier
             if sigma_c is None:
                 sigma_c = float(self.sigmas.max())
-            self.client_noise = local.ClientLevelNoise(
-                P,
-                R,
-                noise_multiplier=sigma_c,
-                clip_norm=config.client_clip,
-                delta=config.delta,
-                factorization=config.client_factorization,
-                accountant=config.accountant,
-                dim=self.dim,
-                seed=seeds.child_key(key, "fl-client-noise"),
-            )
+            if self.sampled:
+                from dpmf.federated.sampling import SampledClientNoise
+
+                self.client_noise = SampledClientNoise(
+                    config.client_sampling, P, config.clients_per_round, R, noise_multiplier=sigma_c,
+                    clip_norm=config.client_clip, delta=config.delta,
+                    factorization=config.client_factorization, accountant=config.accountant, dim=self.dim,
+                    seed=seeds.child_key(key, "fl-client-sampling"),
+                )  # fmt: skip
+            else:
+                self.client_noise = local.ClientLevelNoise(
+                    P,
+                    R,
+                    noise_multiplier=sigma_c,
+                    clip_norm=config.client_clip,
+                    delta=config.delta,
+                    factorization=config.client_factorization,
+                    accountant=config.accountant,
+                    dim=self.dim,
+                    seed=seeds.child_key(key, "fl-client-noise"),
+                )
             pr = self.client_noise.privacy
             note = (
                 "protects each whole client (add or remove one client) against whoever sees the noisy "
                 "aggregate; individual updates must stay hidden from the server (secure aggregation)"
             )
+            if self.sampled:
+                note += (
+                    f"; {config.client_sampling} client sampling, {config.clients_per_round} of {P} clients "
+                    "per round (expected), amplification accounted"
+                )
             self.ledger.append(
                 PrivacyEntry(
                     "client",
@@ -392,7 +436,9 @@ class _Server:
         from flwr.app import Array, ArrayRecord
 
         base = {k: a.numpy().astype(np.float64) for k, a in arrays.items()}
-        noise = self.client_noise.next() / len(replies)
+        divisor = getattr(self.client_noise, "divisor", len(replies))  # K̄ when clients are sampled
+        grow = len(replies) / divisor  # the mean of the replies is then Σ/K̄ (1.0 without sampling)
+        noise = self.client_noise.next() / divisor
         for msg in replies:
             rec_key = next(iter(msg.content.array_records.keys()))
             upd = {k: a.numpy().astype(np.float64) - base[k] for k, a in msg.content[rec_key].items()}
@@ -402,7 +448,7 @@ class _Server:
             for k, u in upd.items():
                 z = noise[off : off + u.size].reshape(u.shape)
                 off += u.size
-                out[k] = Array(np.asarray(base[k] + scale * u + z, dtype=np.float32))
+                out[k] = Array(np.asarray(base[k] + grow * scale * u + z, dtype=np.float32))
             msg.content[rec_key] = ArrayRecord(out)
             met_key = next(iter(msg.content.metric_records.keys()))
             msg.content[met_key]["num-examples"] = 1
@@ -426,22 +472,44 @@ class _Server:
         rows = [{"round": 0, "test_accuracy": acc, "test_loss": loss, "train_loss": float("nan")}]
         arrays = record(weights)
         for r in range(1, self.rounds + 1):
-            msgs = self.strategy.configure_train(
-                r, arrays, ConfigRecord({"local-steps": self.config.local_steps}), grid
+            msgs = list(
+                self.strategy.configure_train(
+                    r, arrays, ConfigRecord({"local-steps": self.config.local_steps}), grid
+                )
             )
-            replies = sorted(grid.send_and_receive(msgs), key=lambda m: m.metadata.src_node_id)
+            expected = len(self.idx)
+            if self.sampled:  # this round's clients (``dpmf.federated.sampling``)
+                nodes = sorted(grid.get_node_ids())
+                keep = {nodes[j] for j in self.client_noise.participants()}
+                msgs = [m for m in msgs if m.metadata.dst_node_id in keep]
+                expected = len(keep)
+            replies = []
+            if msgs:
+                replies = sorted(grid.send_and_receive(msgs), key=lambda m: m.metadata.src_node_id)
             errors = [m for m in replies if m.has_error()]
             if errors:
                 raise RuntimeError(f"round {r}: a ClientApp failed: {errors[0].error.reason}")
-            if len(replies) != len(self.idx):
-                raise RuntimeError(f"round {r}: {len(replies)} replies from {len(self.idx)} participants")
-            train_loss = float(np.mean([float(m.content["metrics"]["train-loss"]) for m in replies]))
-            if self.client_noise is not None:
-                replies = self._privatize_replies(replies, arrays)
-            agg, _ = self.strategy.aggregate_train(r, replies)
-            if agg is None:
-                raise RuntimeError(f"round {r}: the strategy returned no model")
-            weights = {k: a.numpy() for k, a in agg.items()}
+            if len(replies) != expected:
+                raise RuntimeError(f"round {r}: {len(replies)} replies from {expected} participants")
+            train_loss = (
+                float(np.mean([float(m.content["metrics"]["train-loss"]) for m in replies]))
+                if replies
+                else float("nan")
+            )
+            if not replies:  # a Poisson round without clients: w + ν/K̄ (nothing to aggregate)
+                nu = self.client_noise.next() / self.client_noise.divisor
+                weights, off = {}, 0
+                for k, a in arrays.items():
+                    w = a.numpy().astype(np.float64)
+                    weights[k] = np.asarray(w + nu[off : off + w.size].reshape(w.shape), dtype=np.float32)
+                    off += w.size
+            else:
+                if self.client_noise is not None:
+                    replies = self._privatize_replies(replies, arrays)
+                agg, _ = self.strategy.aggregate_train(r, replies)
+                if agg is None:
+                    raise RuntimeError(f"round {r}: the strategy returned no model")
+                weights = {k: a.numpy() for k, a in agg.items()}
             if self.dp is not None:
                 weights = self.dp.run(weights, self.steps_per_round)
             arrays = record(weights)
