@@ -44,8 +44,9 @@ def test_flwr_run_of_the_example_gives_dpmf_fls_epsilon(tmp_path):
            "PATH": os.pathsep.join([str(flwr.parent), os.environ.get("PATH", "")])}  # fmt: skip
     try:
         out = subprocess.run(
-            [str(flwr), "run", str(ROOT / "examples" / "flower"), "--run-config", "rounds=1", "--stream"],
-            env=env, capture_output=True, text=True, timeout=420, cwd=tmp_path,
+            [str(flwr), "run", str(ROOT / "examples" / "flower"), "--run-config", "rounds=1",
+             "--federation-config", "num-supernodes=4", "--stream"],
+            env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
         )  # fmt: skip
     finally:
         _stop_our_superlink(tmp_path)

@@ -113,6 +113,28 @@ def _log(text: str) -> None:
     _LOG.warning(text)
 
 
+def _wait_for_nodes(grid, count: int, seconds: float = 30.0) -> None:
+    """Wait until the federation has ``count`` nodes (one per participant).
+
+    Raises:
+        RuntimeError: another number after ``seconds`` (the simulation's num-supernodes differs),
+            naming the fix.
+    """
+    import time
+
+    end = time.monotonic() + seconds
+    while True:
+        have = len(list(grid.get_node_ids()))
+        if have == count or time.monotonic() > end:
+            break
+        time.sleep(0.5)
+    if have != count:
+        raise RuntimeError(
+            f"the federation has {have} nodes and the run {count} participants: run "
+            f"flwr run <app> --federation-config 'num-supernodes={count}'"
+        )
+
+
 # ---------------------------------------------------------------------------- ServerApp
 app = ServerApp()
 
@@ -125,6 +147,7 @@ def main(grid: Grid, context: Context) -> None:
 
     config = config_from_run_config(context.run_config)
     comp, idx, sigmas, data = _setup(config)
+    _wait_for_nodes(grid, len(idx))
     for note in check_data(config, data.client_sizes(), idx):
         _log(f"warning: {note}")
     policy = seeds.SeedPolicy.of(config.seed)  # secret unless given; never stored or shown

@@ -2,8 +2,9 @@
 on Flower's simulation engine (Ray) — Flower 1.42's way to simulate (its Python entry point
 ``flwr.simulation.run_simulation`` is deprecated).
 
-A temporary app folder holds a ``pyproject.toml`` with the run's config (``app.run_config_from_config``)
-and a ``local-simulation`` federation of one SuperNode per participant; ``flwr run`` executes it
+A temporary app folder holds a ``pyproject.toml`` with the run's config
+(``runconfig.run_config_from_config``); ``flwr run --federation-config num-supernodes=P``
+executes it on one simulated SuperNode per participant
 with ``HOME`` in a temporary folder, so the local SuperLink it starts (127.0.0.1 only) is this
 run's own, and that SuperLink is ended (by its process id) when the run is over. The ServerApp
 writes the per-round metrics and the ledger to a results file in that folder (no key is in it).
@@ -73,8 +74,6 @@ def run_app(config, num_nodes: int, *, timeout: float = 3600.0, log=print):
             "[tool.flwr.app]", 'publisher = "dpmf"', "", "[tool.flwr.app.components]",
             'serverapp = "dpmf.federated.app:app"', 'clientapp = "dpmf.federated.app:clientapp"', "",
             "[tool.flwr.app.config]", *(f"{k} = {_toml_value(v)}" for k, v in rc.items()), "",
-            "[tool.flwr.federations]", 'default = "local-simulation"', "",
-            "[tool.flwr.federations.local-simulation]", f"options.num-supernodes = {int(num_nodes)}", "",
         ]  # fmt: skip
         (app_dir / "pyproject.toml").write_text("\n".join(lines))
         flwr = Path(sys.executable).with_name("flwr")
@@ -86,7 +85,8 @@ def run_app(config, num_nodes: int, *, timeout: float = 3600.0, log=print):
                "PATH": os.pathsep.join([str(flwr.parent), os.environ.get("PATH", "")])}  # fmt: skip
         try:
             out = subprocess.run(
-                [str(flwr), "run", str(app_dir), "--stream"], env=env, capture_output=True, text=True,
+                [str(flwr), "run", str(app_dir), "--federation-config", f"num-supernodes={int(num_nodes)}",
+                 "--stream"], env=env, capture_output=True, text=True,
                 timeout=timeout, cwd=tmp,
             )  # fmt: skip
         finally:
