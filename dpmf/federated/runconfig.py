@@ -63,4 +63,8 @@ def run_config_from_config(config) -> dict:
     out["noise-map"] = config.noise_map.kind
     out["sigma-min"], out["sigma-max"] = config.noise_map.sigma_min, config.noise_map.sigma_max
     out["seed"] = -1 if config.seed is None else config.seed
+    if config.data_file is not None:  # the app runs in another folder
+        import os
+
+        out["data-file"] = os.path.abspath(config.data_file)
     return out
