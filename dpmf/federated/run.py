@@ -188,7 +188,9 @@ class FLConfig:
                 "they set client mode's noise"
             )
         check_real("eval_fraction", self.eval_fraction, low=0.0, high=0.5)
-        check_choice("client_sampling", self.client_sampling, ("all", "poisson", "fixed"))
+        from dpmf.federated.sampling import CLIENT_SAMPLINGS
+
+        check_choice("client_sampling", self.client_sampling, CLIENT_SAMPLINGS)
         if self.client_sampling != "all":
             if self.privacy != "client":
                 raise ValueError(

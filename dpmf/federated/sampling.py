@@ -28,9 +28,11 @@ import math
 
 import numpy as np
 
+from dpmf.plan.schemes import Poisson
+
 __all__ = ["CLIENT_SAMPLINGS", "SampledClientNoise"]
 
-CLIENT_SAMPLINGS = ("all", "poisson", "fixed")
+CLIENT_SAMPLINGS = ("all", Poisson.name, "fixed")  # "poisson" is the scheme's name
 
 
 class SampledClientNoise:
@@ -58,17 +60,17 @@ class SampledClientNoise:
         from dpmf.federated.local import _strategy
         from dpmf.mechanisms import factorize
         from dpmf.optim.noise import noise_for_factorization
-        from dpmf.plan.schemes import FixedOrder, Poisson
+        from dpmf.plan.schemes import FixedOrder
         from dpmf.train.samplers import make_sampler
         from dpmf.workloads import prefix_sum
 
-        check_choice("client_sampling", sampling, ("poisson", "fixed"))
+        check_choice("client_sampling", sampling, CLIENT_SAMPLINGS[1:])
         P = check_int("num_clients", num_clients, minimum=1)
         K = check_int("clients_per_round", per_round, minimum=1, maximum=P)
         R = check_int("rounds", rounds, minimum=1)
-        scheme = Poisson.name if sampling == "poisson" else FixedOrder.name
+        scheme = Poisson.name if sampling == Poisson.name else FixedOrder.name
         per_epoch = -(-P // K)
-        sens_identity = 1.0 if sampling == "poisson" else math.sqrt(math.ceil(R / per_epoch))
+        sens_identity = 1.0 if sampling == Poisson.name else math.sqrt(math.ceil(R / per_epoch))
         sigma_acc = float(noise_multiplier) / sens_identity
         fact = _strategy(factorization, R, scheme, per_epoch)
         self.privacy = account(
