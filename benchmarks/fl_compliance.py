@@ -7,6 +7,7 @@ each privacy mode's ε with its unit. Writes ``OUT/grid.csv``, ``OUT/first_round
 ``OUT/epsilons.csv`` and prints the tables.
 
     python benchmarks/fl_compliance.py --rounds 15 --seeds 0-4 --out out/fl_grid
+    python benchmarks/fl_compliance.py --datasets pneumoniamnist --data-file pneumoniamnist.npz ...
 """
 
 from __future__ import annotations
@@ -39,8 +40,12 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--seeds", default="0-4")
     p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--data-file", default=None, help="the .npz for pneumoniamnist|breastmnist|medmnist")
     p.add_argument("--out", default="out/fl_grid")
     a = p.parse_args(argv)
+    from dpmf.federated.run import FLConfig
+
+    base = FLConfig(data_file=a.data_file) if a.data_file else None
     import torch
 
     torch.set_num_threads(1)
@@ -52,7 +57,8 @@ def main(argv=None) -> int:
             print(f"  {done}/{total} cells, {time.perf_counter() - began:.0f} s", flush=True)
 
     rows = compliance_grid(
-        datasets, strategies, rounds=a.rounds, seeds=seeds, num_clients=a.clients, progress=progress
+        datasets, strategies, rounds=a.rounds, seeds=seeds, num_clients=a.clients, progress=progress,
+        base=base,
     )
     cols = list(rows[0])
     atomic_write_csv(os.path.join(a.out, "grid.csv"), cols, [[r[c] for c in cols] for r in rows])
@@ -70,7 +76,7 @@ def main(argv=None) -> int:
         for d in paired_differences(sub, factor, x, y):
             print(f"  {d['dataset']:<16} {d['strategy']:<10} {100 * d['mean']:+6.2f} ± {100 * d['sd']:5.2f} "
                   f"(n={d['n']}, range {100 * d['min']:+.1f} … {100 * d['max']:+.1f})")  # fmt: skip
-    cost = first_round_cost(datasets, seeds=seeds, num_clients=a.clients)
+    cost = first_round_cost(datasets, seeds=seeds, num_clients=a.clients, base=base)
     atomic_write_csv(os.path.join(a.out, "first_round.csv"), list(cost[0]), [list(r.values()) for r in cost])
     print("\nfirst-round noise cost (FedAvg, Experiment 1): round-1 accuracy without − with server noise")
     for d in datasets:
@@ -79,7 +85,7 @@ def main(argv=None) -> int:
     print(f"\nε of each privacy mode (FedAvg, {a.rounds} rounds, seed {seeds[0]})")
     erows = []
     for d in datasets:
-        for m in mode_epsilons(d, rounds=a.rounds, num_clients=a.clients, seed=seeds[0]):
+        for m in mode_epsilons(d, rounds=a.rounds, num_clients=a.clients, seed=seeds[0], base=base):
             e = m["entry"]
             erows.append([d, m["mode"], e.subject, e.protects, "inf" if math.isinf(e.epsilon) else e.epsilon,
                           e.delta, e.vacuous])  # fmt: skip

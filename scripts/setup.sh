@@ -30,5 +30,10 @@ else
   echo "setup: Python < 3.11: the extra fl (Flower) is skipped; dpmf fl and its tests are unavailable"
 fi
 "$VENV/bin/python" -m pip install -q -e ".[$EXTRAS]"
+if [ "${EXTRAS#*fl}" != "$EXTRAS" ]; then
+  # Flower's simulation engine (Ray) for `flwr run examples/flower`; its tests skip without it
+  "$VENV/bin/python" -m pip install -q -e ".[fl-sim]" \
+    || echo "setup: could not install flwr[simulation] (Ray): flwr run examples/flower and its test are unavailable"
+fi
 touch "$VENV/.installed"
 echo "setup: ready in $VENV"

@@ -16,8 +16,14 @@ Modules: ``compliance`` and ``ledger`` (numpy only), ``data`` (MedMNIST files, s
 partitions), ``models`` (torch), ``local`` (the one seam to dpmf's private-step machinery),
 ``strategies``, ``grid`` (in-process Flower Grid), ``run`` (``FLConfig``, ``run_federated``),
 ``report`` (several seeds, files and summary tables) and ``experiment`` (the grid of
-Experiments 1/4 × weighted/uniform noise). Import ``run``/``grid``/``strategies``/``report``/
-``experiment`` only with Flower installed.
+Experiments 1/4 × weighted/uniform noise); ``checks`` (contradictory settings), ``prefetch``
+(record-mode accountings in parallel), ``budget`` (``max_epsilon``), ``sampling`` (client
+sampling per round), ``evaluation`` (held-out federated evaluation). Building blocks for a
+user's own Flower app: ``wrappers.CorrelatedClientDP`` (a strategy wrapper: client-level DP with
+noise correlated across rounds) and ``mods.RecordDPTrainer`` (record-level DP as a train
+handler); the whole run as a Flower app: ``app`` (``app``, ``clientapp``; ``flwr run``).
+Import ``run``/``grid``/``strategies``/``report``/``experiment``/``wrappers``/``mods``/``app``
+only with Flower installed.
 """
 
 from dpmf.federated.compliance import (

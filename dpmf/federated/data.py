@@ -105,6 +105,8 @@ class FederatedData:
     test_y: np.ndarray
     num_classes: int
     notes: tuple = ()
+    eval_x: tuple = ()  # the clients' held-out records (``evaluation.split_held_out``), or ()
+    eval_y: tuple = ()
 
     @property
     def num_clients(self) -> int:
@@ -168,15 +170,15 @@ def load_medmnist(path: str) -> tuple[dict[str, np.ndarray], str]:
             )
     else:
         note = f"{name} is not an official MedMNIST file name: read without a checksum"
+    layout = "a .npz archive (numpy.savez) with keys " + ", ".join(_MEDMNIST_KEYS)
     try:
         z = np.load(path, allow_pickle=False)
-    except (OSError, EOFError, ValueError) as exc:  # not a zip: numpy tries .npy, then pickle
-        reason = str(exc).split(".")[0] or type(exc).__name__
-        raise ValueError(
-            f"data_file={path!r} is invalid: not a readable .npz ({reason}); give a MedMNIST .npz file"
-        ) from None
-    if not hasattr(z, "files"):  # a single .npy array
-        raise ValueError(f"data_file={path!r} is invalid: a .npy array, not a MedMNIST .npz archive")
+    except ValueError:  # numpy: "pickled (object) data" for anything it cannot parse
+        raise ValueError(f"data_file={path!r} is invalid: not a numpy .npz file; expected {layout}") from None
+    except (OSError, EOFError) as exc:
+        raise ValueError(f"data_file={path!r} is invalid: not a readable .npz ({exc})") from None
+    if not isinstance(z, np.lib.npyio.NpzFile):
+        raise ValueError(f"data_file={path!r} is invalid: a single .npy array; expected {layout}")
     try:
         with z:
             missing = [k for k in _MEDMNIST_KEYS if k not in z.files]
@@ -186,6 +188,12 @@ def load_medmnist(path: str) -> tuple[dict[str, np.ndarray], str]:
                     f"(missing {', '.join(missing)})"
                 )
             arrays = {k: np.asarray(z[k]) for k in _MEDMNIST_KEYS}
+    except ValueError as exc:
+        if "pickled" not in str(exc):
+            raise
+        raise ValueError(
+            f"data_file={path!r} is invalid: it holds object arrays; expected {layout}"
+        ) from None
     except (OSError, EOFError) as exc:
         raise ValueError(f"data_file={path!r} is invalid: not a readable .npz ({exc})") from None
     for split in ("train", "val", "test"):
@@ -194,6 +202,32 @@ def load_medmnist(path: str) -> tuple[dict[str, np.ndarray], str]:
             raise ValueError(f"data_file={path!r} is invalid: {split} images and labels differ in count")
         arrays[f"{split}_labels"] = y
     return arrays, note
+
+
+MEDMNIST_SIZES = (28, 64, 128, 224)
+
+
+def _check_kind(name: str, path: str, arrays) -> None:
+    """A file read as ``pneumoniamnist``/``breastmnist`` must look like one: grayscale square
+    images (N, S, S) with S in ``MEDMNIST_SIZES`` and binary labels (both have 2 classes).
+
+    Raises:
+        ValueError: naming the file, what differs, and ``dataset='medmnist'`` for other files.
+    """
+    for split in ("train", "val", "test"):
+        shape = tuple(arrays[f"{split}_images"].shape)
+        if len(shape) != 3 or shape[1] != shape[2] or shape[1] not in MEDMNIST_SIZES:
+            raise ValueError(
+                f"data_file={path!r} is invalid for dataset={name!r}: {split}_images has shape {shape}, "
+                f"expected (N, S, S) grayscale with S in {MEDMNIST_SIZES}; use --dataset medmnist for "
+                "other MedMNIST-layout files"
+            )
+        labels = np.unique(arrays[f"{split}_labels"])
+        if not set(labels.tolist()) <= {0, 1}:
+            raise ValueError(
+                f"data_file={path!r} is invalid for dataset={name!r}: {split}_labels has classes "
+                f"{labels.tolist()[:8]}, expected 0 and 1; use --dataset medmnist for other files"
+            )
 
 
 def partition(
@@ -310,6 +344,8 @@ def load_federated(
                 f"data_file={data_file!r} is invalid for dataset={name!r}: it is another data set"
             )
         arrays, note = load_medmnist(data_file)
+        if name != "medmnist":
+            _check_kind(name, data_file, arrays)
         x_tr, y_tr = _images(arrays["train_images"]), arrays["train_labels"]
         parts = partition(y_tr, K, partition_scheme, alpha=alpha, shards=shards, seed=seed)
         x_te, y_te = _images(arrays["test_images"]), arrays["test_labels"]

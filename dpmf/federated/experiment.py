@@ -27,11 +27,29 @@ from dpmf.federated.run import FLConfig, run_federated
 __all__ = ["compliance_grid", "first_round_cost", "paired_differences", "mode_epsilons", "summary_table"]
 
 
-def _data(cache, dataset, num_clients, seed):
+def _data(cache, dataset, num_clients, seed, base: FLConfig):
+    """The data of one cell: ``base``'s data file (MedMNIST names), partition and aggregator
+    split, cached per (data set, K, seed)."""
     key = (dataset, num_clients, seed)
     if key not in cache:
-        cache[key] = load_federated(dataset, num_clients, seed=seed)
+        medmnist = dataset in ("pneumoniamnist", "breastmnist", "medmnist")
+        cache[key] = load_federated(
+            dataset,
+            num_clients,
+            data_file=base.data_file if medmnist else None,
+            partition_scheme=base.partition,
+            alpha=base.alpha,
+            shards=base.shards,
+            seed=seed,
+            aggregator_fraction=base.aggregator_fraction,
+        )
     return cache[key]
+
+
+def _cell(base: FLConfig, dataset: str, **changes) -> FLConfig:
+    """``base`` for one cell; its data file only for the MedMNIST names."""
+    medmnist = dataset in ("pneumoniamnist", "breastmnist", "medmnist")
+    return base.replace(dataset=dataset, data_file=base.data_file if medmnist else None, **changes)
 
 
 def compliance_grid(
@@ -54,7 +72,8 @@ def compliance_grid(
         experiments: 1 (all clients) and/or 4 (compliant only).
         allocations: ``weighted`` and/or ``uniform``.
         base: settings shared by every cell (dataset, strategy, rounds, seed, compliant_only and
-            allocation are set per cell).
+            allocation are set per cell); its ``data_file`` is read for the MedMNIST names
+            (``pneumoniamnist``, ``breastmnist``, ``medmnist``), its partition for every data set.
         progress: callable(done, total, row) after each cell, or None.
 
     Returns:
@@ -73,11 +92,11 @@ def compliance_grid(
     ]
     rows = []
     for i, (d, s, e, a, seed) in enumerate(cells):
-        cfg = base.replace(
-            dataset=d, strategy=s, rounds=rounds, seed=seed, num_clients=num_clients,
+        cfg = _cell(
+            base, d, strategy=s, rounds=rounds, seed=seed, num_clients=num_clients,
             compliant_only=(e == 4), allocation=a, privacy="aggregator",
         )  # fmt: skip
-        res = run_federated(cfg, data=_data(cache, d, num_clients, seed), log=lambda *_: None)
+        res = run_federated(cfg, data=_data(cache, d, num_clients, seed, base), log=lambda *_: None)
         led = res.ledger[0]
         row = {
             "dataset": d,
@@ -112,8 +131,8 @@ def first_round_cost(
     rows = []
     for d in datasets:
         for seed in seeds:
-            cfg = base.replace(dataset=d, strategy=strategy, rounds=1, seed=seed, num_clients=num_clients)
-            data = _data(cache, d, num_clients, seed)
+            cfg = _cell(base, d, strategy=strategy, rounds=1, seed=seed, num_clients=num_clients)
+            data = _data(cache, d, num_clients, seed, base)
             noisy = run_federated(cfg, data=data, log=lambda *_: None).final_accuracy
             free = run_federated(
                 cfg.replace(server_noise=False), data=data, log=lambda *_: None
@@ -175,10 +194,10 @@ def mode_epsilons(dataset: str, *, rounds: int, num_clients: int = 16, seed: int
     """One FedAvg run per privacy mode (weighted allocation); the ``PrivacyEntry`` list of each
     with its unit, and the run's final accuracy: rows ``mode, accuracy, entry``."""
     base = base or FLConfig()
-    data = load_federated(dataset, num_clients, seed=seed)
+    data = _data({}, dataset, num_clients, seed, base)
     out = []
     for mode in ("aggregator", "record", "client"):
-        cfg = base.replace(dataset=dataset, rounds=rounds, seed=seed, num_clients=num_clients, privacy=mode)
+        cfg = _cell(base, dataset, rounds=rounds, seed=seed, num_clients=num_clients, privacy=mode)
         res = run_federated(cfg, data=data, log=lambda *_: None)
         for e in res.ledger:
             out.append({"mode": mode, "accuracy": res.final_accuracy, "entry": e})

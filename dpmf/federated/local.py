@@ -103,11 +103,15 @@ def record_privacy(
     try:
         hash(args)
     except TypeError:  # not cacheable: let ``account`` name the bad argument
-        return _record_privacy.__wrapped__(*args)
-    return _record_privacy(*args)
+        return _record_privacy(*args)
+    if args not in RECORD_CACHE:  # ``dpmf.federated.prefetch`` fills it in parallel
+        RECORD_CACHE[args] = _record_privacy(*args)
+    return RECORD_CACHE[args]
 
 
-@functools.lru_cache(maxsize=1024)
+RECORD_CACHE: dict = {}  # record_privacy's arguments → PrivacyResult (a pure function of them)
+
+
 def _record_privacy(
     noise_multiplier, dataset_size, batch_size, steps, delta, scheme, factorization, accountant
 ):

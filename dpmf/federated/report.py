@@ -95,15 +95,15 @@ def run_seeds(
         else [config.replace(seed=s, replica=i) for i, s in enumerate(seeds)]
     )
     results = []
-    # out_dir is created by the first write, after the first replica's input was validated and
-    # run: a refused input leaves no folder behind
     for i, cfg in enumerate(runs):
         quiet = log if i == 0 else (lambda *_: None)  # the notices and the ledger once
         res = run_federated(cfg, compliance=compliance, backend=backend, log=quiet)
         results.append(res)
+        os.makedirs(out_dir, exist_ok=True)  # after the first run: a refused run leaves no folder
         log(
-            f"replica {i}: test accuracy {100 * res.final_accuracy:.2f} % after {config.rounds} rounds "
-            f"({res.seconds:.1f} s)"
+            f"replica {i}: test accuracy {100 * res.final_accuracy:.2f} % "
+            f"after {len(res.metrics) - 1} rounds "
+            f"({res.seconds:.1f} s)" + (f"; {res.stopped}" if res.stopped else "")
         )
         _write(results, out_dir, compliance)
     return results
@@ -132,14 +132,17 @@ def composition(results) -> dict:
 
 
 def _write(results, out_dir: str, compliance) -> None:
+    fed = results[0].config.eval_fraction > 0  # federated evaluation: two more columns
+    extra = ("federated_accuracy", "federated_loss") if fed else ()
     rows = [
-        (r.config.replica, m["round"], m["test_accuracy"], m["test_loss"], m["train_loss"])
+        (r.config.replica, m["round"], m["test_accuracy"], m["test_loss"], m["train_loss"],
+         *(m.get(k, float("nan")) for k in extra))
         for r in results
         for m in r.metrics
-    ]
+    ]  # fmt: skip
     atomic_write_csv(
         os.path.join(out_dir, "metrics.csv"),
-        ("replica", "round", "test_accuracy", "test_loss", "train_loss"),
+        ("replica", "round", "test_accuracy", "test_loss", "train_loss", *extra),
         rows,
     )
     first = results[0]
@@ -163,6 +166,8 @@ def _write(results, out_dir: str, compliance) -> None:
                 {
                     "replica": r.config.replica,
                     "seed": r.config.seed,
+                    "rounds_run": len(r.metrics) - 1,
+                    "stopped": r.stopped or None,
                     "entries": [e.to_dict() for e in r.ledger],
                     "lines": [format_entry(e) for e in r.ledger],
                 }

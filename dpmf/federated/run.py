@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -84,6 +85,14 @@ class FLConfig:
         proximal_mu: FedProx's μ; ``fedopt_eta``: FedAdam/FedYogi's η (None: Flower's default).
         hidden: width of the MLP's hidden layer.
         delta: δ of every reported ε; ``accountant``: ``pld`` (default), ``rdp`` or ``prv``.
+        max_epsilon: a privacy budget: the run stops before the round whose ε (the ledger's
+            largest) would exceed it, and the ledger holds the ε of the rounds run with the
+            reason (``dpmf.federated.budget``); None: no budget.
+        client_sampling: ``all`` (every participant every round), ``poisson`` or ``fixed``
+            (``client`` mode; ``dpmf.federated.sampling``), with ``clients_per_round`` K (the
+            expected number for Poisson); amplification by sampling is accounted.
+        eval_fraction: f in [0, 0.5]: each client holds out ⌈f·N_k⌉ records and evaluates the
+            global model on them every round (``dpmf.federated.evaluation``); 0: none.
         seed: None (default): a secret key for the noise and the private batches, drawn from
             the operating system (``dpmf.seeds``); an integer ≥ 0: the key itself (reproducible,
             the noise predictable to whoever knows it), which also seeds the weights, the
@@ -124,6 +133,10 @@ class FLConfig:
     hidden: int = 32
     delta: float = 1e-5
     accountant: str | None = None
+    max_epsilon: float | None = None
+    eval_fraction: float = 0.0
+    client_sampling: str = "all"
+    clients_per_round: int | None = None
     seed: int | None = None
     replica: int = 0
 
@@ -176,6 +189,36 @@ class FLConfig:
                 f"client_factorization/client_noise_multiplier are invalid with privacy={self.privacy!r}: "
                 "they set client mode's noise"
             )
+        check_real("eval_fraction", self.eval_fraction, low=0.0, high=0.5)
+        from dpmf.federated.sampling import CLIENT_SAMPLINGS
+
+        check_choice("client_sampling", self.client_sampling, CLIENT_SAMPLINGS)
+        if self.client_sampling != "all":
+            if self.privacy != "client":
+                raise ValueError(
+                    f"client_sampling={self.client_sampling!r} is invalid with privacy={self.privacy!r}: "
+                    "client sampling is accounted for client-level noise only; use privacy='client'"
+                )
+            if self.clients_per_round is None:
+                raise ValueError(
+                    f"client_sampling={self.client_sampling!r} needs clients_per_round (K >= 1, the "
+                    "expected number of clients per round)"
+                )
+            check_int("clients_per_round", self.clients_per_round, minimum=1, maximum=self.num_clients)
+            if self.max_epsilon is not None:
+                raise ValueError(
+                    "max_epsilon is invalid with client_sampling: the budget's prefix accounting is for "
+                    "full participation; drop one of them"
+                )
+        elif self.clients_per_round is not None:
+            raise ValueError(
+                "clients_per_round is invalid with client_sampling='all': every client trains every round; "
+                "add --client-sampling poisson or fixed"
+            )
+        if self.max_epsilon is not None:
+            check_real("max_epsilon", self.max_epsilon, low=0.0, low_inclusive=False)
+            if not self.server_noise:
+                raise ValueError("max_epsilon is invalid with server_noise=False: that run has ε = ∞")
         if not self.server_noise and self.privacy != "aggregator":
             raise ValueError("server_noise=False is invalid: only aggregator mode has server noise")
 
@@ -210,6 +253,7 @@ class FLResult:
         sigmas: client id → σ_k (the allocation actually used).
         data: the run's data description.
         seconds: wall time.
+        stopped: why the run stopped before ``config.rounds`` (the privacy budget), or "".
     """
 
     config: FLConfig
@@ -219,6 +263,7 @@ class FLResult:
     sigmas: dict
     data: dict
     seconds: float = 0.0
+    stopped: str = ""
 
     @property
     def final_accuracy(self) -> float:
@@ -278,11 +323,13 @@ class _Server:
         self.initial = get_weights(self.model)
         self.dim = int(sum(v.size for v in self.initial.values()))
         P, R = len(self.idx), config.rounds
+        self.rounds = R  # fewer when a privacy budget binds (``dpmf.federated.budget``)
         self.strategy = make_strategy(
             config.strategy, P, proximal_mu=config.proximal_mu, server_lr=config.fedopt_eta
         )
         self.ledger: list[PrivacyEntry] = []
         self.dp = self.client_noise = None
+        self.sampled = config.client_sampling != "all"
         if config.privacy == "aggregator":
             per_round = np.repeat(self.sigmas, config.server_steps)
             steps = np.tile(per_round, R)
@@ -305,6 +352,7 @@ class _Server:
                 seed=seeds.child_key(key, "fl-aggregator"),
             )
             self.steps_per_round = per_round.size
+            self.round_sigmas = per_round
             note = (
                 "protects only the server's aggregator dataset against the released models; the "
                 "clients' updates reach a semi-honest aggregator unprotected (client-level DP needs "
@@ -339,22 +387,37 @@ class _Server:
             sigma_c = config.client_noise_multiplier
             if sigma_c is None:
                 sigma_c = float(self.sigmas.max())
-            self.client_noise = local.ClientLevelNoise(
-                P,
-                R,
-                noise_multiplier=sigma_c,
-                clip_norm=config.client_clip,
-                delta=config.delta,
-                factorization=config.client_factorization,
-                accountant=config.accountant,
-                dim=self.dim,
-                seed=seeds.child_key(key, "fl-client-noise"),
-            )
+            if self.sampled:
+                from dpmf.federated.sampling import SampledClientNoise
+
+                self.client_noise = SampledClientNoise(
+                    config.client_sampling, P, config.clients_per_round, R, noise_multiplier=sigma_c,
+                    clip_norm=config.client_clip, delta=config.delta,
+                    factorization=config.client_factorization, accountant=config.accountant, dim=self.dim,
+                    seed=seeds.child_key(key, "fl-client-sampling"),
+                )  # fmt: skip
+            else:
+                self.client_noise = local.ClientLevelNoise(
+                    P,
+                    R,
+                    noise_multiplier=sigma_c,
+                    clip_norm=config.client_clip,
+                    delta=config.delta,
+                    factorization=config.client_factorization,
+                    accountant=config.accountant,
+                    dim=self.dim,
+                    seed=seeds.child_key(key, "fl-client-noise"),
+                )
             pr = self.client_noise.privacy
             note = (
                 "protects each whole client (add or remove one client) against whoever sees the noisy "
                 "aggregate; individual updates must stay hidden from the server (secure aggregation)"
             )
+            if self.sampled:
+                note += (
+                    f"; {config.client_sampling} client sampling, {config.clients_per_round} of {P} clients "
+                    "per round (expected), amplification accounted"
+                )
             self.ledger.append(
                 PrivacyEntry(
                     "client",
@@ -377,7 +440,9 @@ class _Server:
         from flwr.app import Array, ArrayRecord
 
         base = {k: a.numpy().astype(np.float64) for k, a in arrays.items()}
-        noise = self.client_noise.next() / len(replies)
+        divisor = getattr(self.client_noise, "divisor", len(replies))  # K̄ when clients are sampled
+        grow = len(replies) / divisor  # the mean of the replies is then Σ/K̄ (1.0 without sampling)
+        noise = self.client_noise.next() / divisor
         for msg in replies:
             rec_key = next(iter(msg.content.array_records.keys()))
             upd = {k: a.numpy().astype(np.float64) - base[k] for k, a in msg.content[rec_key].items()}
@@ -387,7 +452,7 @@ class _Server:
             for k, u in upd.items():
                 z = noise[off : off + u.size].reshape(u.shape)
                 off += u.size
-                out[k] = Array(np.asarray(base[k] + scale * u + z, dtype=np.float32))
+                out[k] = Array(np.asarray(base[k] + grow * scale * u + z, dtype=np.float32))
             msg.content[rec_key] = ArrayRecord(out)
             met_key = next(iter(msg.content.metric_records.keys()))
             msg.content[met_key]["num-examples"] = 1
@@ -410,29 +475,67 @@ class _Server:
         acc, loss = self._evaluate(weights)
         rows = [{"round": 0, "test_accuracy": acc, "test_loss": loss, "train_loss": float("nan")}]
         arrays = record(weights)
-        for r in range(1, self.config.rounds + 1):
-            msgs = self.strategy.configure_train(
-                r, arrays, ConfigRecord({"local-steps": self.config.local_steps}), grid
+        for r in range(1, self.rounds + 1):
+            msgs = list(
+                self.strategy.configure_train(
+                    r, arrays, ConfigRecord({"local-steps": self.config.local_steps}), grid
+                )
             )
-            replies = sorted(grid.send_and_receive(msgs), key=lambda m: m.metadata.src_node_id)
+            expected = len(self.idx)
+            if self.sampled:  # this round's clients (``dpmf.federated.sampling``)
+                nodes = sorted(grid.get_node_ids())
+                keep = {nodes[j] for j in self.client_noise.participants()}
+                msgs = [m for m in msgs if m.metadata.dst_node_id in keep]
+                expected = len(keep)
+            replies = []
+            if msgs:
+                replies = sorted(grid.send_and_receive(msgs), key=lambda m: m.metadata.src_node_id)
             errors = [m for m in replies if m.has_error()]
             if errors:
                 raise RuntimeError(f"round {r}: a ClientApp failed: {errors[0].error.reason}")
-            if len(replies) != len(self.idx):
-                raise RuntimeError(f"round {r}: {len(replies)} replies from {len(self.idx)} participants")
-            train_loss = float(np.mean([float(m.content["metrics"]["train-loss"]) for m in replies]))
-            if self.client_noise is not None:
-                replies = self._privatize_replies(replies, arrays)
-            agg, _ = self.strategy.aggregate_train(r, replies)
-            if agg is None:
-                raise RuntimeError(f"round {r}: the strategy returned no model")
-            weights = {k: a.numpy() for k, a in agg.items()}
+            if len(replies) != expected:
+                raise RuntimeError(f"round {r}: {len(replies)} replies from {expected} participants")
+            train_loss = (
+                float(np.mean([float(m.content["metrics"]["train-loss"]) for m in replies]))
+                if replies
+                else float("nan")
+            )
+            if not replies:  # a Poisson round without clients: w + ν/K̄ (nothing to aggregate)
+                nu = self.client_noise.next() / self.client_noise.divisor
+                weights, off = {}, 0
+                for k, a in arrays.items():
+                    w = a.numpy().astype(np.float64)
+                    weights[k] = np.asarray(w + nu[off : off + w.size].reshape(w.shape), dtype=np.float32)
+                    off += w.size
+            else:
+                if self.client_noise is not None:
+                    replies = self._privatize_replies(replies, arrays)
+                agg, _ = self.strategy.aggregate_train(r, replies)
+                if agg is None:
+                    raise RuntimeError(f"round {r}: the strategy returned no model")
+                weights = {k: a.numpy() for k, a in agg.items()}
             if self.dp is not None:
                 weights = self.dp.run(weights, self.steps_per_round)
             arrays = record(weights)
             acc, loss = self._evaluate(weights)
-            rows.append({"round": r, "test_accuracy": acc, "test_loss": loss, "train_loss": train_loss})
+            row = {"round": r, "test_accuracy": acc, "test_loss": loss, "train_loss": train_loss}
+            if self.config.eval_fraction > 0:
+                row.update(self._federated_evaluation(r, arrays, grid))
+            rows.append(row)
         return rows
+
+    def _federated_evaluation(self, r, arrays, grid) -> dict:
+        """Every participant evaluates the global model on its held-out records; the mean
+        weighted by their counts (the strategy's ``aggregate_evaluate``)."""
+        from flwr.app import ConfigRecord
+
+        msgs = self.strategy.configure_evaluate(r, arrays, ConfigRecord({}), grid)
+        replies = sorted(grid.send_and_receive(msgs), key=lambda m: m.metadata.src_node_id)
+        errors = [m for m in replies if m.has_error()]
+        if errors:
+            raise RuntimeError(f"round {r}: a ClientApp failed to evaluate: {errors[0].error.reason}")
+        agg = self.strategy.aggregate_evaluate(r, replies)
+        return {"federated_accuracy": float(agg["eval-accuracy"]), "federated_loss": float(agg["eval-loss"])}
 
 
 def _client_app(config: FLConfig, data: FederatedData, idx, sigmas, ids, server, key: int):
@@ -446,9 +549,17 @@ def _client_app(config: FLConfig, data: FederatedData, idx, sigmas, ids, server,
 
     runs = {}
     if config.privacy == "record":
+        from dpmf.federated.prefetch import prefetch_record_privacy
+
+        prefetch_record_privacy(
+            (float(sigmas[j]), int(data.client_y[i].shape[0]), config.local_batch_size,
+             config.rounds * config.local_steps, config.delta, config.local_scheme,
+             config.local_factorization, config.accountant)
+            for j, i in enumerate(idx)
+        )  # fmt: skip
         for j, i in enumerate(idx):
             x, y = data.client_x[i], data.client_y[i]
-            b = min(config.local_batch_size, int(y.shape[0]))
+            b = config.local_batch_size  # ≤ N_k: checked by ``check_data``
             runs[j] = local.PrivateLocalRun(
                 x,
                 y,
@@ -523,7 +634,45 @@ def _client_app(config: FLConfig, data: FederatedData, idx, sigmas, ids, server,
         )
         return Message(content=content, reply_to=msg)
 
+    @app.evaluate()
+    def evaluate_held_out(msg: Message, context) -> Message:
+        from dpmf.federated.models import evaluate
+
+        j = int(context.node_config["partition-id"])
+        i = idx[j]
+        model = build_model(data.input_shape, data.num_classes, hidden=config.hidden, seed=config.public_seed)
+        set_weights(model, {k: a.numpy() for k, a in msg.content["arrays"].items()})
+        acc, loss = evaluate(model, data.eval_x[i], data.eval_y[i])
+        n = int(data.eval_y[i].shape[0])
+        metrics = MetricRecord({"num-examples": n, "eval-accuracy": float(acc), "eval-loss": float(loss)})
+        return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)
+
     return app
+
+
+def _budget(config: FLConfig, server: _Server, data: FederatedData) -> str:
+    """Apply ``config.max_epsilon`` (``dpmf.federated.budget``) before any training: set the
+    rounds to run and the ledger of the stopped run; the reason, or "" when it does not bind."""
+    from dpmf.federated import budget
+
+    if config.max_epsilon is None:
+        return ""
+    facts, per = {}, [1] * len(server.ledger)
+    if config.privacy == "aggregator":
+        facts = {"steps_per_round_sigmas": server.round_sigmas, "sampling_rate": server.dp.sampling_rate}
+        per = [server.steps_per_round]
+    elif config.privacy == "record":
+        facts = {"sigmas": server.sigmas, "sizes": [int(data.client_y[i].shape[0]) for i in server.idx]}
+        per = [config.local_steps] * len(server.ledger)
+    else:
+        facts = {"num_clients": len(server.idx)}
+    stop = budget.plan_budget(config, server.ledger, **facts)
+    if stop is None:
+        return ""
+    server.rounds = stop.rounds
+    server.ledger[:] = budget.apply(server.ledger, stop, per)
+    server.log(f"privacy budget: {stop.reason}")
+    return stop.reason
 
 
 def run_federated(
@@ -587,41 +736,55 @@ def run_federated(
             seed=config.public_seed,
             aggregator_fraction=config.aggregator_fraction,
         )
+    from dpmf.federated.checks import check_data
+
+    if config.eval_fraction > 0 and not data.eval_y:
+        from dpmf.federated.evaluation import split_held_out
+
+        data = split_held_out(data, config.eval_fraction, config.public_seed)
+    warnings = check_data(config, data.client_sizes(), idx)  # refusals before any training
     for note in data.notes:
         log(f"notice: {note}")
+    for note in warnings:
+        log(f"warning: {note}")
     comp = compliance.select(config.num_clients)
     policy = seeds.SeedPolicy.of(config.seed)  # secret unless given; never stored or shown
     if policy.notice:
         log(policy.notice)
-    server = _Server(config, data, comp, idx, sigmas, log, policy.key)
-    app = _client_app(config, data, idx, sigmas, server.ids, server, policy.key)
-    from flwr.app import Context, RecordDict
-    from flwr.serverapp import Grid, ServerApp
+    if backend == "ray":  # the Flower app under ``flwr run`` on the simulation engine
+        from dpmf.federated.flwr_run import run_app
 
-    out: dict = {}
-    server_app = ServerApp()
+        if compliance.source != "example":
+            raise ValueError(
+                "backend='ray' is invalid with a compliance file: the Flower app runs the bundled example "
+                "profiles; use backend='local'"
+            )
+        rows, ledger, stopped = run_app(config, len(idx), log=log)
+        server = SimpleNamespace(ledger=ledger, ids=[comp.profiles[i].client_id for i in idx], sigmas=sigmas)
+        out = {"rows": rows}
+    else:
+        server = _Server(config, data, comp, idx, sigmas, log, policy.key)
+        app = _client_app(config, data, idx, sigmas, server.ids, server, policy.key)
+        stopped = _budget(config, server, data)
+        from flwr.app import Context, RecordDict
+        from flwr.serverapp import Grid, ServerApp
 
-    @server_app.main()
-    def main(grid: Grid, context: Context) -> None:
-        out["rows"] = server.serve(grid)
-
-    if backend == "local":
         from dpmf.federated.grid import LocalGrid, server_identity
+
+        out: dict = {}
+        server_app = ServerApp()
+
+        @server_app.main()
+        def main(grid: Grid, context: Context) -> None:
+            out["rows"] = server.serve(grid)
 
         grid = LocalGrid(app, len(idx))
         with server_identity():
             server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
-    else:  # pragma: no cover - needs Ray
-        from flwr.simulation import run_simulation
+    if config.eval_fraction > 0:
+        from dpmf.federated.evaluation import EVAL_NOTE
 
-        run_simulation(
-            server_app=server_app,
-            client_app=app,
-            num_supernodes=len(idx),
-            backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
-        )
-        if "rows" not in out:
-            raise RuntimeError("the Ray simulation ended without results (see Flower's log above)")
+        server.ledger[:] = [replace(e, note=e.note + "; " + EVAL_NOTE) for e in server.ledger]
     if not policy.is_secret:  # the guarantee holds only against whoever does not know the seed
         server.ledger[:] = [
             replace(e, note=e.note + "; the seed was given: only against whoever does not know it")
@@ -644,4 +807,5 @@ def run_federated(
         {cid: float(s) for cid, s in zip(server.ids, server.sigmas, strict=True)},
         data_info,
         time.perf_counter() - began,
+        stopped,
     )

@@ -1,0 +1,62 @@
+"""Record mode's per-client accountings, computed once per distinct setting and in parallel.
+
+Each client of a ``record`` run is one private run of n = R·L steps on its N_k records at its
+own σ_k; its (ε_k, δ) is ``dpmf.federated.local.record_privacy`` — the ``dpmf epsilon``
+computation, whose PLD discretization (dp-accounting) dominates a run's start-up. Clients whose
+settings coincide (same σ, N, B, steps, scheme, strategy, δ, accountant: e.g. under the
+``uniform`` allocation) share one accounting (the cache of ``record_privacy``); the distinct
+ones run in worker processes (``fork``; at most the usable CPU cores), each the very same
+computation, so every ε is bit-for-bit the sequential one.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+__all__ = ["prefetch_record_privacy", "usable_cores"]
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (``sched_getaffinity``; else ``cpu_count``)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _one(args):
+    from dpmf.federated.local import _record_privacy
+
+    return _record_privacy(*args)
+
+
+def prefetch_record_privacy(settings, *, workers: int | None = None) -> int:
+    """Account every distinct setting not yet cached, in parallel; fill ``record_privacy``'s cache.
+
+    Args:
+        settings: tuples ``(noise_multiplier, dataset_size, batch_size, steps, delta, scheme,
+            factorization, accountant)`` — the positional arguments of ``record_privacy``.
+        workers: processes (None: ``min(distinct, usable_cores())``); 1 computes in this process.
+
+    Returns:
+        the number of accountings computed (0 when all were cached).
+
+    Raises:
+        ValueError/TypeError: an invalid setting (from the accountant), before any training.
+    """
+    from dpmf.federated import local
+
+    todo = list(dict.fromkeys(tuple(s) for s in settings if tuple(s) not in local.RECORD_CACHE))
+    if not todo:
+        return 0
+    n = min(len(todo), usable_cores() if workers is None else max(1, int(workers)))
+    if n > 1 and "fork" in multiprocessing.get_all_start_methods():
+        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
+            results = list(pool.map(_one, todo))
+    else:
+        results = [_one(s) for s in todo]
+    for s, r in zip(todo, results, strict=True):
+        local.RECORD_CACHE[s] = r
+    return len(todo)

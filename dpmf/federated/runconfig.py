@@ -1,0 +1,70 @@
+"""The Flower run config (``[tool.flwr.app.config]``) of a federated run: the keys, named as
+``dpmf fl``'s flags, and the run config of an ``FLConfig`` (``run_config_from_config``; the
+inverse, ``dpmf.federated.app.config_from_run_config``, builds the ``FLConfig``)."""
+
+from __future__ import annotations
+
+__all__ = ["run_config_from_config"]
+
+# run-config key → (FLConfig field, type)
+_KEYS = {
+    "dataset": ("dataset", str),
+    "data-file": ("data_file", str),
+    "clients": ("num_clients", int),
+    "rounds": ("rounds", int),
+    "strategy": ("strategy", str),
+    "privacy": ("privacy", str),
+    "allocation": ("allocation", str),
+    "compliant-only": ("compliant_only", bool),
+    "partition": ("partition", str),
+    "alpha": ("alpha", float),
+    "local-steps": ("local_steps", int),
+    "local-batch-size": ("local_batch_size", int),
+    "local-lr": ("local_lr", float),
+    "local-optimizer": ("local_optimizer", str),
+    "local-factorization": ("local_factorization", str),
+    "clip-norm": ("clip_norm", float),
+    "server-steps": ("server_steps", int),
+    "server-batch-size": ("server_batch_size", int),
+    "server-lr": ("server_lr", float),
+    "client-clip": ("client_clip", float),
+    "client-noise-multiplier": ("client_noise_multiplier", float),
+    "client-factorization": ("client_factorization", str),
+    "proximal-mu": ("proximal_mu", float),
+    "fedopt-eta": ("fedopt_eta", float),
+    "hidden": ("hidden", int),
+    "delta": ("delta", float),
+    "accountant": ("accountant", str),
+    "max-epsilon": ("max_epsilon", float),
+    "shards": ("shards", int),
+    "aggregator-fraction": ("aggregator_fraction", float),
+    "local-scheme": ("local_scheme", str),
+    "replica": ("replica", int),
+    "eval-fraction": ("eval_fraction", float),
+}
+_MAP_KEYS = ("noise-map", "sigma-min", "sigma-max")
+
+
+def run_config_from_config(config) -> dict:
+    """The Flower run config of an ``FLConfig`` (the inverse of ``config_from_run_config``).
+
+    Raises:
+        ValueError: a table noise map (the run config holds linear/exponential maps only).
+    """
+    if config.noise_map.kind == "table":
+        raise ValueError(
+            "noise_map kind 'table' is invalid in a Flower run config: use linear or exponential"
+        )
+    out = {}
+    for key, (field, _) in _KEYS.items():
+        value = getattr(config, field)
+        if value is not None:
+            out[key] = value
+    out["noise-map"] = config.noise_map.kind
+    out["sigma-min"], out["sigma-max"] = config.noise_map.sigma_min, config.noise_map.sigma_max
+    out["seed"] = -1 if config.seed is None else config.seed
+    if config.data_file is not None:  # the app runs in another folder
+        import os
+
+        out["data-file"] = os.path.abspath(config.data_file)
+    return out

@@ -1,0 +1,95 @@
+"""Client sampling per round in ``client`` mode: which clients train, the noise, the accounting.
+
+``all`` (default): every participant every round (``local.ClientLevelNoise``; unchanged).
+``poisson``: each of the P participants joins round r independently with probability
+q = K/P (K = ``clients_per_round``, the expected number); ``fixed``: dpmf's ``fixed_order``
+scheme over clients — the participants in a fixed order cut into ⌈P/K⌉ groups of about K,
+group r mod ⌈P/K⌉ trains in round r (cyclic participation: each client every ⌈P/K⌉ rounds).
+
+Round r releases w + (1/K̄)·(Σ_{k sampled} clip(w_k − w) + σ_acc·ζ·sens(C)·(C⁻¹Z)_r), with K̄ the
+scheme's expected batch size (a public number, never the realised count). The accounting is
+the plan's (``dpmf.accountants.account`` with the scheme, N = P clients, B = K, n = R rounds):
+with identity noise and Poisson sampling it is dp-accounting's
+PoissonSampledDpEvent(q, GaussianDpEvent(σ_c)) self-composed R times (amplification by
+sampling; McMahan et al., "Learning Differentially Private Recurrent Language Models", ICLR
+2018). σ_c keeps Flower's meaning for identity noise, N(0, σ_c²ζ²) on the sum per round:
+σ_acc = σ_c / sens(I) (1 under Poisson, √k under ``fixed`` with k participations). Noise
+correlated across rounds is accepted when the scheme can account the strategy
+(``Scheme.check_strategy``: e.g. banded strategies under cyclic participation); otherwise the
+plan refuses it with its reason.
+
+A Poisson round in which no client is sampled still releases w + noise/K̄ (the strategy's
+aggregation, which needs a reply, is skipped for that round).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dpmf.plan.schemes import Poisson
+
+__all__ = ["CLIENT_SAMPLINGS", "SampledClientNoise"]
+
+CLIENT_SAMPLINGS = ("all", Poisson.name, "fixed")  # "poisson" is the scheme's name
+
+
+class SampledClientNoise:
+    """The participants, the noise and the privacy of a client-sampled ``client``-mode run.
+
+    Args:
+        sampling: ``poisson`` or ``fixed``.
+        num_clients: P; per_round: K in [1, P] (expected for Poisson).
+        rounds: R; noise_multiplier: σ_c > 0; clip_norm: ζ > 0; delta: δ.
+        factorization: ``identity`` or a dpmf strategy spec.
+        accountant: None (the scheme's default), ``pld``, ``rdp``, ``prv``.
+        dim: model coordinates; seed: the noise and sampler key (secret; never shown).
+
+    Raises:
+        ValueError: a bad K or a strategy the scheme cannot account (with the reason).
+    """
+
+    def __init__(self, sampling, num_clients, per_round, rounds, *, noise_multiplier, clip_norm, delta,
+                 factorization="identity", accountant=None, dim, seed):  # fmt: skip
+        import torch
+
+        from dpmf import seeds
+        from dpmf._validation import check_choice, check_int
+        from dpmf.accountants import account
+        from dpmf.federated.local import _strategy
+        from dpmf.mechanisms import factorize
+        from dpmf.optim.noise import noise_for_factorization
+        from dpmf.plan.schemes import FixedOrder
+        from dpmf.train.samplers import make_sampler
+        from dpmf.workloads import prefix_sum
+
+        check_choice("client_sampling", sampling, CLIENT_SAMPLINGS[1:])
+        P = check_int("num_clients", num_clients, minimum=1)
+        K = check_int("clients_per_round", per_round, minimum=1, maximum=P)
+        R = check_int("rounds", rounds, minimum=1)
+        scheme = Poisson.name if sampling == Poisson.name else FixedOrder.name
+        per_epoch = -(-P // K)
+        sens_identity = 1.0 if sampling == Poisson.name else math.sqrt(math.ceil(R / per_epoch))
+        sigma_acc = float(noise_multiplier) / sens_identity
+        fact = _strategy(factorization, R, scheme, per_epoch)
+        self.privacy = account(
+            scheme, noise_multiplier=sigma_acc, dataset_size=P, batch_size=K, steps=R, delta=delta,
+            factorization=fact, accountant=accountant, progress=False,
+        )  # fmt: skip
+        self.sampler = make_sampler(scheme, P, K, R, seed=seeds.child_key(seed, "fl-client-sampler"))
+        if fact is None:
+            fact = factorize(prefix_sum(R), "identity")
+        self.noise = noise_for_factorization(fact, dim, seed=seeds.child_key(seed, "fl-client-noise"),
+                                             dtype=torch.float64)  # fmt: skip
+        self.std_on_sum = sigma_acc * float(clip_norm) * float(self.privacy.sensitivity)
+        self.divisor = float(self.sampler.expected_batch_size)
+        self.sampling, self.per_round = sampling, K
+
+    def participants(self) -> np.ndarray:
+        """The indices (0..P−1) of the clients that train in the next round (never printed)."""
+        return np.sort(np.asarray(self.sampler.next(), dtype=np.int64))
+
+    def next(self) -> np.ndarray:
+        """The noise on the round's sum of clipped updates, shape (dim,), float64."""
+        return self.noise.next().numpy() * self.std_on_sum

@@ -1,0 +1,214 @@
+"""A Flower strategy wrapper for client-level DP with noise correlated across rounds.
+
+``CorrelatedClientDP(strategy, ...)`` wraps any Flower strategy whose aggregate is a mean of the
+clients' arrays (FedAvg, FedProx, FedAvgM, FedAdam, FedYogi, FedAdagrad) the way Flower's
+``DifferentialPrivacyServerSideFixedClipping`` wraps one, with dpmf's noise instead of fresh
+noise each round. Round r, for the P clients that every round trains (all of them: the
+accounting is for full participation):
+
+1. ``configure_train`` is the wrapped strategy's; the wrapper keeps the global arrays w;
+2. ``aggregate_train`` clips each reply's update w_k − w to norm ζ (fixed clipping), gives
+   every reply the weight 1, adds the round's noise ν_r = (σ·ζ·sens(C)·(C⁻¹Z)_r)/P to every
+   reply — the noise on the sum of the clipped updates, divided by P, so the equal-weight mean
+   is w + (1/P)·Σ_k clip(w_k − w) + ν_r — and hands the replies to the wrapped strategy's
+   ``aggregate_train`` (its server optimizer acts on the noisy mean: post-processing);
+3. the returned metrics carry ``dp-client-epsilon`` and ``dp-client-delta``: the (ε, δ) of the
+   whole run (all R rounds) for the unit *a whole client* (add or remove one client's data),
+   with the accountant in the log line.
+
+The noise is ``dpmf.federated.local.ClientLevelNoise``: with ``factorization="identity"`` it is
+Flower's DP-FedAvg noise N(0, σ²ζ²) on the sum each round; with a strategy (``bisr:4``,
+``blt:2``, banded ``bsr:4``, …) it is the DP-FTRL / BLT stream correlated across rounds (Kairouz
+et al., ICML 2021; Dvijotham et al., FOCS 2024), accounted as every client participating once
+per round, R rounds. Its key is secret (operating-system entropy, never written) unless a seed
+is given (``dpmf.seeds``).
+
+A coordinate-wise median (FedMedian), trimmed mean, Krum/Bulyan or q-FedAvg is refused: the
+noise is calibrated to the sensitivity of a mean (one client moves the mean of clipped updates
+by at most ζ/P), and those aggregates have another sensitivity.
+
+The server sees each clipped update before the noise: as in Flower's server-side wrapper, this
+protects clients against whoever sees the aggregate (the released models), not against the
+server itself (that needs secure aggregation).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+
+import numpy as np
+
+from dpmf import seeds
+from dpmf._validation import check_int, check_real
+
+__all__ = ["CorrelatedClientDP", "EPSILON_KEY", "DELTA_KEY"]
+
+EPSILON_KEY = "dp-client-epsilon"
+DELTA_KEY = "dp-client-delta"
+_NOT_A_MEAN = ("FedMedian", "FedTrimmedAvg", "Krum", "MultiKrum", "Bulyan", "QFedAvg", "FedXgbBagging",
+               "FedXgbCyclic")  # fmt: skip
+
+try:  # the base class when Flower is installed
+    from flwr.serverapp.strategy import Strategy as _Base
+except ImportError:  # pragma: no cover - the module needs Flower to run
+    _Base = object
+
+
+class CorrelatedClientDP(_Base):
+    """Client-level DP for any mean-aggregating Flower strategy, noise correlated across rounds.
+
+    Args:
+        strategy: a ``flwr.serverapp.strategy`` object aggregating a (weighted) mean: FedAvg
+            or a subclass other than those in the module docstring.
+        num_clients: P, the clients that train in every round (the strategy must sample all).
+        rounds: R, the rounds the noise and the accounting are planned for.
+        noise_multiplier: σ > 0 (Flower's convention: N(0, σ²ζ²) on the sum per round with
+            ``identity``; the same ε for any factorization).
+        clip_norm: ζ > 0, the bound on each client's update norm.
+        delta: δ in (0, 1) of the reported ε.
+        factorization: ``identity`` or a dpmf strategy spec (``bisr:4``, ``blt:2``, …).
+        accountant: ``pld`` (default), ``rdp`` or ``prv``.
+        seed: None (default): a secret key; an int: the key itself (reproducible, the noise
+            predictable to whoever knows it).
+
+    Raises:
+        TypeError: not a Flower strategy.
+        ValueError: a strategy whose aggregate is not a mean, or a parameter out of range.
+    """
+
+    def __init__(
+        self,
+        strategy,
+        *,
+        num_clients: int,
+        rounds: int,
+        noise_multiplier: float,
+        clip_norm: float,
+        delta: float = 1e-5,
+        factorization: str = "identity",
+        accountant: str | None = None,
+        seed: int | None = None,
+    ):
+        from flwr.serverapp.strategy import FedAvg, Strategy
+
+        if not isinstance(strategy, Strategy):
+            raise TypeError(f"strategy={strategy!r} is invalid: must be a flwr.serverapp.strategy.Strategy")
+        name = type(strategy).__name__
+        if not isinstance(strategy, FedAvg) or any(
+            type(strategy).__name__ == n or any(c.__name__ == n for c in type(strategy).__mro__)
+            for n in _NOT_A_MEAN
+        ):
+            raise ValueError(
+                f"strategy={name} is invalid: client-level noise is calibrated to the sensitivity of a "
+                "mean (ζ/P), and this aggregate (median, trimmed mean, Krum, …) has no such bound; wrap "
+                "FedAvg, FedProx, FedAvgM, FedAdam, FedYogi or FedAdagrad"
+            )
+        super().__init__()
+        self.strategy = strategy
+        self.num_clients = check_int("num_clients", num_clients, minimum=1)
+        self.rounds = check_int("rounds", rounds, minimum=1)
+        self.noise_multiplier = check_real("noise_multiplier", noise_multiplier, low=0.0, low_inclusive=False)
+        self.clip_norm = check_real("clip_norm", clip_norm, low=0.0, low_inclusive=False)
+        self.delta = check_real("delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
+        self.factorization = factorization
+        self.accountant = accountant
+        self._policy = seeds.SeedPolicy.of(seed)  # secret unless given; never stored or shown
+        if self._policy.notice:
+            logging.getLogger(__name__).warning(self._policy.notice)
+        self._noise = None  # built at the first round, when the model's size is known
+        self._privacy = None
+        self._base: dict[int, dict] = {}
+        self._round = 0
+
+    # -- the privacy of the run -----------------------------------------------------------
+    def _build(self, dim: int):
+        from dpmf.federated.local import ClientLevelNoise
+
+        self._noise = ClientLevelNoise(
+            self.num_clients,
+            self.rounds,
+            noise_multiplier=self.noise_multiplier,
+            clip_norm=self.clip_norm,
+            delta=self.delta,
+            factorization=self.factorization,
+            accountant=self.accountant,
+            dim=dim,
+            seed=seeds.child_key(self._policy.key, "fl-client-noise"),
+        )
+        self._privacy = self._noise.privacy
+
+    @property
+    def privacy(self):
+        """The run's ``PrivacyResult`` (ε of R rounds for a whole client); None before round 1."""
+        return self._privacy
+
+    def summary(self) -> None:
+        self.strategy.summary()
+
+    def __repr__(self) -> str:
+        return (
+            f"CorrelatedClientDP({type(self.strategy).__name__}, σ={self.noise_multiplier:g}, "
+            f"ζ={self.clip_norm:g}, {self.factorization}, {self.num_clients} clients × {self.rounds} rounds)"
+        )
+
+    # -- Flower's Strategy interface --------------------------------------------------------
+    def configure_train(self, server_round: int, arrays, config, grid) -> Iterable:
+        messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
+        if len(messages) != self.num_clients:
+            raise RuntimeError(
+                f"round {server_round}: the strategy sampled {len(messages)} clients, the accounting is for "
+                f"all {self.num_clients} in every round; set fraction_train=1 and min_train_nodes"
+            )
+        if server_round > self.rounds:
+            raise RuntimeError(
+                f"round {server_round} exceeds rounds={self.rounds}: the noise and ε were planned "
+                "for that many"
+            )
+        self._base[server_round] = {k: a.numpy().astype(np.float64) for k, a in arrays.items()}
+        return messages
+
+    def aggregate_train(self, server_round: int, replies: Iterable):
+        from flwr.app import Array, ArrayRecord, MetricRecord
+
+        replies = list(replies)
+        base = self._base.pop(server_round)
+        if any(m.has_error() for m in replies) or len(replies) != self.num_clients:
+            raise RuntimeError(
+                f"round {server_round}: {len(replies)} replies "
+                f"({sum(m.has_error() for m in replies)} errors) "
+                f"from {self.num_clients} clients; the round's noise is for all of them"
+            )
+        if self._noise is None:
+            self._build(int(sum(v.size for v in base.values())))
+        self._round += 1
+        noise = self._noise.next() / len(replies)
+        key = self.strategy.arrayrecord_key
+        for msg in replies:
+            upd = {k: a.numpy().astype(np.float64) - base[k] for k, a in msg.content[key].items()}
+            norm = math.sqrt(sum(float(np.sum(u * u)) for u in upd.values()))
+            scale = min(1.0, self.clip_norm / norm) if norm > 0 else 1.0
+            out, off = {}, 0
+            for k, u in upd.items():
+                z = noise[off : off + u.size].reshape(u.shape)
+                off += u.size
+                out[k] = Array(np.asarray(base[k] + scale * u + z, dtype=np.float32))
+            msg.content[key] = ArrayRecord(out)
+            for met in msg.content.metric_records.values():
+                met[self.strategy.weighted_by_key] = 1
+        arrays, metrics = self.strategy.aggregate_train(server_round, replies)
+        metrics = MetricRecord({} if metrics is None else dict(metrics))
+        metrics[EPSILON_KEY] = float(self._privacy.epsilon)
+        metrics[DELTA_KEY] = float(self.delta)
+        logging.getLogger(__name__).info(
+            "round %d: client-level DP, ε = %.4g at δ = %g for a whole client over %d rounds (%s)",
+            server_round, self._privacy.epsilon, self.delta, self.rounds, self._privacy.accountant,
+        )  # fmt: skip
+        return arrays, metrics
+
+    def configure_evaluate(self, server_round: int, arrays, config, grid):
+        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round: int, replies):
+        return self.strategy.aggregate_evaluate(server_round, replies)

@@ -1,0 +1,46 @@
+"""The Flower app (``dpmf.federated.app``: module-level ServerApp and ClientApp) on Flower's
+in-process grid gives what ``dpmf fl`` gives with the same settings: the same ε and, with a
+seed, the same test accuracies round by round."""
+
+import pytest
+
+pytest.importorskip("flwr")
+
+from flwr.app import Context, RecordDict  # noqa: E402
+
+from dpmf.federated.app import app, clientapp, config_from_run_config  # noqa: E402
+from dpmf.federated.grid import LocalGrid, server_identity  # noqa: E402
+from dpmf.federated.run import run_federated  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+BASE = {"clients": 4, "rounds": 2, "local-steps": 1, "sigma-min": 2.0, "sigma-max": 4.0, "seed": 0}
+
+
+def _run_app(run_config):
+    grid = LocalGrid(clientapp, run_config["clients"], run_config=run_config)
+    ctx = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+    with server_identity():
+        app(grid, ctx)
+    return ctx.state.config_records["dpmf-ledger"]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"privacy": "client", "strategy": "fedadam", "client-factorization": "bisr:2"},
+        {"privacy": "record", "local-batch-size": 8},
+    ],
+)
+def test_the_app_equals_dpmf_fl_with_the_same_settings(extra):
+    rc = {**BASE, **extra}
+    got = _run_app(rc)
+    ref = run_federated(config_from_run_config(rc), log=lambda *_: None)
+    assert list(got["epsilon"]) == [e.epsilon for e in ref.ledger]
+    assert list(got["protects"]) == [e.protects for e in ref.ledger]
+    assert list(got["test-accuracy"]) == [m["test_accuracy"] for m in ref.metrics]
+
+
+def test_unknown_run_config_keys_are_named():
+    with pytest.raises(ValueError, match=r"run config keys \['num-rounds'\] are invalid"):
+        config_from_run_config({"num-rounds": 3})

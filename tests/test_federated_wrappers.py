@@ -1,0 +1,112 @@
+"""``CorrelatedClientDP`` with Flower's own classes: its aggregate is FedAvg's aggregate of the
+clipped updates plus the plan's noise for a fixed key, ε against dp-accounting, refusals, and
+Flower's own ``Strategy.start`` loop."""
+
+import math
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict  # noqa: E402
+from flwr.clientapp import ClientApp  # noqa: E402
+from flwr.serverapp import strategy as fs  # noqa: E402
+
+from dpmf import seeds  # noqa: E402
+from dpmf.federated.grid import LocalGrid, server_identity  # noqa: E402
+from dpmf.federated.local import ClientLevelNoise  # noqa: E402
+from dpmf.federated.wrappers import DELTA_KEY, EPSILON_KEY, CorrelatedClientDP  # noqa: E402
+
+P, R, SIGMA, ZETA = 3, 4, 1.5, 0.5
+SHAPES = {"w": (2, 3), "b": (3,)}
+
+
+def _updates(r):
+    """Client j's update in round r: norms 0.1, 1 and 5 (the last two are clipped to ζ)."""
+    out = []
+    for j, norm in enumerate((0.1, 1.0, 5.0)):
+        rng = np.random.default_rng([r, j])
+        u = {k: rng.normal(size=s) for k, s in SHAPES.items()}
+        n = math.sqrt(sum(float(np.sum(v * v)) for v in u.values()))
+        out.append({k: v * norm / n for k, v in u.items()})
+    return out
+
+
+def _app():
+    app = ClientApp()
+
+    @app.train()
+    def train(msg, context):
+        j = int(context.node_config["partition-id"])
+        r = int(msg.content["config"]["server-round"])
+        w = {k: a.numpy() for k, a in msg.content["arrays"].items()}
+        new = {k: (w[k] + _updates(r)[j][k]).astype(np.float32) for k in w}
+        content = RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in new.items()}),
+                              "metrics": MetricRecord({"num-examples": 10 * (j + 1)})})  # fmt: skip
+        return Message(content=content, reply_to=msg)
+
+    return app
+
+
+def _strategy():
+    return fs.FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=P, min_available_nodes=P)
+
+
+def test_aggregate_is_fedavg_of_clipped_updates_plus_the_plans_noise():
+    dp = CorrelatedClientDP(_strategy(), num_clients=P, rounds=R, noise_multiplier=SIGMA, clip_norm=ZETA,
+                            factorization="bisr:2", seed=7)  # fmt: skip
+    grid = LocalGrid(_app(), P)
+    w0 = {k: np.zeros(s, dtype=np.float32) for k, s in SHAPES.items()}
+    ref_noise = ClientLevelNoise(P, R, noise_multiplier=SIGMA, clip_norm=ZETA, delta=1e-5,
+                                 factorization="bisr:2", dim=9,
+                                 seed=seeds.child_key(7, "fl-client-noise"))  # fmt: skip
+    w = w0
+    with server_identity():
+        for r in (1, 2):
+            arrays = ArrayRecord({k: Array(v) for k, v in w.items()})
+            msgs = dp.configure_train(r, arrays, ConfigRecord({}), grid)
+            agg, metrics = dp.aggregate_train(r, grid.send_and_receive(msgs))
+            clipped = [{k: u[k] * min(1.0, ZETA / math.sqrt(sum(float(np.sum(x * x)) for x in u.values())))
+                        for k in u} for u in _updates(r)]  # fmt: skip
+            z = ref_noise.next() / P
+            off = 0
+            for k in ("w", "b"):  # the model's flattening order
+                n = int(np.prod(SHAPES[k]))
+                want = w[k] + np.mean([c[k] for c in clipped], axis=0) + z[off : off + n].reshape(SHAPES[k])
+                off += n
+                np.testing.assert_allclose(agg[k].numpy(), want, atol=2e-6)  # equal weights, not 10/20/30
+            w = {k: a.numpy() for k, a in agg.items()}
+            assert metrics[EPSILON_KEY] == dp.privacy.epsilon and metrics[DELTA_KEY] == 1e-5
+    assert dp.privacy.epsilon == ref_noise.privacy.epsilon
+
+
+def test_identity_epsilon_is_r_gaussians_by_dp_accounting():
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+
+    dp = CorrelatedClientDP(_strategy(), num_clients=P, rounds=R, noise_multiplier=SIGMA, clip_norm=ZETA)
+    dp._build(9)
+    acc = pld_privacy_accountant.PLDAccountant()
+    acc.compose(dp_accounting.GaussianDpEvent(SIGMA), R)
+    assert dp.privacy.epsilon == pytest.approx(acc.get_epsilon(1e-5), rel=2e-3)
+
+
+@pytest.mark.parametrize("cls", [fs.FedMedian, fs.FedTrimmedAvg])
+def test_a_median_or_trimmed_mean_is_refused_with_the_reason(cls):
+    with pytest.raises(ValueError, match="sensitivity of a mean"):
+        CorrelatedClientDP(cls(), num_clients=P, rounds=R, noise_multiplier=1.0, clip_norm=1.0)
+
+
+def test_runs_in_flowers_own_loop_with_fedadam_and_reports_epsilon():
+    inner = fs.FedAdam(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=P, min_available_nodes=P)
+    dp = CorrelatedClientDP(
+        inner, num_clients=P, rounds=2, noise_multiplier=SIGMA, clip_norm=ZETA, factorization="bsr:2"
+    )  # fmt: skip  (a secret key)
+    grid = LocalGrid(_app(), P)
+    with server_identity():
+        result = dp.start(grid, ArrayRecord({k: Array(np.zeros(s, np.float32)) for k, s in SHAPES.items()}),
+                          num_rounds=2)  # fmt: skip
+    eps = {r: m[EPSILON_KEY] for r, m in result.train_metrics_clientapp.items()}
+    assert set(eps) == {1, 2} and eps[1] == eps[2] == dp.privacy.epsilon > 0
+    assert "seed" not in repr(dp) and str(dp._policy.key) not in repr(dp)
