@@ -1005,9 +1005,9 @@ _FL_FLAGS = (
         "--accountant",
         "accountant",
         str,
-        lambda: f"{'|'.join(_accountants(poisson=True))} (default pld). Cost per accounting (record mode: one "
-        "per distinct client), 250 steps at sampling rate 0.62: pld 2.5-4 s, prv about 3x that (7-14 s), rdp "
-        "0.1 s with ε 13-30 %% larger",
+        lambda: f"{'|'.join(_accountants(poisson=True))} (default pld). Cost per accounting (record mode: "
+        "one per distinct client), 250 steps at sampling rate 0.62: pld 2.5-4 s, prv about 3x that (7-14 s), "
+        "rdp 0.1 s with ε 13-30 %% larger",
     ),
     ("--max-epsilon", "max_epsilon", float, "privacy budget: stop before the round whose ε would exceed it"),
     ("--eval-fraction", "eval_fraction", float, "share of each client's records held out for evaluation"),
