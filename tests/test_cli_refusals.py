@@ -116,7 +116,7 @@ def test_fl_refusing_its_data_file_leaves_no_folder(tmp_path, capsys):
     bad.write_text("not an archive")
     out = tmp_path / "fl"
     argv = ["fl", "--dataset", "pneumoniamnist", "--data-file", str(bad), "--clients", "4", "--rounds", "1"]
-    _refused([*argv, "--out", str(out)], capsys, "data_file=", "not a readable .npz")
+    _refused([*argv, "--out", str(out)], capsys, "data_file=", "is invalid: not a")
     assert not out.exists()
 
 
