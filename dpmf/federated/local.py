@@ -2,8 +2,8 @@
 
 Every use of the accounting entry points (``account``), the strategy builder
 (``dpmf.plan.build_strategy``), the plans and their private steps (``PrivatePlan.private_step``:
-sampler, noise stream and privatizer built together) and the DP optimizers
-(``build_optimizer``) by ``dpmf.federated`` is in this module. Each privacy mode builds its
+sampler, noise stream and privatizer built together) and the DP optimizers (the registry's,
+``local_optimizer``) by ``dpmf.federated`` is in this module. Each privacy mode builds its
 step from one plan: a client's run (``record``), the server's run with noise that varies by
 segment of steps (``aggregator``: ``noise_segments``), the plan of a client-level "dataset"
 (``client``).
@@ -37,16 +37,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dpmf import seeds
+from dpmf._validation import check_real
 from dpmf.accountants import ComposedEvent, PLDAccountant, PoissonGaussianEvent, PrivacyResult
 from dpmf.distributed.flags import ExecutionFlags
 from dpmf.federated.models import add_proximal_gradient, get_weights, set_weights
 from dpmf.mechanisms import parse_factorization
-from dpmf.optim.registry import optimizer_names
+from dpmf.optim import matrix_shape, route_parameters
+from dpmf.optim.clipping import trainable_parameters
+from dpmf.optim.optimizers import make_optimizer
+from dpmf.optim.registry import get_optimizer, optimizer_names
 from dpmf.plan.api import account, account_segments
 from dpmf.plan.plan import PrivatePlan, build_strategy
 from dpmf.plan.schemes import FixedOrder, Poisson, get_scheme
-from dpmf.train.config import TrainConfig
-from dpmf.train.run import build_optimizer
 from dpmf.workloads import prefix_sum
 
 __all__ = [
@@ -236,21 +239,9 @@ class PrivateLocalRun:
             factorization=factorization,
             accountant=accountant,
         )
-        self.config = TrainConfig(
-            dataset="digits",
-            optimizer=optimizer,
-            factorization=factorization,
-            scheme=scheme,
-            batch_size=batch_size,
-            epsilon=None,
-            noise_multiplier=noise_multiplier,
-            delta=delta,
-            clip_norm=clip_norm,
-            lr=lr,
-            momentum=0.0,
-            device="cpu",
-        )
-        self._key = seed  # secret: kept out of the (printable) config
+        self.optimizer = get_optimizer(optimizer)  # the registry's entry (dpmf.optim.registry)
+        self.lr = check_real("lr", lr, low=0.0, low_inclusive=False)
+        self._key = seed  # secret: never printed
         self.model = model
         # one plan, one constructor: the sampler, the noise and the privatizer of the plan that
         # ``record_privacy`` accounts (the single-stream noise keys of earlier federated runs)
@@ -291,7 +282,7 @@ class PrivateLocalRun:
             )
         set_weights(self.model, weights)
         anchor = get_weights(self.model)
-        opt = build_optimizer(self.config, self.model, log=lambda *_: None, seed=self._key)
+        opt = local_optimizer(self.optimizer, self.model, lr=self.lr, key=self._key)
         self.privatizer.bind(opt)
         norms = []
         for _ in range(steps):
@@ -317,6 +308,26 @@ def _segments(sigmas) -> tuple:
         else:
             out.append([1, float(v)])
     return tuple((c, v) for c, v in out)
+
+
+def local_optimizer(spec, model, *, lr: float, key: int):
+    """A client's DP optimizer of the registry entry ``spec`` (``dpmf.optim.registry``), fresh
+    each round: learning rate ``lr``, no momentum, no weight decay, no filter; a Newton–Schulz
+    optimizer orthogonalizes the matrix parameters (EMA β = 0.95) and updates the vectors and the
+    degenerate matrices (a single row or column) by DP-SGD; an optimizer that draws probes gets
+    the seed ``derive_int(key, "probes")`` (public probes, independent of the noise)."""
+    kwargs = dict(lr=lr, weight_decay=0.0, momentum=0.0, filter=None)
+    if spec.probes:
+        kwargs["probe_seed"] = seeds.derive_int(int(key), "probes", bits=63)
+    if not spec.newton_schulz:
+        return make_optimizer(spec.name, model.parameters(), **kwargs)
+    rules = {
+        name: "sgd"
+        for name, p in trainable_parameters(model)
+        if p.ndim >= 2 and 1 in matrix_shape(tuple(p.shape))
+    }
+    groups = route_parameters(model, rules=rules or None)
+    return make_optimizer(spec.name, groups, beta=0.95, vector_lr=None, **kwargs)
 
 
 class AggregatorDPSGD:
