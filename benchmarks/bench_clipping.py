@@ -49,11 +49,18 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from dpmf.optim.noise import identity_noise  # noqa: E402
 from dpmf.optim.privatize import Privatizer  # noqa: E402
+from dpmf.plan import PrivatePlan  # noqa: E402
 from dpmf.train.models import MLP, build_model  # noqa: E402
 
 SIGMA, CLIP = 1.0, 1.0
+
+
+def _plan(batch_size, steps):
+    """DP-SGD under Poisson sampling at rate 1/100: sensitivity 1, B̄ = the batch size."""
+    return PrivatePlan(100 * batch_size, batch_size, steps=steps, noise_multiplier=SIGMA)
+
+
 VOCAB, SEQ, DIM, HEADS = 1000, 64, 64, 4
 
 
@@ -141,11 +148,9 @@ def dpmf_step(name, x, y, steps, clipping="auto"):
     priv = Privatizer(
         model,
         F.cross_entropy,
+        plan=_plan(x.shape[0], steps),
         clip_norm=CLIP,
-        noise_multiplier=SIGMA,
-        sensitivity=1.0,
-        expected_batch_size=x.shape[0],
-        noise=identity_noise(d, seed=0, steps=steps),
+        noise=_plan(x.shape[0], steps).noise(d, 0),
         clipping=clipping,
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

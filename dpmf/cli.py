@@ -486,8 +486,8 @@ _TRAIN_FLAGS = (
     (
         "--noise-keys",
         str,
-        "stream|chunked: raw noise keyed by step (default) or by step, parameter and chunk (the "
-        "noise of a --distributed run, in one process)",
+        "chunked|stream: raw noise keyed by step, parameter and chunk (default: the noise of a "
+        "--distributed run at any number of processes) or by step (checkpoints of earlier runs)",
     ),
     (
         "--distributed-mode",

@@ -6,13 +6,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpmf.mechanisms import factorize
 from dpmf.optim.clipping import clipped_sum
 from dpmf.optim.ghost import ghost_layer_kinds
 from dpmf.optim.lookahead import EvaluationPoint
-from dpmf.optim.noise import identity_noise, noise_for_factorization
 from dpmf.optim.privatize import Privatizer
-from dpmf.workloads import prefix_sum
+from dpmf.plan import PrivatePlan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -323,22 +321,15 @@ def test_privatizer_gives_the_same_noisy_gradient_with_every_clipping(spec):
     model = build("conv", torch.float64)
     x, y = inputs_for("conv", 6, torch.float64)
     d = sum(p.numel() for p in model.parameters())
-    f = factorize(prefix_sum(4), spec)
+    plan = PrivatePlan(6, 6, steps=4, scheme="fixed_order", strategy=spec, noise_multiplier=1.3)
     out = {}
     for method in ("vmap", "ghost", "bk", "auto"):
-        noise = (
-            identity_noise(d, seed=2, steps=4, dtype=torch.float64)
-            if spec == "identity"
-            else noise_for_factorization(f, d, seed=2, dtype=torch.float64)
-        )
         priv = Privatizer(
             model,
             lambda o, t: sum_loss(o, t),
+            plan=plan,
             clip_norm=0.5,
-            noise_multiplier=1.3,
-            sensitivity=1.0,
-            expected_batch_size=6.0,
-            noise=noise,
+            noise=plan.noise(d, 2, dtype=torch.float64),
             clipping=method,
         )
         steps = []
@@ -360,16 +351,8 @@ def test_unknown_clipping_is_refused_by_name():
     with pytest.raises(ValueError, match="clipping='fast' is invalid: must be one of auto, vmap, ghost, bk"):
         clipped_sum(model, sum_loss, torch.zeros(2, 4), torch.zeros(2, 3), clip_norm=1.0, clipping="fast")
     with pytest.raises(ValueError, match="clipping="):
-        Privatizer(
-            model,
-            sum_loss,
-            clip_norm=1.0,
-            noise_multiplier=1.0,
-            sensitivity=1.0,
-            expected_batch_size=2.0,
-            noise=identity_noise(23, seed=0, steps=2),
-            clipping="ghosts",
-        )
+        plan = PrivatePlan(4, 2, steps=2, scheme="fixed_order", noise_multiplier=1.0)
+        Privatizer(model, sum_loss, plan=plan, clip_norm=1.0, noise=plan.noise(23, 0), clipping="ghosts")
 
 
 def test_train_config_and_cli_take_the_clipping_mode(tmp_path, capsys):

@@ -440,8 +440,13 @@ def test_make_private_over_ranks_equals_one_process_and_resumes_at_another_count
 
     for a, c in zip(simulate(3, three)[2], reference, strict=True):
         torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12)
+    default = _private(_model(torch.float64))  # chunked keys by default: resumes without a flag
+    default.resume(path)
+    _steps(default, 5)
+    for a, c in zip(default.model.parameters(), reference, strict=True):
+        torch.testing.assert_close(a.detach(), c, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="holds coordinate-keyed noise"):
-        _private(_model(torch.float64)).resume(path)  # a single-stream run cannot take it
+        _private(_model(torch.float64), noise_keys="stream").resume(path)  # a single-stream run cannot
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -56,8 +56,7 @@ BASE = dict(
     epsilon=3.0,
     seed=5,
     device="cpu",
-    noise_keys="chunked",
-)
+)  # no noise_keys: chunked keys are the default, so one process and torchrun agree as they are
 
 
 def _params(folder):
@@ -94,6 +93,7 @@ def test_torchrun_dpmf_train_equals_the_one_process_run(tmp_path):
     one = train(TrainConfig(**BASE, epochs=1), str(tmp_path / "one"), progress=False, log=lambda *a: None)
     two = json.loads((tmp_path / "two" / "results.json").read_text())
     assert two["status"] == "complete"
+    assert one.config.noise_keys == "chunked" and two["noise"]["keys"] == "chunked"
     assert two["processes"]["world_size"] == 2 and two["processes"]["mode"] == "sharded"
     assert two["privacy"]["epsilon"] == one.privacy.epsilon
     assert two["privacy"]["noise_multiplier"] == one.privacy.noise_multiplier

@@ -452,26 +452,18 @@ def _trainer(data, out, *, log_every=None, epochs=2, batch=256, seed=3):
     import torch
     import torch.nn.functional as F
 
-    from dpmf.optim.noise import identity_noise
     from dpmf.optim.privatize import Privatizer
+    from dpmf.plan import PrivatePlan
     from dpmf.train.loop import Trainer
     from dpmf.train.models import build_model
-    from dpmf.train.samplers import make_sampler
 
     n = len(data)
     steps = epochs * -(-n // batch)
     model = build_model("mlp", data.input_shape, data.num_classes, seed=seed)
     d = sum(p.numel() for p in model.parameters())
-    sampler = make_sampler("poisson", n, batch, steps, seed=seed + 2)
-    priv = Privatizer(
-        model,
-        F.cross_entropy,
-        clip_norm=0.5,
-        noise_multiplier=0.8,
-        sensitivity=1.0,
-        expected_batch_size=sampler.expected_batch_size,
-        noise=identity_noise(d, seed=seed + 1, steps=steps),
-    )
+    plan = PrivatePlan(n, batch, steps=steps, noise_multiplier=0.8)  # DP-SGD, Poisson
+    sampler = plan.sampler(seed + 2)
+    priv = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=0.5, noise=plan.noise(d, seed + 1))
     trainer = Trainer(
         model=model,
         data=data,

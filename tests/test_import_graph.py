@@ -33,6 +33,9 @@ LAZY_UPWARD = {
     # PrivatePlan.noise builds the torch noise stream of the plan's strategy on first use; the
     # plan (numpy) stays importable without torch.
     ("dpmf.plan.plan", "dpmf.optim.noise"),
+    # PrivatePlan.private_step builds the run's sampler, noise and privatizer together on first
+    # use (torch; a distributed step with a process group).
+    ("dpmf.plan.plan", "dpmf.distributed.private_step"),
 }
 
 

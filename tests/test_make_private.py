@@ -147,7 +147,7 @@ def test_parts_that_disagree_with_the_plan_are_refused(digits):
     model = _model(digits)
     plan = PrivatePlan(len(digits), 128, epochs=1, scheme="fixed_order", strategy="bsr:4").with_noise(1.0)
     dim = sum(p.numel() for p in model.parameters())
-    with pytest.raises(ValueError, match="sensitivity"):
+    with pytest.raises(TypeError, match="sensitivity"):  # the plan fixes it: no such argument
         Privatizer(
             model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=plan.noise(dim, 0), sensitivity=1.0
         )

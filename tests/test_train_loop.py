@@ -5,17 +5,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dpmf.mechanisms import factorize
 from dpmf.optim.clipping import NonFiniteGradientError
-from dpmf.optim.noise import identity_noise, noise_for_factorization
 from dpmf.optim.privatize import Privatizer
+from dpmf.plan import PrivatePlan
 from dpmf.train.checkpoint import load_checkpoint
 from dpmf.train.data import load_dataset
 from dpmf.train.loop import NonFiniteWeightsError, Trainer
 from dpmf.train.metrics import read_metrics_csv
 from dpmf.train.models import build_model
-from dpmf.train.samplers import make_sampler
-from dpmf.workloads import prefix_sum
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -31,8 +28,8 @@ def make_trainer(
     *,
     epochs=3,
     batch=128,
-    scheme="poisson",
-    spec="bisr:4",
+    scheme="cyclic_poisson",
+    spec="bsr:4",
     seed=3,
     lr=0.5,
     sigma=0.8,
@@ -43,18 +40,9 @@ def make_trainer(
     steps = epochs * spe
     model = build_model("mlp", data.input_shape, data.num_classes, seed=seed)
     d = sum(p.numel() for p in model.parameters())
-    fz = factorize(prefix_sum(steps), spec)
-    noise = noise_for_factorization(fz, d, seed=seed + 1)
-    sampler = make_sampler(scheme, n, batch, steps, seed=seed + 2)
-    priv = Privatizer(
-        model,
-        F.cross_entropy,
-        clip_norm=1.0,
-        noise_multiplier=sigma,
-        sensitivity=1.3,
-        expected_batch_size=sampler.expected_batch_size,
-        noise=noise,
-    )
+    plan = PrivatePlan(n, batch, steps=steps, scheme=scheme, strategy=spec, noise_multiplier=sigma)
+    sampler = plan.sampler(seed + 2)
+    priv = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=plan.noise(d, seed + 1))
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     chi = np.linspace(1.0, 0.2, steps)
     return Trainer(
@@ -103,7 +91,7 @@ class Kill(Exception):
     pass
 
 
-@pytest.mark.parametrize("scheme,spec", [("poisson", "bisr:4"), ("balls_in_bins", "bsr:3")])
+@pytest.mark.parametrize("scheme,spec", [("fixed_order", "bisr:4"), ("balls_in_bins", "bsr:3")])
 def test_kill_after_epoch_two_and_resume_gives_identical_final_weights(digits, tmp_path, scheme, spec):
     ref = make_trainer(digits, tmp_path / "ref", scheme=scheme, spec=spec)
     ref.run()
@@ -152,7 +140,7 @@ def test_nan_example_stops_at_its_step_with_finite_weights(digits, tmp_path):
     bad = load_dataset("digits")
     bad.train_x[5, 0, 3, 3] = float("nan")
     tr = make_trainer(bad, tmp_path, scheme="fixed_order")
-    probe = make_sampler("fixed_order", len(bad), 128, tr.total_steps, seed=tr.sampler.seed)
+    probe = PrivatePlan(len(bad), 128, steps=tr.total_steps, scheme="fixed_order").sampler(tr.sampler.seed)
     step = next(t for t in range(tr.total_steps) if 5 in probe.next())
     with pytest.raises(NonFiniteGradientError, match=rf"step {step}\b") as info:
         tr.run()
@@ -172,15 +160,8 @@ def test_trainer_refuses_a_short_noise_stream(digits, tmp_path):
     tr = make_trainer(digits, tmp_path, epochs=1)
     model = tr.model
     d = sum(p.numel() for p in model.parameters())
-    short = Privatizer(
-        model,
-        F.cross_entropy,
-        clip_norm=1.0,
-        noise_multiplier=1.0,
-        sensitivity=1.0,
-        expected_batch_size=128,
-        noise=identity_noise(d, seed=0, steps=3),
-    )
+    plan = PrivatePlan(384, 128, steps=3, noise_multiplier=1.0)
+    short = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=plan.noise(d, 0))
     with pytest.raises(ValueError, match="noise stream covers 3 steps"):
         Trainer(
             model=model,

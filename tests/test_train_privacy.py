@@ -6,11 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpmf.mechanisms import factorize
 from dpmf.optim.clipping import clipped_sum
-from dpmf.optim.noise import identity_noise, noise_for_factorization
 from dpmf.optim.privatize import Privatizer
-from dpmf.workloads import prefix_sum
+from dpmf.plan import PrivatePlan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -32,16 +30,12 @@ def grads(model):
 def test_noise_std_on_the_summed_gradient_is_sigma_zeta_sens():
     model = wide_model()
     d = sum(p.numel() for p in model.parameters())
-    sigma, zeta, sens, b_bar = 1.7, 0.3, 2.5, 64.0
-    priv = Privatizer(
-        model,
-        F.cross_entropy,
-        clip_norm=zeta,
-        noise_multiplier=sigma,
-        sensitivity=sens,
-        expected_batch_size=b_bar,
-        noise=identity_noise(d, seed=1, steps=4),
-    )
+    sigma, zeta = 1.7, 0.3
+    # fixed order, one batch of 64 per epoch, 4 epochs: DP-SGD with k = 4 participations
+    plan = PrivatePlan(64, 64, steps=4, scheme="fixed_order", noise_multiplier=sigma)
+    sens, b_bar = plan.sensitivity, plan.expected_batch_size
+    assert sens == pytest.approx(2.0) and b_bar == 64.0  # √k, and B
+    priv = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=zeta, noise=plan.noise(d, 1))
     x, y = batch(20)
     ref = clipped_sum(model, F.cross_entropy, x, y, clip_norm=zeta)
     info = priv.privatize(x, y)
@@ -60,17 +54,10 @@ def test_correlated_noise_on_the_sum_is_sigma_zeta_sens_times_C_inverse_Z():
     model = wide_model(5, 4)
     d = sum(p.numel() for p in model.parameters())
     n = 6
-    fz = factorize(prefix_sum(n), "bsr:3")
-    sigma, zeta, sens = 0.9, 2.0, 1.4
-    priv = Privatizer(
-        model,
-        F.cross_entropy,
-        clip_norm=zeta,
-        noise_multiplier=sigma,
-        sensitivity=sens,
-        expected_batch_size=8.0,
-        noise=noise_for_factorization(fz, d, seed=3),
-    )
+    sigma, zeta = 0.9, 2.0
+    plan = PrivatePlan(8, 8, steps=n, scheme="fixed_order", strategy="bsr:3", noise_multiplier=sigma)
+    fz, sens = plan.strategy, plan.sensitivity
+    priv = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=zeta, noise=plan.noise(d, 3))
     got = []
     for _ in range(n):
         priv.privatize(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long))
@@ -83,15 +70,8 @@ def test_correlated_noise_on_the_sum_is_sigma_zeta_sens_times_C_inverse_Z():
 def test_mean_divides_by_the_expected_batch_size_not_the_realised_one():
     model = wide_model(6, 3)
     d = sum(p.numel() for p in model.parameters())
-    priv = Privatizer(
-        model,
-        F.cross_entropy,
-        clip_norm=1.0,
-        noise_multiplier=0.0,
-        sensitivity=1.0,
-        expected_batch_size=10.0,
-        noise=identity_noise(d, seed=0, steps=2),
-    )
+    plan = PrivatePlan(100, 10, steps=2, noise_segments=((2, 0.0),))  # Poisson, B̄ = 10, no noise
+    priv = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=plan.noise(d, 0))
     x, y = batch(3, d_in=6)
     y = y % 3
     ref = clipped_sum(model, F.cross_entropy, x, y, clip_norm=1.0)
@@ -103,15 +83,8 @@ def test_mean_divides_by_the_expected_batch_size_not_the_realised_one():
 def test_every_step_counts_including_empty_batches():
     model = wide_model(6, 3)
     d = sum(p.numel() for p in model.parameters())
-    priv = Privatizer(
-        model,
-        F.cross_entropy,
-        clip_norm=1.0,
-        noise_multiplier=1.0,
-        sensitivity=1.0,
-        expected_batch_size=2.0,
-        noise=identity_noise(d, seed=0, steps=3),
-    )
+    plan = PrivatePlan(6, 2, steps=3, scheme="fixed_order", noise_multiplier=1.0)
+    priv = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=plan.noise(d, 0))
     x, y = batch(2, d_in=6)
     y = y % 3
     steps = [priv.privatize(x[:k], y[:k]).step for k in (2, 0, 1)]
@@ -127,15 +100,9 @@ def test_gradient_accumulation_is_one_step_at_the_logical_batch():
     for micro in (None, 4, 1):
         model = wide_model(6, 3)
         d = sum(p.numel() for p in model.parameters())
+        plan = PrivatePlan(65, 13, steps=5, scheme="fixed_order", noise_multiplier=1.3)
         priv = Privatizer(
-            model,
-            F.cross_entropy,
-            clip_norm=0.5,
-            noise_multiplier=1.3,
-            sensitivity=1.1,
-            expected_batch_size=13.0,
-            noise=identity_noise(d, seed=2, steps=5),
-            micro_batch_size=micro,
+            model, F.cross_entropy, plan=plan, clip_norm=0.5, noise=plan.noise(d, 2), micro_batch_size=micro
         )
         info = priv.privatize(x, y)
         assert info.step == 0 and priv.step == 1 and info.batch_size == 13  # one step, one noise draw
@@ -147,26 +114,40 @@ def test_gradient_accumulation_is_one_step_at_the_logical_batch():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"noise_multiplier": -0.1}, "noise_multiplier"),
         ({"clip_norm": 0.0}, "clip_norm"),
-        ({"sensitivity": float("nan")}, "sensitivity"),
-        ({"expected_batch_size": 0}, "expected_batch_size"),
         ({"micro_batch_size": 0}, "micro_batch_size"),
+        ({"plan": PrivatePlan(12, 4, steps=3)}, "noise_multiplier is unknown"),
     ],
 )
 def test_bad_privatizer_arguments_are_refused(kwargs, match):
     model = wide_model(6, 3)
     d = sum(p.numel() for p in model.parameters())
-    args = {
-        "clip_norm": 1.0,
-        "noise_multiplier": 1.0,
-        "sensitivity": 1.0,
-        "expected_batch_size": 4.0,
-        "noise": identity_noise(d, seed=0, steps=3),
-    }
+    plan = _plan()
+    args = {"plan": plan, "clip_norm": 1.0, "noise": plan.noise(d, 0)}
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         Privatizer(model, F.cross_entropy, **args)
+
+
+def test_a_privatizer_requires_a_plan():
+    model = wide_model(6, 3)
+    noise = _plan().noise(21, 0)
+    with pytest.raises(TypeError, match="plan=None is invalid: a Privatizer requires the run's"):
+        Privatizer(model, F.cross_entropy, plan=None, clip_norm=1.0, noise=noise)
+    with pytest.raises(TypeError, match="noise_multiplier"):  # the plan-less form is gone
+        Privatizer(
+            model,
+            F.cross_entropy,
+            clip_norm=1.0,
+            noise=noise,
+            noise_multiplier=1.0,
+            sensitivity=1.0,
+            expected_batch_size=4.0,
+        )
+
+
+def _plan():
+    return PrivatePlan(12, 4, steps=3, scheme="fixed_order", noise_multiplier=1.0)
 
 
 def test_noise_stream_must_match_the_model():
@@ -176,20 +157,16 @@ def test_noise_stream_must_match_the_model():
             model,
             F.cross_entropy,
             clip_norm=1.0,
-            noise_multiplier=1.0,
-            sensitivity=1.0,
-            expected_batch_size=4.0,
-            noise=identity_noise(5, seed=0, steps=3),
+            plan=_plan(),
+            noise=_plan().noise(5, 0),
         )
     with pytest.raises(TypeError, match="dtype"):
         Privatizer(
             model,
             F.cross_entropy,
             clip_norm=1.0,
-            noise_multiplier=1.0,
-            sensitivity=1.0,
-            expected_batch_size=4.0,
-            noise=identity_noise(21, seed=0, steps=3, dtype=torch.float64),
+            plan=_plan(),
+            noise=_plan().noise(21, 0, dtype=torch.float64),
         )
 
 
@@ -200,10 +177,8 @@ def test_default_micro_batch_bounds_the_per_example_gradient_memory():
         model,
         F.cross_entropy,
         clip_norm=1.0,
-        noise_multiplier=1.0,
-        sensitivity=1.0,
-        expected_batch_size=4.0,
-        noise=identity_noise(d, seed=0, steps=3),
+        plan=_plan(),
+        noise=_plan().noise(d, 0),
     )
     assert priv.micro_batch_size == (1 << 24) // 21
     big = nn.Linear(2100, 1000)  # d = 2 101 000 > 2²⁴/8: at least 8 examples per micro-batch
@@ -211,9 +186,7 @@ def test_default_micro_batch_bounds_the_per_example_gradient_memory():
         big,
         F.cross_entropy,
         clip_norm=1.0,
-        noise_multiplier=1.0,
-        sensitivity=1.0,
-        expected_batch_size=4.0,
-        noise=identity_noise(2_101_000, seed=0, steps=3),
+        plan=_plan(),
+        noise=_plan().noise(2_101_000, 0),
     )
     assert priv.micro_batch_size == 8

@@ -10,6 +10,8 @@ with a manifest, resumable at another W; ``launch`` initializes a process group 
 """
 
 from dpmf.distributed.collectives import Collectives, ThreadCollectives, TorchCollectives, simulate
+from dpmf.distributed.flags import NOISE_KEYS, ExecutionFlags
+from dpmf.distributed.private_step import BoundPrivateStep, build_private_step
 from dpmf.distributed.sharding import RankSlices, assign_owners, owned_by, parameter_cost, rank_slice
 from dpmf.distributed.step import (
     DISTRIBUTED_MODES,
@@ -22,6 +24,10 @@ from dpmf.distributed.step import (
 
 __all__ = [
     "MODES",
+    "NOISE_KEYS",
+    "BoundPrivateStep",
+    "ExecutionFlags",
+    "build_private_step",
     "DISTRIBUTED_MODES",
     "DistributedMode",
     "Collectives",

@@ -1,10 +1,12 @@
 """The one place where federated learning meets dpmf's private-step machinery.
 
 Every use of the accounting entry points (``account``), the strategy builder
-(``dpmf.plan.build_strategy``), the batch samplers (``make_sampler``), the noise streams
-(``noise_for_factorization``), the private gradient (``Privatizer``) and the DP optimizers
-(``build_optimizer``) by ``dpmf.federated`` is in this module, so that they can be replaced by
-a single plan object without touching the rest of the sub-package.
+(``dpmf.plan.build_strategy``), the plans and their private steps (``PrivatePlan.private_step``:
+sampler, noise stream and privatizer built together) and the DP optimizers (the registry's,
+``local_optimizer``) by ``dpmf.federated`` is in this module. Each privacy mode builds its
+step from one plan: a client's run (``record``), the server's run with noise that varies by
+segment of steps (``aggregator``: ``noise_segments``), the plan of a client-level "dataset"
+(``client``).
 
 Three pieces:
 
@@ -30,24 +32,24 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dpmf import seeds
+from dpmf._validation import check_real
 from dpmf.accountants import ComposedEvent, PLDAccountant, PoissonGaussianEvent, PrivacyResult
+from dpmf.distributed.flags import ExecutionFlags
 from dpmf.federated.models import add_proximal_gradient, get_weights, set_weights
-from dpmf.mechanisms import factorize, parse_factorization
-from dpmf.optim.noise import identity_noise, noise_for_factorization
-from dpmf.optim.privatize import Privatizer
-from dpmf.optim.registry import optimizer_names
+from dpmf.mechanisms import parse_factorization
+from dpmf.optim import matrix_shape, route_parameters
+from dpmf.optim.clipping import trainable_parameters
+from dpmf.optim.optimizers import make_optimizer
+from dpmf.optim.registry import get_optimizer, optimizer_names
 from dpmf.plan.api import account, account_segments
-from dpmf.plan.plan import build_strategy
-from dpmf.plan.schemes import CyclicPoisson, FixedOrder, Poisson, get_scheme, strategy_bandwidth
-from dpmf.train.config import TrainConfig
-from dpmf.train.run import build_optimizer
-from dpmf.train.samplers import make_sampler
+from dpmf.plan.plan import PrivatePlan, build_strategy
+from dpmf.plan.schemes import FixedOrder, Poisson, get_scheme
 from dpmf.workloads import prefix_sum
 
 __all__ = [
@@ -241,42 +243,24 @@ class PrivateLocalRun:
             factorization=factorization,
             accountant=accountant,
         )
-        self.config = TrainConfig(
-            dataset="digits",
-            optimizer=optimizer,
-            factorization=factorization,
-            scheme=scheme,
-            batch_size=batch_size,
-            epsilon=None,
-            noise_multiplier=noise_multiplier,
-            delta=delta,
-            clip_norm=clip_norm,
-            lr=lr,
-            momentum=0.0,
-            device="cpu",
-        )
-        self._key = seed  # secret: kept out of the (printable) config
-        fact = _strategy(factorization, steps, scheme, -(-n // int(batch_size)))
-        dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        if fact is None:
-            noise = identity_noise(dim, seed=seed, steps=steps)
-            groups = None
-        else:
-            noise = noise_for_factorization(fact, dim, seed=seed)
-            groups = strategy_bandwidth(fact.C) if scheme == CyclicPoisson.name else None
-        self.sampler = make_sampler(scheme, n, batch_size, steps, seed=seed, groups=groups)
+        self.optimizer = get_optimizer(optimizer)  # the registry's entry (dpmf.optim.registry)
+        self.lr = check_real("lr", lr, low=0.0, low_inclusive=False)
+        self._key = seed  # secret: never printed
         self.model = model
-        self.privatizer = Privatizer(
-            model,
-            F.cross_entropy,
-            clip_norm=clip_norm,
+        # one plan, one constructor: the sampler, the noise and the privatizer of the plan that
+        # ``record_privacy`` accounts (the single-stream noise keys of earlier federated runs)
+        plan = PrivatePlan(
+            n,
+            batch_size,
+            steps=steps,
+            scheme=scheme,
+            strategy=factorization,
             noise_multiplier=noise_multiplier,
-            sensitivity=self.privacy.sensitivity,
-            expected_batch_size=self.sampler.expected_batch_size,
-            noise=noise,
         )
-        # only the batch the sampler drew for step t is privatized, once (by dataset indices)
-        self.drawn = self.privatizer.draw_from(self.sampler)
+        self.step = plan.private_step(
+            model, F.cross_entropy, clip_norm=clip_norm, seed=seed, flags=ExecutionFlags(noise_keys="stream")
+        )
+        self.sampler, self.privatizer = self.step.sampler, self.step.privatizer
 
     @property
     def steps_taken(self) -> int:
@@ -302,13 +286,13 @@ class PrivateLocalRun:
             )
         set_weights(self.model, weights)
         anchor = get_weights(self.model)
-        opt = build_optimizer(self.config, self.model, log=lambda *_: None, seed=self._key)
+        opt = local_optimizer(self.optimizer, self.model, lr=self.lr, key=self._key)
         self.privatizer.bind(opt)
         norms = []
         for _ in range(steps):
-            t, drawn = self.drawn.draw()
-            self.drawn.record(t, ids=drawn)
-            idx = torch.from_numpy(drawn)
+            drawn_at, batch = self.step.batches.draw()
+            self.step.batches.record(drawn_at, ids=batch, n=len(batch))
+            idx = torch.from_numpy(batch)
             info = self.privatizer.privatize(
                 torch.from_numpy(self.x)[idx], torch.from_numpy(self.y)[idx], example_ids=idx
             )
@@ -317,6 +301,37 @@ class PrivateLocalRun:
             opt.zero_grad(set_to_none=True)
             norms.append(info.mean_norm)
         return get_weights(self.model), float(np.mean(norms)) if norms else 0.0
+
+
+def _segments(sigmas) -> tuple:
+    """Runs of equal σ_t in order: ((steps, σ), …), the plan's ``noise_segments``."""
+    out: list = []
+    for v in np.asarray(sigmas, dtype=np.float64).ravel():
+        if out and out[-1][1] == float(v):
+            out[-1][0] += 1
+        else:
+            out.append([1, float(v)])
+    return tuple((c, v) for c, v in out)
+
+
+def local_optimizer(spec, model, *, lr: float, key: int):
+    """A client's DP optimizer of the registry entry ``spec`` (``dpmf.optim.registry``), fresh
+    each round: learning rate ``lr``, no momentum, no weight decay, no filter; a Newton–Schulz
+    optimizer orthogonalizes the matrix parameters (EMA β = 0.95) and updates the vectors and the
+    degenerate matrices (a single row or column) by DP-SGD; an optimizer that draws probes gets
+    the seed ``derive_int(key, "probes")`` (public probes, independent of the noise)."""
+    kwargs = dict(lr=lr, weight_decay=0.0, momentum=0.0, filter=None)
+    if spec.probes:
+        kwargs["probe_seed"] = seeds.derive_int(int(key), "probes", bits=63)
+    if not spec.newton_schulz:
+        return make_optimizer(spec.name, model.parameters(), **kwargs)
+    rules = {
+        name: "sgd"
+        for name, p in trainable_parameters(model)
+        if p.ndim >= 2 and 1 in matrix_shape(tuple(p.shape))
+    }
+    groups = route_parameters(model, rules=rules or None)
+    return make_optimizer(spec.name, groups, beta=0.95, vector_lr=None, **kwargs)
 
 
 class AggregatorDPSGD:
@@ -338,10 +353,12 @@ class AggregatorDPSGD:
         self.x, self.y, self.model = x, y, model
         self.sigmas = np.asarray(sigmas, dtype=np.float64)
         n = int(y.shape[0])
-        steps = int(self.sigmas.size)
-        self.sampler = make_sampler(Poisson.name, n, batch_size, steps, seed=seed)
-        dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        self.noise = identity_noise(dim, seed=seed, steps=steps)
+        # one plan whose noise varies by segment of steps (the σ_t set by the clients' compliance)
+        plan = PrivatePlan(n, batch_size, steps=int(self.sigmas.size), noise_segments=_segments(self.sigmas))
+        self.step = plan.private_step(
+            model, F.cross_entropy, clip_norm=clip_norm, seed=seed, flags=ExecutionFlags(noise_keys="stream")
+        )
+        self.sampler = self.step.sampler
         self.clip_norm, self.lr = float(clip_norm), float(lr)
 
     @property
@@ -352,32 +369,18 @@ class AggregatorDPSGD:
         """The next ``steps`` server steps from ``weights``; returns the new weights."""
         set_weights(self.model, weights)
         for _ in range(steps):
-            t = self.sampler.step
-            priv = Privatizer(
-                self.model,
-                F.cross_entropy,
-                clip_norm=self.clip_norm,
-                noise_multiplier=float(self.sigmas[t]),
-                sensitivity=1.0,
-                expected_batch_size=self.sampler.expected_batch_size,
-                noise=self.noise,
+            drawn_at, batch = self.step.batches.draw()
+            self.step.batches.record(drawn_at, ids=batch, n=len(batch))
+            idx = torch.from_numpy(batch)
+            self.step.privatizer.privatize(
+                torch.from_numpy(self.x)[idx], torch.from_numpy(self.y)[idx], example_ids=idx
             )
-            drawn = priv.draw_from(self.sampler)  # only the batch drawn for step t, once
-            t, ids = drawn.draw()
-            drawn.record(t, ids=ids)
-            idx = torch.from_numpy(ids)
-            priv.privatize(torch.from_numpy(self.x)[idx], torch.from_numpy(self.y)[idx], example_ids=idx)
+            self.step.privatizer.consume()
             with torch.no_grad():
                 for p in self.model.parameters():
                     p.add_(p.grad, alpha=-self.lr)
                     p.grad = None
         return get_weights(self.model)
-
-
-@dataclass(frozen=True)
-class _ClientPlan:
-    noise_multiplier: float  # σ of the accountant: the noise on C·G has std σ·ζ·sens
-    sensitivity: float
 
 
 class ClientLevelNoise:
@@ -415,28 +418,23 @@ class ClientLevelNoise:
         seed: int,
     ):
         sigma_acc = float(noise_multiplier) / math.sqrt(rounds)
-        fact = _strategy(factorization, rounds, FixedOrder.name, 1)
-        self.privacy = account(
-            FixedOrder.name,
-            noise_multiplier=sigma_acc,
-            dataset_size=num_clients,
-            batch_size=num_clients,
+        # the plan of a client-level "dataset": K clients, all in each of the R rounds
+        self.plan = PrivatePlan(
+            num_clients,
+            num_clients,
             steps=rounds,
-            delta=delta,
-            factorization=fact,
-            accountant=accountant,
-            progress=False,
+            scheme=FixedOrder.name,
+            strategy=factorization,
+            noise_multiplier=sigma_acc,
         )
-        self.plan = _ClientPlan(sigma_acc, float(self.privacy.sensitivity))
-        if fact is None:
-            fact = factorize(prefix_sum(rounds), "identity")
-        self.noise = noise_for_factorization(fact, dim, seed=seed, dtype=torch.float64)
+        self.privacy = self.plan.account(delta=delta, accountant=accountant, progress=False)
+        self.noise = self.plan.noise(dim, seed, dtype=torch.float64)
         self.clip_norm = float(clip_norm)
 
     @property
     def std_on_sum(self) -> float:
         """σ·ζ·sens: the scale of the unit-variance stream on the sum of the clipped updates."""
-        return self.plan.noise_multiplier * self.clip_norm * self.plan.sensitivity
+        return self.plan.noise_std(self.clip_norm)
 
     def next(self) -> np.ndarray:
         """The noise on the round's sum of clipped updates, shape (dim,), float64."""

@@ -8,7 +8,7 @@ group r mod ⌈P/K⌉ trains in round r (cyclic participation: each client every
 
 Round r releases w + (1/K̄)·(Σ_{k sampled} clip(w_k − w) + σ_acc·ζ·sens(C)·(C⁻¹Z)_r), with K̄ the
 scheme's expected batch size (a public number, never the realised count). The accounting is
-the plan's (``dpmf.accountants.account`` with the scheme, N = P clients, B = K, n = R rounds):
+the plan's (``PrivatePlan`` with the scheme, N = P clients, B = K, n = R rounds):
 with identity noise and Poisson sampling it is dp-accounting's
 PoissonSampledDpEvent(q, GaussianDpEvent(σ_c)) self-composed R times (amplification by
 sampling; McMahan et al., "Learning Differentially Private Recurrent Language Models", ICLR
@@ -56,13 +56,8 @@ class SampledClientNoise:
 
         from dpmf import seeds
         from dpmf._validation import check_choice, check_int
-        from dpmf.accountants import account
-        from dpmf.federated.local import _strategy
-        from dpmf.mechanisms import factorize
-        from dpmf.optim.noise import noise_for_factorization
+        from dpmf.plan.plan import PrivatePlan
         from dpmf.plan.schemes import FixedOrder
-        from dpmf.train.samplers import make_sampler
-        from dpmf.workloads import prefix_sum
 
         check_choice("client_sampling", sampling, CLIENT_SAMPLINGS[1:])
         P = check_int("num_clients", num_clients, minimum=1)
@@ -72,18 +67,15 @@ class SampledClientNoise:
         per_epoch = -(-P // K)
         sens_identity = 1.0 if sampling == Poisson.name else math.sqrt(math.ceil(R / per_epoch))
         sigma_acc = float(noise_multiplier) / sens_identity
-        fact = _strategy(factorization, R, scheme, per_epoch)
-        self.privacy = account(
-            scheme, noise_multiplier=sigma_acc, dataset_size=P, batch_size=K, steps=R, delta=delta,
-            factorization=fact, accountant=accountant, progress=False,
-        )  # fmt: skip
-        self.sampler = make_sampler(scheme, P, K, R, seed=seeds.child_key(seed, "fl-client-sampler"))
-        if fact is None:
-            fact = factorize(prefix_sum(R), "identity")
-        self.noise = noise_for_factorization(fact, dim, seed=seeds.child_key(seed, "fl-client-noise"),
-                                             dtype=torch.float64)  # fmt: skip
-        self.std_on_sum = sigma_acc * float(clip_norm) * float(self.privacy.sensitivity)
-        self.divisor = float(self.sampler.expected_batch_size)
+        # the plan of a client-level "dataset": P clients, K per round, R rounds
+        self.plan = PrivatePlan(
+            P, K, steps=R, scheme=scheme, strategy=factorization, noise_multiplier=sigma_acc
+        )
+        self.privacy = self.plan.account(delta=delta, accountant=accountant, progress=False)
+        self.sampler = self.plan.sampler(seeds.child_key(seed, "fl-client-sampler"))
+        self.noise = self.plan.noise(dim, seeds.child_key(seed, "fl-client-noise"), dtype=torch.float64)
+        self.std_on_sum = self.plan.noise_std(float(clip_norm))
+        self.divisor = float(self.plan.expected_batch_size)
         self.sampling, self.per_round = sampling, K
 
     def participants(self) -> np.ndarray:

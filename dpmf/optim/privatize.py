@@ -79,15 +79,11 @@ class Privatizer:
         model: the network; refused if a layer couples examples (BatchNorm). Frozen parameters
             (``requires_grad=False``) get no gradient and no noise.
         loss_fn: ``loss_fn(output, target)`` → scalar on a batch of one example.
-        plan: the run's ``dpmf.PrivatePlan`` with its noise multiplier: σ, the sensitivity s and
-            the expected batch size B̄ are taken from it (then do not pass them), and the noise
-            stream must be the plan's (same strategy, same number of steps).
+        plan: the run's ``dpmf.PrivatePlan`` with its noise multiplier (required): σ, the
+            sensitivity s and the expected batch size B̄ are taken from it, and the noise stream
+            must be the plan's (same strategy, same number of steps). Build the whole step with
+            ``plan.private_step(…)``, which also binds the plan's sampler.
         clip_norm: ζ > 0.
-        noise_multiplier: σ ≥ 0 (without a plan; 0 means no privacy).
-        sensitivity: sens(C) > 0 of the strategy under the run's participation pattern (without
-            a plan; 1 for DP-SGD).
-        expected_batch_size: B̄ > 0, the public expected number of examples per step (without
-            a plan).
         noise: the unit-scale correlated noise stream; its ``dim`` must equal the number of
             trainable entries and its device/dtype the model's.
         micro_batch_size: the most per-example gradients held at once; None: as many as fit
@@ -112,9 +108,9 @@ class Privatizer:
 
     Raises:
         ValueError: any argument outside its range, a batch-coupled model, a noise stream
-            whose dimension does not match the model, σ/s/B̄ given together with a plan, or a
-            noise stream that is not the plan's.
-        TypeError: a noise stream of another device or dtype than the parameters.
+            whose dimension does not match the model, a plan without σ, or a noise stream that
+            is not the plan's.
+        TypeError: no plan, or a noise stream of another device or dtype than the parameters.
     """
 
     def __init__(
@@ -124,43 +120,21 @@ class Privatizer:
         *,
         clip_norm: float,
         noise: CorrelatedNoise,
-        plan=None,
-        noise_multiplier: float | None = None,
-        sensitivity: float | None = None,
-        expected_batch_size: float | None = None,
+        plan,
         micro_batch_size: int | None = None,
         clipping: str = "auto",
     ):
         check_per_example_safe(model)
         self.clipping = check_choice("clipping", clipping, CLIPPING_MODES)
-        if plan is not None:
-            given = [
-                k
-                for k, v in (
-                    ("noise_multiplier", noise_multiplier),
-                    ("sensitivity", sensitivity),
-                    ("expected_batch_size", expected_batch_size),
-                )
-                if v is not None
-            ]
-            if given:
-                raise ValueError(f"{given[0]} is invalid together with plan: the plan fixes it")
-            noise_multiplier = plan.require_noise_multiplier()
-            sensitivity = plan.sensitivity
-            expected_batch_size = plan.expected_batch_size
-            _check_noise_matches_plan(noise, plan)
-        else:
-            missing = [
-                k
-                for k, v in (
-                    ("noise_multiplier", noise_multiplier),
-                    ("sensitivity", sensitivity),
-                    ("expected_batch_size", expected_batch_size),
-                )
-                if v is None
-            ]
-            if missing:
-                raise ValueError(f"{missing[0]} is required without a plan (or pass plan=)")
+        if not hasattr(plan, "require_noise_multiplier"):
+            raise TypeError(
+                f"plan={plan!r} is invalid: a Privatizer requires the run's dpmf.PrivatePlan with its "
+                "noise multiplier (plan.calibrate(…) or plan.with_noise(σ)); or use plan.private_step(…)"
+            )
+        noise_multiplier = plan.noise_multiplier_at(0)  # σ (of the first segment)
+        sensitivity = plan.sensitivity
+        expected_batch_size = plan.expected_batch_size
+        _check_noise_matches_plan(noise, plan)
         self.plan = plan
         self.last_step: PrivateStep | None = None
         self._written: list | None = None  # (param, grad tensor, its version) of the last step
@@ -197,7 +171,8 @@ class Privatizer:
 
     @property
     def noise_std(self) -> float:
-        """σ·ζ·sens: the noise standard deviation on the summed clipped gradients."""
+        """σ_t·ζ·sens: the noise standard deviation on the summed clipped gradients of the
+        current step t (σ_t = the plan's σ, or its segment's with ``noise_segments``)."""
         return self.noise_multiplier * self.clip_norm * self.sensitivity
 
     @property
@@ -311,6 +286,8 @@ class Privatizer:
         """
         t = self.noise.step
         self.structure.check("private step")
+        if self.plan.noise_segments is not None and t < self.plan.steps:  # σ of t's segment
+            self.noise_multiplier = self.plan.noise_multiplier_at(t)
         if self.drawn is not None:
             if handed_out is None:
                 self.drawn.check(t, inputs, targets, example_ids)

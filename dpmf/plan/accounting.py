@@ -10,15 +10,16 @@ plans for a given σ.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from dpmf._validation import check_int, check_real
+from dpmf._validation import check_choice, check_int, check_real
 from dpmf.accountants.calibration import calibrate_event, check_delta, check_monte_carlo
-from dpmf.accountants.registry import get_accountant, make_accountant
+from dpmf.accountants.events import ComposedEvent, PoissonGaussianEvent
+from dpmf.accountants.registry import accountants_for, get_accountant, make_accountant
 from dpmf.accountants.result import Measurement, PrivacyResult
-from dpmf.plan.schemes import check_sigma
+from dpmf.plan.schemes import Poisson, check_sigma
 
-__all__ = ["account", "calibrate", "max_steps", "max_batch_size", "privacy_result"]
+__all__ = ["account", "account_segments", "calibrate", "max_steps", "max_batch_size", "privacy_result"]
 
 
 def _check_plan(plan):
@@ -316,3 +317,56 @@ def max_batch_size(
         return plan.replace(batch_size=B, steps=n, strategy=_strategy_for(spec, n))
 
     return _search_int(name, make_plan, sigma, epsilon, delta, 1, N, samples, seed, conf or 0.99, progress)
+
+
+def account_segments(
+    segments: Sequence[tuple[float, float, int]], *, delta: float, accountant: str = "pld"
+) -> PrivacyResult:
+    """ε at ``delta`` of DP-SGD run in segments, each (σ_i, q_i, steps_i), composed in order.
+
+    Covers noise schedules and per-round noise levels set by an external rule.
+
+    Args:
+        segments: non-empty sequence of (noise_multiplier > 0, sampling_rate in (0, 1], steps ≥ 1).
+        delta: δ in (0, 1).
+        accountant: an accountant of Poisson-subsampled Gaussian events
+            (``accountants_for(PoissonGaussianEvent)``: ``pld``, ``rdp`` or ``prv``).
+
+    Returns:
+        ``PrivacyResult`` with scheme ``poisson``, ``noise_multiplier`` the smallest σ_i,
+        ``steps`` the total, and the segments in ``details``.
+
+    Raises:
+        ValueError: an empty list, a malformed or invalid segment (named by its index), δ or the
+            accountant invalid.
+    """
+    delta = check_delta(delta)
+    check_choice("accountant", accountant, accountants_for(PoissonGaussianEvent))
+    segs = list(segments)
+    if not segs:
+        raise ValueError(
+            "segments is invalid: must contain at least one (noise_multiplier, sampling_rate, steps)"
+        )
+    events = []
+    for i, seg in enumerate(segs):
+        if len(seg) != 3:
+            raise ValueError(
+                f"segments[{i}]={seg!r} is invalid: must be (noise_multiplier, sampling_rate, steps)"
+            )
+        try:
+            events.append(PoissonGaussianEvent(*seg))
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"segments[{i}]: {exc}") from None
+    meas = make_accountant(accountant).epsilon(ComposedEvent(tuple(events)), delta)
+    return PrivacyResult(
+        epsilon=meas.epsilon,
+        delta=delta,
+        noise_multiplier=min(e.noise_multiplier for e in events),
+        scheme=Poisson.name,
+        accountant=meas.accountant,
+        guarantee=meas.guarantee,
+        steps=sum(e.steps for e in events),
+        sensitivity=1.0,
+        method=meas.method,
+        details={"segments": [[e.noise_multiplier, e.sampling_rate, e.steps] for e in events]},
+    )

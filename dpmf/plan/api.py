@@ -14,20 +14,15 @@ first; so are ``max_steps`` and ``max_batch_size``. The schemes and their source
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from dpmf._validation import check_choice
-from dpmf.accountants.calibration import check_delta
-from dpmf.accountants.events import ComposedEvent, PoissonGaussianEvent
-from dpmf.accountants.registry import accountants_for, make_accountant
 from dpmf.accountants.result import PrivacyResult
 from dpmf.mechanisms import Factorization
 from dpmf.plan.accounting import account as _account
+from dpmf.plan.accounting import account_segments
 from dpmf.plan.accounting import calibrate as _calibrate
 from dpmf.plan.accounting import max_batch_size as _max_batch_size
 from dpmf.plan.accounting import max_steps as _max_steps
 from dpmf.plan.plan import PrivatePlan
-from dpmf.plan.schemes import Poisson, get_scheme
+from dpmf.plan.schemes import get_scheme
 
 __all__ = [
     "account",
@@ -278,56 +273,3 @@ def _search_base(scheme, dataset_size, batch_size, min_sep, schedule, factorizat
         scheme, dataset_size, 1 if batch_size is None else batch_size, 1, None, min_sep, schedule=schedule
     )
     return base, "identity" if factorization is None else factorization
-
-
-def account_segments(
-    segments: Sequence[tuple[float, float, int]], *, delta: float, accountant: str = "pld"
-) -> PrivacyResult:
-    """ε at ``delta`` of DP-SGD run in segments, each (σ_i, q_i, steps_i), composed in order.
-
-    Covers noise schedules and per-round noise levels set by an external rule.
-
-    Args:
-        segments: non-empty sequence of (noise_multiplier > 0, sampling_rate in (0, 1], steps ≥ 1).
-        delta: δ in (0, 1).
-        accountant: an accountant of Poisson-subsampled Gaussian events
-            (``accountants_for(PoissonGaussianEvent)``: ``pld``, ``rdp`` or ``prv``).
-
-    Returns:
-        ``PrivacyResult`` with scheme ``poisson``, ``noise_multiplier`` the smallest σ_i,
-        ``steps`` the total, and the segments in ``details``.
-
-    Raises:
-        ValueError: an empty list, a malformed or invalid segment (named by its index), δ or the
-            accountant invalid.
-    """
-    delta = check_delta(delta)
-    check_choice("accountant", accountant, accountants_for(PoissonGaussianEvent))
-    segs = list(segments)
-    if not segs:
-        raise ValueError(
-            "segments is invalid: must contain at least one (noise_multiplier, sampling_rate, steps)"
-        )
-    events = []
-    for i, seg in enumerate(segs):
-        if len(seg) != 3:
-            raise ValueError(
-                f"segments[{i}]={seg!r} is invalid: must be (noise_multiplier, sampling_rate, steps)"
-            )
-        try:
-            events.append(PoissonGaussianEvent(*seg))
-        except (ValueError, TypeError) as exc:
-            raise type(exc)(f"segments[{i}]: {exc}") from None
-    meas = make_accountant(accountant).epsilon(ComposedEvent(tuple(events)), delta)
-    return PrivacyResult(
-        epsilon=meas.epsilon,
-        delta=delta,
-        noise_multiplier=min(e.noise_multiplier for e in events),
-        scheme=Poisson.name,
-        accountant=meas.accountant,
-        guarantee=meas.guarantee,
-        steps=sum(e.steps for e in events),
-        sensitivity=1.0,
-        method=meas.method,
-        details={"segments": [[e.noise_multiplier, e.sampling_rate, e.steps] for e in events]},
-    )

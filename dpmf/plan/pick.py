@@ -43,12 +43,13 @@ not depend on ``jobs`` or on the order in which the tasks finish.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 from tqdm import tqdm
@@ -98,6 +99,8 @@ class PickEntry:
         guarantee: ``upper_bound``, ``certified`` or ``estimate``.
         bands: number of non-zero diagonals of C.
         seconds: time spent on this candidate (building, optimizing, evaluating, accounting).
+        plan: the candidate's calibrated ``PrivatePlan`` (its strategy built once, σ and
+            ``privacy`` set): train it as it is, nothing is factorized or calibrated again.
     """
 
     factorization: str
@@ -114,6 +117,11 @@ class PickEntry:
     guarantee: str
     bands: int
     seconds: float
+    plan: PrivatePlan | None = field(default=None, repr=False, compare=False)
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict of the numbers (the plan is not included)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "plan"}
 
 
 @dataclass(frozen=True)
@@ -167,8 +175,8 @@ class PickResult:
             "schedule": self.schedule,
             "beta": self.beta,
             "scheme_option": self.scheme,
-            "recommendation": asdict(rec),
-            "ranking": [asdict(e) for e in self.ranking],
+            "recommendation": rec.to_dict(),
+            "ranking": [e.to_dict() for e in self.ranking],
             "skipped": [{"factorization": f, "reason": r} for f, r in self.skipped],
             "seconds": self.seconds,
         }
@@ -235,12 +243,12 @@ def pick(
             candidate can be accounted for).
     """
     t0 = time.perf_counter()
-    run0 = PrivatePlan(dataset_size, batch_size, steps=steps)
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule={schedule!r} is invalid: must be a dpmf.workloads.Schedule")
+    run0 = PrivatePlan(dataset_size, batch_size, steps=steps, schedule=schedule)
     N, B, n = run0.dataset_size, run0.batch_size, run0.steps
     epsilon = check_real("epsilon", epsilon, low=0.0, low_inclusive=False)
     delta = check_real("delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
-    if not isinstance(schedule, Schedule):
-        raise TypeError(f"schedule={schedule!r} is invalid: must be a dpmf.workloads.Schedule")
     max_bands = check_int("max_bands", max_bands, minimum=1)
     scheme = check_choice("scheme", scheme, PICK_SCHEMES)
     metric = check_choice("metric", metric, ("mean_se", "max_se"))
@@ -332,7 +340,9 @@ def _plan(workload, spec: str, chosen, run0: PrivatePlan) -> PrivatePlan:
         if reason is not None:
             raise _Skip(reason)
         f = build_strategy(workload, spec, sch, run0.steps_per_epoch)
-    return PrivatePlan(run0.dataset_size, run0.batch_size, steps=run0.steps, scheme=sch, strategy=f)
+    return PrivatePlan(
+        run0.dataset_size, run0.batch_size, steps=run0.steps, scheme=sch, strategy=f, schedule=run0.schedule
+    )
 
 
 def default_jobs() -> int:
@@ -412,7 +422,7 @@ def _build_candidate(workload, spec: str, chosen, run0: PrivatePlan) -> _Built:
 
 def _calibrate_candidate(plan: PrivatePlan, epsilon, delta, accountant, samples, seed, confidence):
     """Task: σ for the plan's event (shared by the plans with its event key); returns
-    (noise_multiplier, epsilon, delta, accountant, guarantee, seconds)."""
+    (noise_multiplier, epsilon, delta, accountant, guarantee, seconds, the PrivacyResult)."""
     t0 = time.perf_counter()
     name = accountant if accountant in plan.scheme.accountants else None  # else its default
     if get_accountant(plan.scheme.check_accountant(name)).randomized:
@@ -427,6 +437,7 @@ def _calibrate_candidate(plan: PrivatePlan, epsilon, delta, accountant, samples,
         res.accountant,
         res.guarantee,
         time.perf_counter() - t0,
+        res,
     )
 
 
@@ -479,10 +490,13 @@ def _entry(b: _Built, calibrated: Future, owns: bool):
     """The candidate's ``PickEntry`` at its calibrated σ, or why it was skipped (an accountant
     that cannot measure it)."""
     try:
-        sigma, eps, delta, accountant, guarantee, seconds = calibrated.result()
+        sigma, eps, delta, accountant, guarantee, seconds, res = calibrated.result()
     except ValueError as exc:
         return str(exc)
     plan = b.plan
+    # plans of one event key share σ and ε; the result names each plan's own strategy
+    privacy = dataclasses.replace(res, sensitivity=plan.sensitivity, factorization=plan.label)
+    calibrated_plan = plan.with_noise(sigma, privacy=privacy)
     return PickEntry(
         factorization=plan.label,
         scheme=plan.scheme.name,
@@ -498,4 +512,5 @@ def _entry(b: _Built, calibrated: Future, owns: bool):
         guarantee=guarantee,
         bands=plan.bands,
         seconds=b.seconds + (seconds if owns else 0.0),
+        plan=calibrated_plan,
     )

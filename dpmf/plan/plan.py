@@ -86,6 +86,31 @@ def leading_block(factorization: Factorization, steps: int) -> Factorization:
     return Factorization(factorization.name, factorization.bands, workload, C_t)
 
 
+def _check_segments(plan) -> tuple:
+    """``plan.noise_segments`` as a tuple of (int steps ≥ 1, float σ ≥ 0) covering its n steps."""
+    fix = "give a tuple of (steps, noise_multiplier) pairs whose steps sum to the plan's steps"
+    if plan.noise_multiplier is not None:
+        raise ValueError("noise_segments is invalid together with noise_multiplier: give one of them")
+    if not isinstance(plan.scheme, Poisson) or plan.strategy.name != "identity":
+        raise ValueError(
+            f"noise_segments is invalid for scheme={plan.scheme.name!r}, strategy={plan.label!r}: "
+            "segments are accounted for DP-SGD under Poisson sampling (scheme 'poisson', strategy 'identity')"
+        )
+    try:
+        segs = tuple((int(c), float(v)) for c, v in plan.noise_segments)
+    except (TypeError, ValueError):
+        raise ValueError(f"noise_segments={plan.noise_segments!r} is invalid: {fix}") from None
+    for i, (c, v) in enumerate(segs):
+        if c < 1 or not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"noise_segments[{i}]=({c}, {v}) is invalid: steps ≥ 1 and σ ≥ 0 (finite)")
+    total = sum(c for c, _ in segs)
+    if not segs or total != plan.steps:
+        raise ValueError(
+            f"noise_segments is invalid: its steps sum to {total}, the plan has {plan.steps}; {fix}"
+        )
+    return segs
+
+
 @dataclass(frozen=True, eq=False)
 class PrivatePlan:
     """One private training run's mechanism: data size, batches, steps, scheme, strategy, σ.
@@ -105,6 +130,11 @@ class PrivatePlan:
         min_sep: b' of ``cyclic_poisson`` (default: the bands of C); refused by other schemes.
         noise_multiplier: σ > 0 once known (``calibrate`` returns a plan with it), else None.
         privacy: the ``PrivacyResult`` that produced σ (set by ``calibrate``/``with_noise``).
+        noise_segments: instead of one σ, noise that varies by segment of steps: a tuple of
+            (steps_i ≥ 1, σ_i ≥ 0) in order with Σ steps_i = n (DP-SGD under Poisson sampling
+            only: the run is the composition of the segments' subsampled Gaussian mechanisms,
+            ``dpmf.plan.api.account_segments``). A segment with σ_i = 0 adds no noise: such a
+            plan has no finite ε and ``account`` refuses it. None: one σ.
 
     After construction ``scheme`` is a ``Scheme``, ``strategy`` a ``Factorization``, ``steps``
     an int and ``schedule`` a ``Schedule``.
@@ -126,6 +156,7 @@ class PrivatePlan:
     min_sep: int | None = None
     noise_multiplier: float | None = None
     privacy: object = dataclasses.field(default=None, repr=False)
+    noise_segments: tuple | None = None
 
     def __post_init__(self):
         b = steps_per_epoch(self.dataset_size, self.batch_size)
@@ -164,6 +195,8 @@ class PrivatePlan:
         scheme.check_strategy(self)
         if self.noise_multiplier is not None:
             setf("noise_multiplier", check_sigma(self.noise_multiplier))
+        if self.noise_segments is not None:
+            setf("noise_segments", _check_segments(self))
         s = self.sensitivity
         if not (math.isfinite(s) and s > 0):
             raise ValueError(
@@ -232,13 +265,30 @@ class PrivatePlan:
         return self.require_noise_multiplier() * float(clip_norm) * self.sensitivity
 
     def require_noise_multiplier(self) -> float:
-        """σ, or a ValueError saying how to get one."""
+        """σ (with ``noise_segments``: the smallest σ_i), or a ValueError saying how to get one."""
+        if self.noise_segments is not None:
+            return min(sigma for _, sigma in self.noise_segments)
         if self.noise_multiplier is None:
             raise ValueError(
                 "noise_multiplier is unknown for this plan: use plan.calibrate(epsilon, delta) or "
                 "plan.with_noise(noise_multiplier)"
             )
         return self.noise_multiplier
+
+    def noise_multiplier_at(self, step: int) -> float:
+        """σ of 0-based step t: the plan's σ, or that of t's segment (``noise_segments``).
+
+        Raises:
+            ValueError: no σ, or t outside [0, n).
+        """
+        t = check_int("step", step, minimum=0, maximum=self.steps - 1)
+        if self.noise_segments is None:
+            return self.require_noise_multiplier()
+        for count, sigma in self.noise_segments:
+            if t < count:
+                return sigma
+            t -= count
+        raise AssertionError("segments cover the steps")  # checked at construction
 
     # -- events and accounting --------------------------------------------------------------
 
@@ -259,9 +309,12 @@ class PrivatePlan:
             raise ValueError(f"scheme={self.scheme.name!r}: {exc}") from None
 
     def account(self, noise_multiplier: float | None = None, *, delta: float, accountant=None, **options):
-        """ε at ``delta`` of this run (``dpmf.plan.accounting.account``)."""
+        """ε at ``delta`` of this run (``dpmf.plan.accounting.account``; with
+        ``noise_segments``, the composition of the segments, ``account_segments``)."""
         from dpmf.plan.accounting import account
 
+        if self.noise_segments is not None and noise_multiplier is None:
+            return self._account_segments(delta, accountant)
         return account(self, noise_multiplier, delta=delta, accountant=accountant, **options)
 
     def calibrate(self, epsilon: float, delta: float, accountant=None, **options) -> PrivatePlan:
@@ -306,6 +359,18 @@ class PrivatePlan:
         return account(
             part, sigma * self.sensitivity / part.sensitivity, delta=delta, accountant=accountant, **options
         )
+
+    def _account_segments(self, delta, accountant):
+        from dpmf.plan.accounting import account_segments
+
+        if any(sigma == 0 for _, sigma in self.noise_segments):
+            raise ValueError(
+                "noise_segments is invalid for accounting: a segment has σ = 0 (no noise), so the run "
+                "has no finite ε; give every segment σ > 0"
+            )
+        q = self.sampling_rate
+        segs = [(sigma, q, count) for count, sigma in self.noise_segments]
+        return account_segments(segs, delta=delta, accountant=accountant or "pld")
 
     # -- derived plans ----------------------------------------------------------------------
 
@@ -371,6 +436,42 @@ class PrivatePlan:
             self.strategy, dim, seed=seed, device=device, mode=mode, keys=keys, **kwargs
         )
 
+    def private_step(
+        self, model, loss_fn, *, clip_norm: float, seed=None, process_group=None, optimizer=None, flags=None
+    ):
+        """The run's private step: this plan's sampler, noise stream and privatizer, built
+        together (``dpmf.distributed.private_step.build_private_step``; needs torch).
+
+        Args:
+            model, loss_fn: the network and ``loss_fn(output, target)`` on one example.
+            clip_norm: ζ > 0.
+            seed: a ``dpmf.seeds.SeedPolicy``, an integer seed, or None (a fresh secret key).
+            process_group: None, a ``torch.distributed`` group or a ``dpmf`` ``Collectives``.
+            optimizer: with a process group, the optimizer (its Newton–Schulz parameters weigh
+                in the choice of owners).
+            flags: the privacy-neutral ``dpmf.distributed.ExecutionFlags`` (clipping mode,
+                micro-batch size, noise keys, distributed mode); None: the defaults.
+
+        Returns:
+            a ``BoundPrivateStep`` (``sampler``, ``noise``, ``privatizer`` bound to the
+            sampler's batches, ``batches``).
+
+        Raises:
+            ValueError: the plan has no σ, or an argument out of range (named).
+        """
+        from dpmf.distributed.private_step import build_private_step
+
+        return build_private_step(
+            self,
+            model,
+            loss_fn,
+            clip_norm=clip_norm,
+            seed=seed,
+            process_group=process_group,
+            optimizer=optimizer,
+            flags=flags,
+        )
+
     def to_dict(self) -> dict:
         """Plain data describing the plan (no seeds, nothing secret)."""
         return {
@@ -386,4 +487,9 @@ class PrivatePlan:
             "sampling_rate": self.sampling_rate,
             "expected_batch_size": self.expected_batch_size,
             "noise_multiplier": self.noise_multiplier,
+            **(
+                {}
+                if self.noise_segments is None
+                else {"noise_segments": [list(x) for x in self.noise_segments]}
+            ),
         }

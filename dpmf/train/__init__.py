@@ -5,7 +5,7 @@ from dpmf.train.data import DATASETS, Dataset, load_dataset
 from dpmf.train.loop import Trainer, TrainOutcome, evaluate
 from dpmf.train.models import MODELS, build_model
 from dpmf.train.run import TrainResult, train
-from dpmf.train.samplers import SCHEMES, make_sampler, steps_per_epoch
+from dpmf.train.samplers import SCHEMES, steps_per_epoch
 
 __all__ = [
     "DATASETS",
@@ -19,7 +19,6 @@ __all__ = [
     "build_model",
     "evaluate",
     "load_dataset",
-    "make_sampler",
     "steps_per_epoch",
     "train",
 ]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 
 from dpmf._validation import check_choice, check_int, check_real
 from dpmf.accountants.registry import ACCOUNTANTS
+from dpmf.distributed.flags import NOISE_KEYS, ExecutionFlags
 from dpmf.distributed.modes import MODES
 from dpmf.mechanisms.registry import parse_factorization
 from dpmf.optim.choices import CLIPPING_MODES
@@ -25,7 +26,6 @@ from dpmf.workloads.schedules import SCHEDULES
 __all__ = ["ACCOUNTANTS", "DEFAULT_LR", "TrainConfig"]
 
 DEVICES = ("auto", "cpu", "cuda")
-NOISE_KEYS = ("stream", "chunked")
 DISTRIBUTED_MODES = MODES
 
 
@@ -101,11 +101,12 @@ class TrainConfig:
             and the learning rate go to ``steps.csv`` and, where ``tensorboard`` is installed,
             TensorBoard event files (computed from the private batches without noise: not
             covered by (ε, δ), keep them private). None: per-epoch metrics only.
-        noise_keys: ``stream`` (one raw-noise stream keyed by step; the default in one
-            process) or ``chunked`` (raw noise keyed by step, parameter and chunk:
+        noise_keys: ``chunked`` (default: raw noise keyed by step, parameter and chunk,
             ``dpmf.optim.noise.ChunkedKeys``; the same noise in any number of processes, so a
-            one-process run equals a distributed one and their checkpoints interchange).
-            Distributed runs always use ``chunked``.
+            one-process run equals a distributed one and their checkpoints interchange; it
+            costs ≤ 5 % of a private step, ``benchmarks/bench_noise_keys_default.py``) or
+            ``stream`` (one raw-noise stream keyed by step: the keying of earlier runs, to
+            resume their checkpoints). Distributed runs always use ``chunked``.
         distributed_mode: with ``train(..., distributed=True)``: ``sharded`` (each parameter's
             noise and update on one owner process), ``replicated`` or ``rank0``
             (``dpmf.distributed.step``). The same trajectory up to rounding, so not part of the
@@ -147,7 +148,7 @@ class TrainConfig:
     eval_batch_size: int = 1024
     epsilon_each_epoch: bool | None = None
     log_every: int | None = None
-    noise_keys: str = "stream"
+    noise_keys: str = "chunked"
     distributed_mode: str = "sharded"
 
     def __post_init__(self):
@@ -351,6 +352,15 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def execution_flags(self) -> ExecutionFlags:
+        """The privacy-neutral settings of the run's private step (``ExecutionFlags``)."""
+        return ExecutionFlags(
+            clipping=self.clipping,
+            micro_batch_size=self.micro_batch_size,
+            noise_keys=self.noise_keys,
+            distributed_mode=self.distributed_mode,
+        )
 
     def run_identity(self) -> dict:
         """The fields that define the run's trajectory (a resumed run must match them)."""

@@ -43,16 +43,15 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from dpmf import seeds
-from dpmf._validation import check_choice, check_int, check_real
+from dpmf._validation import check_int, check_real
+from dpmf.distributed.flags import ExecutionFlags
 from dpmf.mechanisms.registry import STRATEGIES, parse_factorization
 from dpmf.optim.clipping import check_per_example_safe, trainable_parameters
 from dpmf.optim.model_guard import check_state_unchanged, state_versions
-from dpmf.optim.noise import ChunkedKeys
 from dpmf.optim.privatize import Privatizer
 from dpmf.plan.plan import PrivatePlan, steps_per_epoch
 from dpmf.plan.schemes import auto_scheme, get_scheme
 from dpmf.train.checkpoint import as_numpy, load_checkpoint, save_checkpoint
-from dpmf.train.config import DISTRIBUTED_MODES, NOISE_KEYS
 from dpmf.train.hf import batch_size_of, check_model_state, load_model_state, model_state, split_batch
 from dpmf.train.ledger import export as export_files
 from dpmf.train.ledger import privacy_ledger
@@ -456,7 +455,8 @@ def _resolve(
     seed,
     progress,
 ):
-    """(strategy spec, scheme) for the run: ``pick``'s recommendation for ``auto``, the
+    """(strategy, scheme) for the run: ``pick``'s recommendation for ``auto`` (the
+    ``Factorization`` pick built, not its label: nothing is factorized twice), the
     ``auto_scheme`` rule for ``scheme="auto"`` with a given strategy."""
     if factorization == "auto":
         if epsilon is None:
@@ -482,13 +482,76 @@ def _resolve(
             seed=0,
             progress=progress,
         )
-        return res.recommendation.factorization, res.recommendation.scheme
+        return res.recommendation.plan.strategy, res.recommendation.scheme  # built once, by pick
     if scheme == "auto":
         name, param = parse_factorization(factorization)
         entry = STRATEGIES[name]
         run = PrivatePlan(dataset_size, batch_size, steps=steps)
         return factorization, auto_scheme(entry, entry.bands_of(param), run).name
     return factorization, get_scheme(scheme).name
+
+
+def _check_module(module, optimizer, loss_fn) -> None:
+    """Refuse a module, optimizer or loss of the wrong type, a module that couples examples or
+    writes the batch into itself, and an optimizer that does not hold the module's trainable
+    parameters (and only the module's)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module={module!r} is invalid: must be a torch.nn.Module")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer={optimizer!r} is invalid: must be a torch.optim.Optimizer")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn={loss_fn!r} is invalid: must be callable(output, target)")
+    check_per_example_safe(module)
+    params = {id(p) for _, p in trainable_parameters(module)}
+    opt_params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    if not opt_params <= {id(p) for p in module.parameters()}:
+        raise ValueError("optimizer is invalid: it holds parameters that are not the module's")
+    if not params <= opt_params:
+        raise ValueError("optimizer is invalid: some trainable parameters of the module are not in it")
+
+
+def _check_run(dataset, batch_size, epochs, steps, target_epsilon, target_delta, noise_multiplier):
+    """(N, n, target_epsilon, target_delta) of the run, validated: a map-style data set, exactly
+    one of epochs/steps and of target_epsilon/noise_multiplier, δ with a target ε."""
+    try:
+        N = len(dataset)
+    except TypeError:
+        raise TypeError(f"dataset={dataset!r} is invalid: must be a map-style Dataset with len()") from None
+    spe = steps_per_epoch(N, batch_size)
+    if (epochs is None) == (steps is None):
+        raise ValueError("epochs/steps is invalid: give exactly one of epochs or steps")
+    n = (
+        check_int("epochs", epochs, minimum=1) * spe
+        if steps is None
+        else check_int("steps", steps, minimum=1)
+    )
+    if (target_epsilon is None) == (noise_multiplier is None):
+        raise ValueError("target_epsilon/noise_multiplier is invalid: give exactly one")
+    if target_epsilon is not None:
+        target_epsilon = check_real("target_epsilon", target_epsilon, low=0.0, low_inclusive=False)
+        if target_delta is None:
+            raise ValueError("target_delta is required with target_epsilon (e.g. 1e-5, below 1/N)")
+    if target_delta is not None:
+        target_delta = check_real(
+            "target_delta", target_delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False
+        )
+    return N, n, target_epsilon, target_delta
+
+
+def _process_group(process_group):
+    """The ``Collectives`` of ``process_group`` (None: one process, refused under torchrun)."""
+    if process_group is not None:
+        from dpmf.distributed import Collectives, TorchCollectives
+
+        return process_group if isinstance(process_group, Collectives) else TorchCollectives(process_group)
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.isdigit() and int(world) > 1:
+        raise ValueError(
+            f"process_group=None is invalid with WORLD_SIZE={world} (started by torchrun?): each "
+            "process would train its own copy; call torch.distributed.init_process_group() and "
+            "pass process_group=torch.distributed.group.WORLD"
+        )
+    return None
 
 
 def make_private(
@@ -518,7 +581,7 @@ def make_private(
     progress: bool = False,
     process_group=None,
     distributed_mode: str = "sharded",
-    noise_keys: str = "stream",
+    noise_keys: str = "chunked",
 ) -> PrivateTraining:
     """Make ``module``, ``optimizer`` and ``dataset`` a private run with correlated noise.
 
@@ -580,8 +643,9 @@ def make_private(
             optimizer's step returns the parameters to all ranks, the secret seed is rank 0's.
         distributed_mode: ``sharded`` (default), ``replicated`` or ``rank0``
             (``dpmf.distributed.step``).
-        noise_keys: ``stream`` (default in one process) or ``chunked`` (raw noise keyed by
-            parameter and chunk: the noise of a distributed run; always with a process group).
+        noise_keys: ``chunked`` (default: raw noise keyed by parameter and chunk, the noise
+            of a distributed run at any number of processes; always with a process group) or
+            ``stream`` (one raw stream keyed by step, the keying of earlier runs).
 
     Returns:
         ``PrivateTraining``. One run is live per module: an earlier ``make_private`` run over
@@ -593,65 +657,26 @@ def make_private(
             scheme cannot account, or a module that couples examples or writes the batch into
             itself (BatchNorm, ``nn.Embedding(max_norm=…)``).
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module={module!r} is invalid: must be a torch.nn.Module")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer={optimizer!r} is invalid: must be a torch.optim.Optimizer")
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn={loss_fn!r} is invalid: must be callable(output, target)")
-    check_per_example_safe(module)  # before pick and calibration
-    try:
-        N = len(dataset)
-    except TypeError:
-        raise TypeError(f"dataset={dataset!r} is invalid: must be a map-style Dataset with len()") from None
-    spe = steps_per_epoch(N, batch_size)
-    if (epochs is None) == (steps is None):
-        raise ValueError("epochs/steps is invalid: give exactly one of epochs or steps")
-    n = (
-        check_int("epochs", epochs, minimum=1) * spe
-        if steps is None
-        else check_int("steps", steps, minimum=1)
+    _check_module(module, optimizer, loss_fn)  # before pick and calibration
+    N, n, target_epsilon, target_delta = _check_run(
+        dataset, batch_size, epochs, steps, target_epsilon, target_delta, noise_multiplier
     )
-    if (target_epsilon is None) == (noise_multiplier is None):
-        raise ValueError("target_epsilon/noise_multiplier is invalid: give exactly one")
-    if target_epsilon is not None:
-        target_epsilon = check_real("target_epsilon", target_epsilon, low=0.0, low_inclusive=False)
-        if target_delta is None:
-            raise ValueError("target_delta is required with target_epsilon (e.g. 1e-5, below 1/N)")
-    if target_delta is not None:
-        target_delta = check_real(
-            "target_delta", target_delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False
-        )
     clip_norm = check_real("clip_norm", clip_norm, low=0.0, low_inclusive=False)
     policy = seeds.SeedPolicy.of(seed)
     num_workers = check_int("num_workers", num_workers, minimum=0)
     if transform is not None and not callable(transform):
         raise TypeError(f"transform={transform!r} is invalid: must be callable(example) -> example, or None")
-    check_choice("noise_keys", noise_keys, NOISE_KEYS)
-    check_choice("distributed_mode", distributed_mode, DISTRIBUTED_MODES)
     schedule = schedule if schedule is not None else Schedule("constant")
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule={schedule!r} is invalid: must be a dpmf.workloads.Schedule or None")
-    params = {id(p) for _, p in trainable_parameters(module)}
-    opt_params = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    if not opt_params <= {id(p) for p in module.parameters()}:
-        raise ValueError("optimizer is invalid: it holds parameters that are not the module's")
-    if not params <= opt_params:
-        raise ValueError("optimizer is invalid: some trainable parameters of the module are not in it")
 
-    comm = None
-    if process_group is not None:  # a bad group fails here, before pick and calibration
-        from dpmf.distributed import Collectives, TorchCollectives
-
-        comm = process_group if isinstance(process_group, Collectives) else TorchCollectives(process_group)
-    else:
-        world = os.environ.get("WORLD_SIZE", "1")
-        if world.isdigit() and int(world) > 1:
-            raise ValueError(
-                f"process_group=None is invalid with WORLD_SIZE={world} (started by torchrun?): each "
-                "process would train its own copy; call torch.distributed.init_process_group() and "
-                "pass process_group=torch.distributed.group.WORLD"
-            )
+    flags = ExecutionFlags(
+        clipping=clipping,
+        micro_batch_size=micro_batch_size,
+        noise_keys=noise_keys,
+        distributed_mode=distributed_mode,
+    )
+    comm = _process_group(process_group)  # a bad group fails here, before pick and calibration
 
     from dpmf.optim.schedules import LearningRateSchedule
 
@@ -677,47 +702,23 @@ def make_private(
         plan = plan.calibrate(target_epsilon, target_delta, **mc)
     if policy.notice:
         print(policy.notice, file=sys.stderr)
-    seed_given, master = not policy.is_secret, policy.key
-    p0 = next(p for _, p in trainable_parameters(module))
-    sizes = tuple(p.numel() for _, p in trainable_parameters(module))
-    if comm is not None:
-        from dpmf.distributed import DistributedPrivatizer, RankSlices
-
-        if not seed_given:  # rank 0's secret key, sent in memory only
-            master = comm.all_gather_object(master if comm.rank == 0 else None)[0]
-        privatizer = DistributedPrivatizer(
-            module,
-            loss_fn,
-            collectives=comm,
-            plan=plan,
-            clip_norm=clip_norm,
-            seed=master,
-            mode=distributed_mode,
-            optimizer=optimizer,
-            micro_batch_size=micro_batch_size,
-            clipping=clipping,
-        )
-        sampler = RankSlices(plan.sampler(master), comm.rank, comm.world_size)
-    else:
-        keys = ChunkedKeys(sizes) if noise_keys == "chunked" else None
-        noise = plan.noise(sum(sizes), master, device=p0.device, dtype=p0.dtype, keys=keys)
-        privatizer = Privatizer(
-            module,
-            loss_fn,
-            plan=plan,
-            clip_norm=clip_norm,
-            noise=noise,
-            micro_batch_size=micro_batch_size,
-            clipping=clipping,
-        )
-        sampler = plan.sampler(master)
+    step = plan.private_step(
+        module,
+        loss_fn,
+        clip_norm=clip_norm,
+        seed=policy,
+        process_group=comm,
+        optimizer=optimizer,
+        flags=flags,
+    )
+    seed_given, master, privatizer = not step.policy.is_secret, step.key, step.privatizer
     for g in optimizer.param_groups:
         check_real("lr", g["lr"], low=0.0)
     if transform is not None:
         dataset = TransformedDataset(dataset, transform)
     loader = PrivateDataLoader(
         dataset,
-        privatizer.draw_from(sampler),
+        step.batches,
         collate_fn=EmptySafeCollate(dataset, collate_fn),
         num_workers=num_workers,
     )

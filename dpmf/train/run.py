@@ -50,9 +50,7 @@ from dpmf.optim import (
     route_parameters,
 )
 from dpmf.optim.clipping import trainable_parameters
-from dpmf.optim.noise import ChunkedKeys
 from dpmf.optim.optimizers import make_optimizer
-from dpmf.optim.privatize import Privatizer
 from dpmf.optim.registry import get_optimizer
 from dpmf.plan.plan import PrivatePlan, leading_block
 from dpmf.plan.schemes import Poisson
@@ -207,8 +205,12 @@ def plan_for(config: TrainConfig, dataset_size: int, *, progress: bool = False, 
         ValueError: a strategy the scheme cannot account, or a target no σ meets.
     """
     n = config.epochs * steps_per_epoch(dataset_size, config.batch_size)
-    if config.factorization == "auto":
-        config = choose_strategy(config, dataset_size, n, progress=progress, log=log)
+    mc = dict(accountant=config.accountant, samples=config.samples, seed=_mc_seed(config), progress=progress)
+    if config.factorization == "auto":  # pick's winner: built and calibrated once, by pick
+        config, plan = choose_strategy(config, dataset_size, n, progress=progress, log=log)
+        if _same_calibration(plan, config):
+            return config, plan
+        return config, plan.replace(strategy=plan.strategy).calibrate(config.epsilon, config.delta, **mc)
     plan = PrivatePlan(
         dataset_size,
         config.batch_size,
@@ -217,11 +219,22 @@ def plan_for(config: TrainConfig, dataset_size: int, *, progress: bool = False, 
         strategy=config.factorization,
         schedule=Schedule(config.schedule, config.beta, config.gamma),
     )
-    mc = dict(accountant=config.accountant, samples=config.samples, seed=_mc_seed(config), progress=progress)
     if config.noise_multiplier is not None:
         privacy = plan.account(config.noise_multiplier, delta=config.delta, **mc)
         return config, plan.with_noise(config.noise_multiplier, privacy=privacy)
     return config, plan.calibrate(config.epsilon, config.delta, **mc)
+
+
+def _same_calibration(plan: PrivatePlan, config: TrainConfig) -> bool:
+    """True when the σ pick calibrated for ``plan`` is the one ``config``'s calibration gives:
+    the same (ε, δ) target and the same deterministic accountant."""
+    from dpmf.accountants.registry import get_accountant
+
+    privacy = plan.privacy
+    if privacy is None or privacy.delta != config.delta:
+        return False
+    name = plan.scheme.check_accountant(config.accountant)
+    return privacy.accountant == name and not get_accountant(name).randomized
 
 
 def _mc_seed(config: TrainConfig) -> int:
@@ -236,10 +249,13 @@ def draw_seed() -> int:
 
 
 def choose_strategy(config: TrainConfig, dataset_size: int, steps: int, *, progress=True, log=print):
-    """``config`` with ``factorization="auto"`` resolved by ``dpmf.pick.pick``: the
-    recommended factorization and scheme for this run's N, B, n, (ε, δ), schedule and
-    ``max_bands`` (ranked by σ·MeanSE). Deterministic: the same config gives the same choice
-    (so ``--resume`` finds the same strategy). Logs the five best candidates.
+    """``config`` with ``factorization="auto"`` resolved by ``dpmf.pick.pick``, and the winner's
+    calibrated plan: the recommended factorization and scheme for this run's N, B, n, (ε, δ),
+    schedule and ``max_bands`` (ranked by σ·MeanSE). Deterministic: the same config gives the
+    same choice (so ``--resume`` finds the same strategy). Logs the five best candidates.
+
+    Returns:
+        (config, plan): the plan as pick built and calibrated it (``plan.privacy`` set).
 
     Raises:
         ValueError: no candidate can be accounted under the requested scheme.
@@ -266,7 +282,7 @@ def choose_strategy(config: TrainConfig, dataset_size: int, steps: int, *, progr
             f"σ·MeanSE = {e.noise_mean_se:.4g}, σ·MaxSE = {e.noise_max_se:.4g}"
         )
     rec = res.recommendation
-    return config.replace(factorization=rec.factorization, scheme=rec.scheme)
+    return config.replace(factorization=rec.factorization, scheme=rec.scheme), rec.plan
 
 
 def check_out_state(out_dir: str, *, resume: bool, overwrite: bool) -> None:
@@ -495,38 +511,17 @@ def train(
 
     model = build_model(config.model, data.input_shape, data.num_classes, seed=sub_seed(seed, 0))
     model = model.to(device)
-    dtype = next(model.parameters()).dtype
-    sampler = plan.sampler(seed)  # keyed by derive(seed, "sampler")
     optimizer = build_optimizer(config, model, log=log, seed=seed)
-    if collectives is not None:
-        from dpmf.distributed.step import DistributedPrivatizer
-
-        privatizer = DistributedPrivatizer(
-            model,
-            F.cross_entropy,
-            collectives=collectives,
-            plan=plan,
-            clip_norm=config.clip_norm,
-            seed=seed,
-            mode=config.distributed_mode,
-            optimizer=optimizer,
-            micro_batch_size=config.micro_batch_size,
-            clipping=config.clipping,
-        )
-        noise = privatizer.noise
-    else:
-        sizes = tuple(p.numel() for _, p in trainable_parameters(model))
-        keys = ChunkedKeys(sizes) if config.noise_keys == "chunked" else None
-        noise = plan.noise(sum(sizes), seed, device=device, dtype=dtype, keys=keys)
-        privatizer = Privatizer(
-            model,
-            F.cross_entropy,
-            plan=plan,
-            clip_norm=config.clip_norm,
-            noise=noise,
-            micro_batch_size=config.micro_batch_size,
-            clipping=config.clipping,
-        )
+    step = plan.private_step(
+        model,
+        F.cross_entropy,
+        clip_norm=config.clip_norm,
+        seed=policy,
+        process_group=collectives,
+        optimizer=optimizer,
+        flags=config.execution_flags(),
+    )
+    sampler, privatizer, noise = step.sampler, step.privatizer, step.noise
     privatizer.bind(optimizer)
     # DiSK's prediction: per-example gradients at θ_t and θ_t + γ(θ_t − θ_{t−1}), combined
     # before clipping (one release per step at the same sensitivity: ε is unchanged).

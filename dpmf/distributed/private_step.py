@@ -1,0 +1,152 @@
+"""The one constructor of a run's private step: ``build_private_step`` (``PrivatePlan.private_step``).
+
+A private step is three things that must agree: the plan's batch sampler, the plan's noise
+stream and the privatizer that adds that noise at the plan's σ·ζ·s and divides by the plan's
+B̄. They are built here, together, from the plan and nothing else, with the privatizer already
+bound to the sampler (``Privatizer.draw_from``: each step accepts only the batch drawn for it,
+once). What is not privacy-relevant — clipping mode, micro-batches, noise keys, distributed
+mode — comes in one ``ExecutionFlags``. ``make_private``, ``dpmf train`` and the distributed
+step all build their step here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from dpmf import seeds
+from dpmf.distributed.flags import ExecutionFlags
+from dpmf.optim.clipping import trainable_parameters
+from dpmf.optim.noise import ChunkedKeys, CorrelatedNoise
+from dpmf.optim.privatize import Privatizer
+
+__all__ = ["BoundPrivateStep", "build_private_step"]
+
+
+@dataclass(frozen=True, eq=False)
+class BoundPrivateStep:
+    """A plan's sampler, noise stream and privatizer, bound together.
+
+    Attributes:
+        plan: the calibrated ``PrivatePlan``.
+        sampler: the plan's batch sampler (global batches; keyed by the run's key).
+        privatizer: a ``Privatizer`` (a ``DistributedPrivatizer`` with a process group) built
+            on the plan, its noise the plan's stream, bound to ``batches``.
+        batches: the ``DrawnBatches`` this process draws from: the global batches in one
+            process, this rank's slice of each with a process group.
+        flags: the ``ExecutionFlags`` it was built with.
+        policy: the run's ``dpmf.seeds.SeedPolicy`` (with a process group and a secret key:
+            rank 0's key on every rank). Its repr never shows the key.
+        collectives: the ``Collectives`` of the process group, or None.
+    """
+
+    plan: object
+    sampler: object
+    privatizer: Privatizer
+    batches: object
+    flags: ExecutionFlags
+    policy: seeds.SeedPolicy = field(repr=False)
+    collectives: object = None
+
+    @property
+    def noise(self) -> CorrelatedNoise:
+        """The plan's noise stream (this process's coordinates of it)."""
+        return self.privatizer.noise
+
+    @property
+    def key(self) -> int:
+        """The run's key (secret unless given: never print it)."""
+        return self.policy.key
+
+
+def _collectives(process_group):
+    if process_group is None:
+        return None
+    from dpmf.distributed.collectives import Collectives, TorchCollectives
+
+    return process_group if isinstance(process_group, Collectives) else TorchCollectives(process_group)
+
+
+def _policy(seed, comm) -> seeds.SeedPolicy:
+    policy = seed if isinstance(seed, seeds.SeedPolicy) else seeds.SeedPolicy.of(seed)
+    if comm is not None and policy.is_secret:  # rank 0's secret key, sent in memory only
+        key = comm.all_gather_object(policy.key if comm.rank == 0 else None)[0]
+        policy = seeds.SeedPolicy.adopt(key, given=False)
+    return policy
+
+
+def build_private_step(
+    plan,
+    model: nn.Module,
+    loss_fn: Callable,
+    *,
+    clip_norm: float,
+    seed=None,
+    process_group=None,
+    optimizer=None,
+    flags: ExecutionFlags | None = None,
+) -> BoundPrivateStep:
+    """The private step of ``plan`` for ``model``: sampler, noise stream and privatizer.
+
+    Args:
+        plan: a ``PrivatePlan`` with its noise multiplier (calibrated or given).
+        model: the network (its trainable parameters get the noise; device and dtype of the
+            noise are those of its first trainable parameter).
+        loss_fn: ``loss_fn(output, target)`` → scalar on one example.
+        clip_norm: ζ > 0.
+        seed: a ``dpmf.seeds.SeedPolicy``, an integer seed (the key itself: reproducible) or
+            None (a fresh secret key).
+        process_group: None (one process), a ``torch.distributed`` process group or a
+            ``dpmf.distributed.Collectives``: the step of ``DistributedPrivatizer``, the noise
+            of one process split between the ranks (noise keys always ``chunked``).
+        optimizer: with a process group, the optimizer whose Newton–Schulz parameters weigh in
+            the assignment of owners (optional).
+        flags: ``ExecutionFlags`` (default ``ExecutionFlags()``).
+
+    Returns:
+        ``BoundPrivateStep``.
+
+    Raises:
+        ValueError: the plan has no σ, the model has nothing trainable, a noise stream that
+            does not match, a sampler of another length (``Privatizer.draw_from``), or any
+            argument of ``Privatizer`` out of range.
+        TypeError: flags not ``ExecutionFlags``, a bad seed or process group.
+    """
+    flags = ExecutionFlags() if flags is None else flags
+    if not isinstance(flags, ExecutionFlags):
+        raise TypeError(f"flags={flags!r} is invalid: must be a dpmf.distributed.ExecutionFlags")
+    plan.require_noise_multiplier()
+    comm = _collectives(process_group)
+    policy = _policy(seed, comm)
+    sampler = plan.sampler(policy.key)  # keyed by derive(key, "sampler")
+    common = dict(
+        plan=plan, clip_norm=clip_norm, micro_batch_size=flags.micro_batch_size, clipping=flags.clipping
+    )
+    if comm is not None:
+        from dpmf.distributed.sharding import RankSlices
+        from dpmf.distributed.step import DistributedPrivatizer
+
+        privatizer = DistributedPrivatizer(
+            model,
+            loss_fn,
+            collectives=comm,
+            seed=policy.key,
+            mode=flags.distributed_mode,
+            optimizer=optimizer,
+            check_every=flags.check_every,
+            **common,
+        )
+        batches = privatizer.draw_from(RankSlices(sampler, comm.rank, comm.world_size))
+    else:
+        params = [p for _, p in trainable_parameters(model)]
+        if not params:
+            raise ValueError("model is invalid: it has no trainable parameters")
+        sizes = tuple(p.numel() for p in params)
+        keys = ChunkedKeys(sizes) if flags.noise_keys == "chunked" else None
+        p0 = params[0]
+        noise = plan.noise(sum(sizes), policy.key, device=p0.device, dtype=p0.dtype, keys=keys)
+        privatizer = Privatizer(model, loss_fn, noise=noise, **common)
+        batches = privatizer.draw_from(sampler)
+    return BoundPrivateStep(plan, sampler, privatizer, batches, flags, policy, comm)
