@@ -829,7 +829,6 @@ NOT_DOORS = {
     "dpmf.train.build_model": "a model",
     "dpmf.train.evaluate": "test metrics",
     "dpmf.train.load_dataset": "data",
-    "dpmf.train.make_sampler": "a sampler",
     "dpmf.train.steps_per_epoch": "arithmetic",
     "dpmf.federated.ComplianceProfile": "compliance data (dpmf fl's doors use it)",
     "dpmf.federated.ComplianceSet": "compliance data",
