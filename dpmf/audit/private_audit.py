@@ -257,9 +257,9 @@ def audit_make_private(module, optimizer, dataset, *, canaries: int = 1000, **kw
     2023), §6 (white-box gradient canaries).
     """
     from dpmf.audit.canaries import gradient_canaries
+    from dpmf.audit.runner import audit_seed
     from dpmf.optim.clipping import trainable_parameters
     from dpmf.train.private import make_private
-    from dpmf.audit.runner import audit_seed
 
     m = check_int("canaries", canaries, minimum=10)
     try:
