@@ -206,3 +206,73 @@ def test_make_private_audit_on_two_gloo_processes_scores_as_one_process(tmp_path
     for mode in ("sharded", "rank0", "replicated"):
         for r in (0, 1):
             np.testing.assert_allclose(np.load(tmp_path / f"{mode}.rank{r}.npy"), one, rtol=0, atol=1e-6)
+
+
+# -- dpmf fl, client mode: canary clients ---------------------------------------------------------
+
+
+def _fl(seed, **kw):
+    from dpmf.federated.run import FLConfig
+
+    base = dict(
+        num_clients=4,
+        rounds=5,
+        privacy="client",
+        strategy="fedavg",
+        client_noise_multiplier=2.0,
+        seed=seed,
+        local_steps=1,
+        hidden=8,
+    )
+    base.update(kw)
+    return FLConfig(**base)
+
+
+def _fl_audit(seed, **kw):
+    from dpmf.audit.federated import audit_fl_clients
+
+    return audit_fl_clients(_fl(seed, **kw), canaries=200, log=lambda *a: None)
+
+
+@pytest.mark.slow
+def test_canary_clients_over_20_seeds_raise_no_more_false_alarms_than_the_level():
+    from dpmf.federated import local
+
+    results = [_fl_audit(s) for s in range(20)]
+    assert local.ClientLevelNoise.__name__ == "ClientLevelNoise"  # the hooks are removed
+    claimed = results[0]["claimed"]["epsilon"]
+    # 5 rounds at σ_c = 2: a Gaussian mechanism with μ = √5/2 (dp-accounting's PLD agrees)
+    assert claimed == pytest.approx(4.9833, abs=1e-3)
+    bounds = np.array([r["epsilon_lower_bound"] for r in results])
+    flags = int((bounds > claimed).sum())
+    assert stats.binom.sf(flags - 1, 20, 0.05) >= 0.05, (flags, bounds)
+    assert np.mean([r["auroc"] for r in results]) > 0.6  # the canary clients are seen
+
+
+def test_canary_clients_flag_a_run_whose_client_noise_is_below_the_claim(monkeypatch):
+    from dpmf.federated import local
+
+    real = local.ClientLevelNoise.next
+    # σ_c = 10 claims ε ≈ 1; the noise released at 1/40 of it (200 canaries bound ε̂ ≤ 1.5 or so)
+    monkeypatch.setattr(local.ClientLevelNoise, "next", lambda self: real(self) / 40)
+    res = _fl_audit(0, client_noise_multiplier=10.0)
+    assert res["epsilon_lower_bound"] > res["claimed"]["epsilon"]
+
+
+def test_canary_clients_with_correlated_noise_are_whitened():
+    # bisr:2 across the 5 rounds: the score whitens the correlated noise, so an "out" canary's
+    # score is N(0, 1) up to the real clients' and the other canaries' projections (small in d ≈ 4000)
+    res = _fl_audit(1, client_factorization="bisr:2", client_noise_multiplier=1.0, hidden=128)
+    outs = res["scores"][~res["included"]]
+    assert abs(outs.mean()) < 0.35 and 0.7 < outs.std() < 1.3
+    assert res["auroc"] > 0.6
+
+
+@pytest.mark.parametrize(
+    "kw, word", [(dict(privacy="aggregator"), "privacy"), (dict(strategy="fedprox"), "strategy")]
+)
+def test_canary_client_audit_refuses_other_modes_before_any_work(kw, word):
+    from dpmf.audit.federated import audit_fl_clients
+
+    with pytest.raises(ValueError, match=word):
+        audit_fl_clients(_fl(0, **kw), canaries=200, log=lambda *a: None)
