@@ -276,3 +276,45 @@ def test_canary_client_audit_refuses_other_modes_before_any_work(kw, word):
 
     with pytest.raises(ValueError, match=word):
         audit_fl_clients(_fl(0, **kw), canaries=200, log=lambda *a: None)
+
+
+# -- dpmf fl, record mode: canary records in one client's private run -----------------------------
+
+
+def _fl_records(seed, **kw):
+    from dpmf.audit.federated import audit_fl_records
+    from dpmf.federated.run import FLConfig
+
+    base = dict(num_clients=4, rounds=5, privacy="record", seed=seed, local_steps=4, hidden=8)
+    base.update(kw)
+    return audit_fl_records(FLConfig(**base), canaries=200, log=lambda *a: None)
+
+
+@pytest.mark.slow
+def test_canary_records_over_5_seeds_raise_no_more_false_alarms_than_the_level():
+    # 5 seeds (≈ 3 s each): at most one flag is consistent with level 0.05 (P(Bin(5, .05) ≥ 2) = .023)
+    from dpmf.federated import local
+
+    results = [_fl_records(s) for s in range(5)]
+    assert local.PrivateLocalRun.__name__ == "PrivateLocalRun"  # the hooks are removed
+    claimed = results[0]["claimed"]["epsilon"]
+    flags = sum(r["epsilon_lower_bound"] > claimed for r in results)
+    assert stats.binom.sf(flags - 1, 5, 0.05) >= 0.05
+    assert np.mean([r["auroc"] for r in results]) > 0.55
+
+
+def test_canary_records_flag_a_client_whose_noise_is_below_the_claim(monkeypatch):
+    from dpmf.federated.compliance import NoiseMap
+
+    real = Privatizer.noise_std
+    monkeypatch.setattr(Privatizer, "noise_std", property(lambda self: real.fget(self) / 40))
+    res = _fl_records(0, noise_map=NoiseMap(sigma_min=6.0, sigma_max=6.0))
+    assert res["claimed"]["epsilon"] < 1.2
+    assert res["epsilon_lower_bound"] > res["claimed"]["epsilon"]
+
+
+def test_canary_record_audit_refuses_another_mode_before_any_work():
+    from dpmf.audit.federated import audit_fl_records
+
+    with pytest.raises(ValueError, match="privacy='client' is invalid"):
+        audit_fl_records(_fl(0), canaries=200, log=lambda *a: None)
