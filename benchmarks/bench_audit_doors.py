@@ -5,7 +5,7 @@
 Doors: ``dpmf audit`` (the ``dpmf train`` run) with DP-SGD/Poisson and bsr:4/cyclic Poisson,
 ``make_private`` in a user's loop (``dpmf.audit.private_audit``; its torchrun run has the same
 scores to 1e-6, tests/test_audit_doors.py), and ``dpmf fl`` client mode with canary clients
-(``dpmf.audit.federated``). digits / breast-cancer, claimed ε = 4, δ = 1e-5, α = 0.05,
+(``dpmf.audit.federated``), and record mode with canary records in one client's run. digits / breast-cancer, claimed ε = 4, δ = 1e-5, α = 0.05,
 one-run estimator (Steinke et al. 2023). Prints the median and range over the seeds.
 """
 
@@ -82,10 +82,30 @@ def _fl_door(seed, m):
     return r["epsilon_lower_bound"], r["claimed"]["epsilon"]
 
 
+def _fl_record_door(seed, m):
+    from dpmf.audit.federated import audit_fl_records
+    from dpmf.federated.compliance import NoiseMap
+    from dpmf.federated.run import FLConfig
+
+    cfg = FLConfig(
+        num_clients=8,
+        rounds=10,
+        privacy="record",
+        strategy="fedavg",
+        noise_map=NoiseMap(sigma_min=0.8, sigma_max=0.8),
+        local_batch_size=32,
+        seed=seed,
+        local_steps=5,
+    )
+    r = audit_fl_records(cfg, canaries=m, log=lambda *a: None)
+    return r["epsilon_lower_bound"], r["claimed"]["epsilon"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--canaries", type=int, default=1000)
+    ap.add_argument("--only", default="", help="run only the doors whose name contains this")
     args = ap.parse_args()
     data = load_dataset("digits", None)
     doors = {
@@ -97,10 +117,13 @@ def main() -> None:
         ),
         "make_private (= torchrun), bsr:4, fixed order": lambda s: _make_private_door(s, args.canaries, data),
         "dpmf fl, client mode, canary clients": lambda s: _fl_door(s, args.canaries),
+        "dpmf fl, record mode, canary records (one client)": lambda s: _fl_record_door(s, args.canaries),
     }
     print("| door | claimed ε | lower bound (median, range) | bound / claimed | seconds per run |")
     print("|---|---|---|---|---|")
     for name, fn in doors.items():
+        if args.only not in name:
+            continue
         t0 = time.perf_counter()
         out = [fn(s) for s in range(args.seeds)]
         lb = np.array([o[0] for o in out])
