@@ -4,9 +4,10 @@
 
 Doors: ``dpmf audit`` (the ``dpmf train`` run) with DP-SGD/Poisson and bsr:4/cyclic Poisson,
 ``make_private`` in a user's loop (``dpmf.audit.private_audit``; its torchrun run has the same
-scores to 1e-6, tests/test_audit_doors.py), and ``dpmf fl`` client mode with canary clients
-(``dpmf.audit.federated``), and record mode with canary records in one client's run. digits / breast-cancer, claimed ε = 4, δ = 1e-5, α = 0.05,
-one-run estimator (Steinke et al. 2023). Prints the median and range over the seeds.
+scores to 1e-6, tests/test_audit_doors.py), ``dpmf fl`` client mode with canary clients and
+record mode with canary records in one client's run (``dpmf.audit.federated``). digits /
+breast-cancer, claimed ε ≈ 4 (record mode: 3), δ = 1e-5, α = 0.05, one-run estimator
+(Steinke et al. 2023). Prints the median and range over the seeds.
 """
 
 from __future__ import annotations
