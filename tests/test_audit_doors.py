@@ -36,6 +36,7 @@ def _capture(monkeypatch):
     return seen
 
 
+@pytest.mark.slow
 def test_make_private_audit_is_the_dpmf_audit_run_for_the_same_key(monkeypatch, tmp_path):
     # the two doors make the same run (same plan over N + m, key, initial weights, batches,
     # noise, canaries): the canaries' scores agree to rounding
