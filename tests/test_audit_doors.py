@@ -286,14 +286,14 @@ def _fl_records(seed, **kw):
     from dpmf.audit.federated import audit_fl_records
     from dpmf.federated.run import FLConfig
 
-    base = dict(num_clients=4, rounds=5, privacy="record", seed=seed, local_steps=4, hidden=8)
+    base = dict(num_clients=4, rounds=5, privacy="record", seed=seed, local_steps=4, hidden=128)
     base.update(kw)
     return audit_fl_records(FLConfig(**base), canaries=200, log=lambda *a: None)
 
 
 @pytest.mark.slow
 def test_canary_records_over_5_seeds_raise_no_more_false_alarms_than_the_level():
-    # 5 seeds (≈ 3 s each): at most one flag is consistent with level 0.05 (P(Bin(5, .05) ≥ 2) = .023)
+    # 5 seeds (≈ 5 s each): at most one flag is consistent with level 0.05 (P(Bin(5, .05) ≥ 2) = .023)
     from dpmf.federated import local
 
     results = [_fl_records(s) for s in range(5)]

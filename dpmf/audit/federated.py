@@ -128,8 +128,8 @@ def audit_fl_clients(
     key = config.seed if config.seed is not None else seeds.SeedPolicy.of(None).key
     state = {
         "count": m,
-        "included": np.random.default_rng(seeds.derive_int(key, "audit-included", bits=63)).random(m) < 0.5,
-        "directions_seed": seeds.derive_int(key, "audit-directions", bits=63),
+        "included": seeds.generator(key, "audit-included").random(m) < 0.5,
+        "directions_seed": seeds.derive_int(key, "audit-canaries", bits=63),
     }
     with _canary_hooks(state):
         result = run_federated(config, compliance=compliance, data=data, log=log)
@@ -249,8 +249,8 @@ def audit_fl_records(
     key = config.seed if config.seed is not None else seeds.SeedPolicy.of(None).key
     state = {
         "count": m,
-        "included": np.random.default_rng(seeds.derive_int(key, "audit-included", bits=63)).random(m) < 0.5,
-        "directions_seed": seeds.derive_int(key, "audit-directions", bits=63),
+        "included": seeds.generator(key, "audit-included").random(m) < 0.5,
+        "directions_seed": seeds.derive_int(key, "audit-canaries", bits=63),
     }
     with _record_hooks(state):
         run_federated(config, compliance=compliance, data=data, log=log)

@@ -21,7 +21,7 @@ the released gradient on the canary directions is summed over the owners (sharde
 read from the full gradient every rank holds (replicated, rank0).
 
 The seeds follow ``dpmf audit``: the in/out draw and the directions derive from the run's key
-(``dpmf.audit.runner.audit_seed``), never printed. With the same key,
+(``dpmf.seeds``, purposes ``audit-included`` and ``audit-canaries``), never printed. With the same key,
 configuration and initial weights, the ``dpmf audit`` run and this one are the same run.
 """
 
@@ -256,8 +256,8 @@ def audit_make_private(module, optimizer, dataset, *, canaries: int = 1000, **kw
     Source: Steinke, Nasr & Jagielski, "Privacy Auditing with One (1) Training Run" (NeurIPS
     2023), §6 (white-box gradient canaries).
     """
+    from dpmf import seeds
     from dpmf.audit.canaries import gradient_canaries
-    from dpmf.audit.runner import audit_seed
     from dpmf.optim.clipping import trainable_parameters
     from dpmf.train.private import make_private
 
@@ -270,14 +270,14 @@ def audit_make_private(module, optimizer, dataset, *, canaries: int = 1000, **kw
         raise ValueError("dataset is invalid: it is empty")
     private = make_private(module, optimizer, CanarySlots(dataset, m), **kwargs)
     key = private._seed
-    included = np.random.default_rng(audit_seed(key, "audit-included")).random(m) < 0.5
+    included = seeds.generator(key, "audit-included").random(m) < 0.5
     params = [p for _, p in trainable_parameters(module)]
     dim = sum(p.numel() for p in params)
     directions = gradient_canaries(
         dim,
         m,
         private.clip_norm,
-        seed=audit_seed(key, "audit-directions"),
+        seed=seeds.derive_int(key, "audit-canaries", bits=63),
         device=params[0].device,
         dtype=params[0].dtype,
     )

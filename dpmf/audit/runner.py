@@ -23,25 +23,11 @@ import numpy as np
 
 from dpmf._validation import check_choice, check_int, check_real
 
-__all__ = ["KINDS", "METHODS", "audit_seed", "run_audit"]
+__all__ = ["KINDS", "METHODS", "run_audit"]
 
 KINDS = ("white-box", "input")
 METHODS = ("one-run", "one-run-fdp", "clopper-pearson", "gdp")
 VALID_IN_ONE_RUN = ("one-run", "one-run-fdp")
-
-
-_AUDIT_PURPOSES = ("audit-included", "audit-directions", "audit-inputs")
-
-
-def audit_seed(key: int, purpose: str) -> int:
-    """A 63-bit seed for one of the audit's draws (``audit-included``: which canaries are in;
-    ``audit-directions``: the white-box directions; ``audit-inputs``: the input canaries),
-    derived from the run's key (``dpmf.seeds.derive_int``); never printed."""
-    from dpmf import seeds
-
-    if purpose not in _AUDIT_PURPOSES:
-        raise ValueError(f"purpose={purpose!r} is invalid: must be one of {', '.join(_AUDIT_PURPOSES)}")
-    return seeds.derive_int(int(key), purpose, bits=63)
 
 
 def check_audit_args(canaries, kind, method, significance) -> tuple[int, str, str, float]:
@@ -107,6 +93,7 @@ def run_audit(
     import torch
     import torch.nn.functional as F
 
+    from dpmf import seeds
     from dpmf._io import atomic_write_json
     from dpmf.audit import canaries as K
     from dpmf.audit import estimators as E
@@ -132,14 +119,13 @@ def run_audit(
     config, plan = plan_for(config, N + m, progress=False, log=log)
     privacy = plan.privacy
     seed = config.seed if config.seed is not None else draw_seed()
-    audit_rng = np.random.default_rng(audit_seed(seed, "audit-included"))
+    audit_rng = seeds.generator(seed, "audit-included")
     included = audit_rng.random(m) < 0.5
 
     model = build_model(config.model, data.input_shape, data.num_classes, seed=sub_seed(seed, 0)).to(device)
     dtype = next(model.parameters()).dtype
     dim = K.param_dim(model)
-    # keyed as dpmf train and make_private key them: the same run for the same key
-    sampler = plan.sampler(seed)
+    sampler = plan.sampler(seed)  # as dpmf train: keyed by derive(seed, "sampler")
     noise = plan.noise(dim, seed, device=device, dtype=dtype)
     optimizer = build_optimizer(config, model, log=log, seed=seed)
     common = dict(
@@ -151,14 +137,23 @@ def run_audit(
     )
     if kind == "white-box":
         directions = K.gradient_canaries(
-            dim, m, config.clip_norm, seed=audit_seed(seed, "audit-directions"), device=device, dtype=dtype
+            dim,
+            m,
+            config.clip_norm,
+            seed=seeds.derive_int(seed, "audit-canaries", bits=63),
+            device=device,
+            dtype=dtype,
         )
         privatizer = K.CanaryPrivatizer(model, F.cross_entropy, canaries=directions, **common)
     else:
         from dpmf.optim.privatize import Privatizer
 
         cx, cy = K.input_canaries(
-            data.train_x, data.train_y, m, data.num_classes, seed=audit_seed(seed, "audit-inputs")
+            data.train_x,
+            data.train_y,
+            m,
+            data.num_classes,
+            seed=seeds.derive_int(seed, "audit-canaries", bits=63),
         )
         privatizer = Privatizer(model, F.cross_entropy, **common)
     privatizer.bind(optimizer)
