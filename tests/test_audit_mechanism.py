@@ -214,3 +214,45 @@ def test_likelihood_score_is_stronger_than_the_linear_one_under_poisson():
     lik = M.audit_mechanism(plan, score="likelihood", **kw)
     assert lik.auroc > lin.auroc and lik.epsilon_lower_bound > lin.epsilon_lower_bound
     assert lik.epsilon_lower_bound <= 2.0
+
+
+# -- a threshold fixed by the claim (pre-registered), for the Clopper–Pearson test -----------------
+
+
+def test_claim_threshold_maximises_the_expected_bound_and_keeps_the_level():
+    from scipy import stats as st
+
+    from dpmf.audit import estimators as E
+    from dpmf.audit.mechanism import claim_threshold
+
+    mu, n, delta = 1.0, 5_000, 1e-5
+    tau = claim_threshold(mu, n, n, delta=delta)
+
+    def expected_bound(t):  # brute force at the expected counts, scipy's beta quantiles
+        tp, fp = round(n * st.norm.sf(t - mu)), round(n * st.norm.sf(t))
+        lb = st.beta.ppf(0.025, tp, n - tp + 1)
+        ub = st.beta.ppf(0.975, fp + 1, n - fp)
+        return np.log(lb - delta) - np.log(ub)
+
+    grid = np.linspace(0.5, 4.0, 351)
+    assert expected_bound(tau) >= max(expected_bound(t) for t in grid) - 0.01  # counts are rounded
+    assert 1.5 < tau < 3.5
+    # the claim met exactly (in ~ N(μ, 1), out ~ N(0, 1)): the pre-registered test's bound
+    # exceeds the claimed ε in at most α of 100 draws (binomial test at 0.05)
+    from scipy.optimize import brentq
+
+    def gdp_delta(e):  # δ(ε) of μ-GDP (Dong, Roth & Su 2022, Corollary 2.13)
+        return st.norm.cdf(-e / mu + mu / 2) - np.exp(e) * st.norm.cdf(-e / mu - mu / 2) - delta
+
+    eps_claim = brentq(gdp_delta, 0.01, 20)  # the true ε of the scores' mechanism at δ
+    rng = np.random.default_rng(0)
+    flags = sum(
+        E.epsilon_clopper_pearson(
+            rng.normal(mu, 1, n), rng.normal(0, 1, n), delta=delta, threshold_strategy=E.Explicit(tau)
+        )
+        > eps_claim
+        for _ in range(100)
+    )
+    assert st.binom.sf(flags - 1, 100, 0.05) >= 0.05
+    with pytest.raises(ValueError, match="mu"):
+        claim_threshold(0.0, n, n, delta=delta)

@@ -53,6 +53,7 @@ __all__ = [
     "MechanismAudit",
     "METHODS",
     "audit_mechanism",
+    "claim_threshold",
     "empirical_precision",
     "likelihood_scores",
     "mechanism_scores",
@@ -373,3 +374,45 @@ def audit_mechanism(
         in_scores=ins,
         out_scores=outs,
     )
+
+
+def claim_threshold(
+    mu: float, n_in: int, n_out: int, *, delta: float, significance: float = 0.05, grid: int = 1401
+) -> float:
+    """The threshold τ that a Clopper–Pearson test of a μ-GDP claim should use, fixed before
+    any score is seen (``estimators.Explicit(τ)``, no multiplicity correction).
+
+    For scores in noise units ("out" ~ N(0, 1), "in" ~ N(μ, 1) when the claim is exactly
+    met: the linear score of the mechanism audit with public batches), τ maximises the
+    Clopper–Pearson bound log((TPR_lb − δ)/FPR_ub) evaluated at the expected counts
+    n_in·Φ̄(τ − μ) and n_out·Φ̄(τ), over ``grid`` points of [0, μ + 8]. τ depends only on the
+    claim and the numbers of canaries, so the test at τ keeps its level whatever the scores
+    (a pre-registered threshold); if the claim is wrong the threshold is merely not optimal.
+
+    Args:
+        mu: the claimed μ > 0 (``mechanism_scores``' third output).
+        n_in, n_out: the numbers of "in" and "out" canaries (≥ 1).
+        delta: δ of the claim; significance: α in (0, 0.5).
+
+    Returns:
+        τ (float).
+
+    Raises:
+        ValueError: μ ≤ 0, counts < 1, δ outside [0, 1), α outside (0, 0.5).
+    """
+    import scipy.stats
+
+    mu = check_real("mu", mu, low=0.0, low_inclusive=False)
+    n_in, n_out = check_int("n_in", n_in, minimum=1), check_int("n_out", n_out, minimum=1)
+    delta = check_real("delta", delta, low=0.0, high=1.0, high_inclusive=False)
+    alpha = check_real(
+        "significance", significance, low=0.0, high=0.5, low_inclusive=False, high_inclusive=False
+    )
+    tau = np.linspace(0.0, mu + 8.0, int(grid))
+    tp = np.rint(n_in * scipy.stats.norm.sf(tau - mu))
+    fp = np.rint(n_out * scipy.stats.norm.sf(tau))
+    tpr_lb = np.where(tp > 0, scipy.stats.beta.ppf(alpha / 2, np.maximum(tp, 1), n_in - tp + 1), 0.0)
+    fpr_ub = np.where(fp < n_out, scipy.stats.beta.ppf(1 - alpha / 2, fp + 1, np.maximum(n_out - fp, 1)), 1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        value = np.where(tpr_lb > delta, np.log(np.maximum(tpr_lb - delta, 1e-300)) - np.log(fpr_ub), -np.inf)
+    return float(tau[int(np.argmax(value))])

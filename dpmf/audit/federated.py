@@ -1,0 +1,291 @@
+"""Canaries in ``dpmf fl``: canary clients in client mode, canary records in record mode.
+
+``audit_fl_records`` (record mode): white-box canary records in the first participant's
+private run (its data gets m canary slots; its private step is that of
+``dpmf.audit.private_audit``), scored from every local step's noisy gradient against that
+client's record-level ε. Aggregator mode has no canaries here.
+
+``audit_fl_clients`` (client mode), a one-run ε lower bound for client-level DP:
+
+Client mode releases, each round r, the FedAvg mean of the K participants' clipped updates plus
+one Gaussian vector: θ_r − θ_{r−1} = (Σ_k clip_ζ(Δ_k) + σ_c·ζ·sens·(C⁻¹Z)_r)/K
+(``dpmf.federated.local.ClientLevelNoise``; every client in every round). A canary client j
+is a client whose update is a fixed direction u_j of norm ζ (the clip norm: a worst-case
+update the clipping lets through) in every round, "in" with probability ½. The "in" canaries'
+updates join the sum of clipped updates before the noise, and the divisor stays the public K
+(the canary clients join no other part of the run: no data, no training), so the release is
+that of the same mechanism on K + |in| clients, whose ε (the ledger's client entry) does not
+depend on the number of clients.
+
+The auditor sees every round's global model: S_r = K·(θ_r − θ_{r−1}) is the noisy sum, y_rj =
+⟨S_r, u_j⟩/ζ its projection, and score_j = ⟨P1, y_j⟩/√(1ᵀP1), P = CᵀC/(σ_cζ·sens)² (the
+whitened sum of the projections over the R rounds; for independent noise the sum divided by
+σ_c·ζ·√R). Only FedAvg releases the mean itself, so only ``strategy="fedavg"`` is audited.
+
+The canaries are injected for the duration of ``audit_fl_clients`` by a subclass of
+``ClientLevelNoise`` (its ``next`` adds the "in" canaries' sum to the round's noise vector,
+which ``dpmf fl`` adds to the sum before dividing by K) and the rounds' models are read where
+the server evaluates them; ``dpmf fl`` itself has no canary option.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import numpy as np
+import torch
+
+__all__ = ["audit_fl_clients", "audit_fl_records"]
+
+
+@contextlib.contextmanager
+def _canary_hooks(state: dict):
+    from dpmf.federated import local, run
+
+    base = local.ClientLevelNoise
+
+    class CanaryClientNoise(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            state["noise"] = self
+            state["rounds"] = int(args[1])
+            state["factorization"] = kwargs.get("factorization", "identity")
+            dim, m = int(kwargs["dim"]), state["count"]
+            g = np.random.default_rng(state["directions_seed"])
+            u = g.standard_normal((m, dim))
+            self.canaries = u / np.linalg.norm(u, axis=1, keepdims=True) * self.clip_norm
+            self.canary_sum = self.canaries[state["included"]].sum(axis=0)
+
+        def next(self):
+            return super().next() + self.canary_sum
+
+    evaluate = run._Server._evaluate
+
+    def recording_evaluate(self, weights):
+        state.setdefault("models", []).append(
+            np.concatenate([np.asarray(v, dtype=np.float64).reshape(-1) for v in weights.values()])
+        )
+        state["participants"] = len(self.idx)
+        return evaluate(self, weights)
+
+    local.ClientLevelNoise = CanaryClientNoise
+    run._Server._evaluate = recording_evaluate
+    try:
+        yield
+    finally:
+        local.ClientLevelNoise = base
+        run._Server._evaluate = evaluate
+
+
+def audit_fl_clients(
+    config,
+    *,
+    canaries: int = 1000,
+    method: str = "one-run",
+    significance: float = 0.05,
+    compliance=None,
+    data=None,
+    log=print,
+) -> dict:
+    """Run ``dpmf fl`` in client mode with ``canaries`` canary clients and audit it.
+
+    Args:
+        config: a ``dpmf.federated.FLConfig`` with ``privacy="client"``, ``strategy="fedavg"``.
+        canaries: m ≥ 10 canary clients (each "in" with probability ½).
+        method, significance: the estimator (``dpmf.audit.runner.METHODS``) and α.
+        compliance, data, log: as ``run_federated``.
+
+    Returns:
+        dict: ``claimed`` (the ledger's client ε, δ), ``epsilon_lower_bound``, ``tightness``,
+        ``auroc``, ``scores`` (shape (m,)), ``included`` (shape (m,), boolean).
+
+    Raises:
+        ValueError: another privacy mode or strategy, canaries < 10, a bad method or
+            significance (before any work).
+
+    Source: Steinke, Nasr & Jagielski (NeurIPS 2023) §6, with client-level canaries as in
+    Andrew et al., "One-shot Empirical Privacy Estimation for Federated Learning" (ICLR 2024).
+    """
+    from dpmf import seeds
+    from dpmf.audit import estimators as E
+    from dpmf.audit.runner import check_audit_args, estimate
+    from dpmf.federated.run import FLConfig, run_federated
+    from dpmf.mechanisms import factorize
+    from dpmf.workloads import prefix_sum
+
+    if not isinstance(config, FLConfig):
+        raise TypeError(f"config={config!r} is invalid: must be a dpmf.federated.FLConfig")
+    if config.privacy != "client":
+        raise ValueError(f"privacy={config.privacy!r} is invalid for the canary-client audit: use client")
+    if config.strategy != "fedavg":
+        raise ValueError(
+            f"strategy={config.strategy!r} is invalid for the canary-client audit: only fedavg releases "
+            "the mean of the updates; use fedavg"
+        )
+    m, _, method, sig = check_audit_args(canaries, "white-box", method, significance)
+    # the audit's own draws: from the given seed, else fresh (they are not the run's secret key)
+    key = config.seed if config.seed is not None else seeds.SeedPolicy.of(None).key
+    state = {
+        "count": m,
+        "included": seeds.generator(key, "audit-included").random(m) < 0.5,
+        "directions_seed": seeds.derive_int(key, "audit-canaries", bits=63),
+    }
+    with _canary_hooks(state):
+        result = run_federated(config, compliance=compliance, data=data, log=log)
+    noise, K, R = state["noise"], state["participants"], state["rounds"]
+    models = np.stack(state["models"])  # round 0 … R
+    sums = K * np.diff(models, axis=0)  # (R, d): the noisy sums of clipped updates
+    y = sums @ (noise.canaries / noise.clip_norm).T  # (R, m)
+    spec = state["factorization"]
+    C = factorize(prefix_sum(R), spec if spec != "identity" else "identity").C.dense()
+    P = C.T @ C / noise.std_on_sum**2
+    one = np.ones(R)
+    Pw = P @ one
+    scores = (Pw @ y) / math.sqrt(float(one @ Pw))
+    inc = state["included"]
+    ins, outs = scores[inc], scores[~inc]
+    entry = next(e for e in result.ledger if e.mode == "client")
+    claimed = float(entry.epsilon)
+    eps_lb = estimate(method, ins, outs, delta=float(entry.delta), significance=sig)
+    return {
+        "claimed": {"epsilon": claimed, "delta": float(entry.delta)},
+        "epsilon_lower_bound": eps_lb,
+        "method": method,
+        "significance": sig,
+        "tightness": eps_lb / claimed if claimed > 0 else math.inf,
+        "exceeds_claim": bool(eps_lb > claimed),
+        "auroc": E.attack_auroc(ins, outs),
+        "canaries": {"count": m, "kind": "client", "in": int(ins.size), "out": int(outs.size)},
+        "scores": scores,
+        "included": inc,
+    }
+
+
+@contextlib.contextmanager
+def _record_hooks(state: dict):
+    from dpmf.audit.private_audit import _audited_class
+    from dpmf.federated import local
+
+    base = local.PrivateLocalRun
+
+    class CanaryLocalRun(base):
+        def __init__(self, x, y, model, **kwargs):
+            audited = "run" not in state  # the first participant's run
+            if audited:
+                m, n = state["count"], int(y.shape[0])
+                fill = np.arange(m) % n  # placeholder rows: the canary slots N_k … N_k + m − 1
+                x, y = np.concatenate([x, x[fill]]), np.concatenate([y, y[fill]])
+            super().__init__(x, y, model, **kwargs)
+            if not audited:
+                return
+            state["run"], state["real"] = self, n
+            dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            g = np.random.default_rng(state["directions_seed"])
+            u = g.standard_normal((state["count"], dim))
+            u = u / np.linalg.norm(u, axis=1, keepdims=True) * self.privatizer.clip_norm
+            p0 = next(p for p in model.parameters() if p.requires_grad)
+            directions = torch.as_tensor(u, dtype=p0.dtype)
+            draws: dict = {}
+            sampler, draw = self.sampler, self.sampler.next
+
+            def recording_next():
+                t = int(sampler.step)
+                idx = draw()
+                draws[t] = np.asarray(idx, dtype=np.int64).copy()
+                return idx
+
+            sampler.next = recording_next
+            pv = self.privatizer
+            pv.__class__ = _audited_class(type(pv))
+            pv._canary_setup(directions, state["included"], n, draws, 0, 1)
+
+    local.PrivateLocalRun = CanaryLocalRun
+    try:
+        yield
+    finally:
+        local.PrivateLocalRun = base
+
+
+def audit_fl_records(
+    config,
+    *,
+    canaries: int = 1000,
+    method: str = "one-run",
+    significance: float = 0.05,
+    compliance=None,
+    data=None,
+    log=print,
+) -> dict:
+    """Run ``dpmf fl`` in record mode with ``canaries`` white-box canary records in the first
+    participant's private run, and audit that client's record-level ε.
+
+    The client's data gets m canary slots (its run, sampler and accounting are over N_k + m
+    records; the claimed ε is that run's); its private step removes the slot rows and adds the
+    "in" canaries (``dpmf.audit.private_audit``'s step); the auditor sees every local step's
+    noisy gradient (white box; the updates the client sends are post-processing of them).
+    Scored by the scheme's likelihood ratio as ``dpmf audit``.
+
+    Returns:
+        dict: ``claimed``, ``epsilon_lower_bound``, ``tightness``, ``auroc``, ``scores``,
+        ``included``.
+
+    Raises:
+        ValueError: another privacy mode, canaries < 10, a bad method or significance (before
+            any work).
+    """
+    from dpmf import seeds
+    from dpmf.audit import estimators as E
+    from dpmf.audit.mechanism import _possible_steps, likelihood_scores, precision_matrix
+    from dpmf.audit.runner import check_audit_args, estimate
+    from dpmf.federated.run import FLConfig, run_federated
+    from dpmf.plan.plan import PrivatePlan
+
+    if not isinstance(config, FLConfig):
+        raise TypeError(f"config={config!r} is invalid: must be a dpmf.federated.FLConfig")
+    if config.privacy != "record":
+        raise ValueError(f"privacy={config.privacy!r} is invalid for the canary-record audit: use record")
+    m, _, method, sig = check_audit_args(canaries, "white-box", method, significance)
+    key = config.seed if config.seed is not None else seeds.SeedPolicy.of(None).key
+    state = {
+        "count": m,
+        "included": seeds.generator(key, "audit-included").random(m) < 0.5,
+        "directions_seed": seeds.derive_int(key, "audit-canaries", bits=63),
+    }
+    with _record_hooks(state):
+        run_federated(config, compliance=compliance, data=data, log=log)
+    run, n = state["run"], state["real"]
+    pv = run.privatizer
+    steps = len(pv.projections)
+    total = n + m
+    plan = PrivatePlan(
+        total,
+        run.config.batch_size,
+        steps=steps,
+        scheme=run.config.scheme,
+        strategy=run.config.factorization,
+    ).with_noise(pv.noise_multiplier)
+    if abs(plan.sensitivity - pv.sensitivity) > 1e-9 * pv.sensitivity:
+        raise RuntimeError("the record run's sensitivity is not its plan's: the audit cannot score it")
+    participation = np.zeros((steps, total), dtype=bool)
+    for t, slots in pv.canary_steps.items():
+        participation[t, n + slots] = True
+    possible = _possible_steps(plan, run.sampler, participation)[:, n:]
+    P = precision_matrix(plan, plan.noise_std(pv.clip_norm))
+    scores = likelihood_scores(plan, run.sampler, np.stack(pv.projections), possible, pv.clip_norm, P)
+    inc = state["included"]
+    ins, outs = scores[inc], scores[~inc]
+    claimed = float(run.privacy.epsilon)
+    eps_lb = estimate(method, ins, outs, delta=config.delta, significance=sig)
+    return {
+        "claimed": {"epsilon": claimed, "delta": float(config.delta)},
+        "epsilon_lower_bound": eps_lb,
+        "method": method,
+        "significance": sig,
+        "tightness": eps_lb / claimed if claimed > 0 else math.inf,
+        "exceeds_claim": bool(eps_lb > claimed),
+        "auroc": E.attack_auroc(ins, outs),
+        "canaries": {"count": m, "kind": "record", "in": int(ins.size), "out": int(outs.size)},
+        "scores": scores,
+        "included": inc,
+    }
