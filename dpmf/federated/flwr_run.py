@@ -77,9 +77,7 @@ def run_app(config, num_nodes: int, *, timeout: float = 3600.0, log=print):
         ]  # fmt: skip
         (app_dir / "pyproject.toml").write_text("\n".join(lines))
         flwr = Path(sys.executable).with_name("flwr")
-        import dpmf
-
-        root = str(Path(dpmf.__file__).resolve().parents[1])
+        root = str(Path(__file__).resolve().parents[2])  # the folder that holds the dpmf package
         env = {**os.environ, "HOME": tmp,
                "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
                "PATH": os.pathsep.join([str(flwr.parent), os.environ.get("PATH", "")])}  # fmt: skip
