@@ -16,8 +16,11 @@ def audited(seed, *, canaries=200, dtype=torch.float64, process_group=None, **kw
     """``audit_make_private`` on a linear model (32 → 4) over 300 random examples."""
     from dpmf.audit.private_audit import audit_make_private
 
-    torch.manual_seed(0)
     model = nn.Linear(32, 4).to(dtype)
+    g = torch.Generator().manual_seed(0)  # not torch's global generator: ranks run as threads
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(0.1 * torch.randn(p.shape, generator=g, dtype=dtype))
     x, y = tiny_data(dtype=dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     args = dict(

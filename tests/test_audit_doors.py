@@ -128,7 +128,7 @@ def test_make_private_audit_removes_the_canary_slots_and_adds_the_in_canaries():
 
     audit = audited(3, target_epsilon=None, noise_multiplier=SIGMA)
     run, pv = audit.private, audit.private.privatizer
-    noise = run.plan.noise(pv.noise.dim, 3, dtype=torch.float64)
+    noise = run.plan.noise(pv.noise.dim, 3, dtype=torch.float64, keys=pv.noise.keys)  # the run's keying
     x, y = run.data_loader.dataset.dataset.tensors
     ref = torch.nn.Linear(32, 4).to(torch.float64)
     ref.load_state_dict(run.model.state_dict())

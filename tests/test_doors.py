@@ -245,8 +245,12 @@ def _data():
 
 
 def _mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(D, 8), nn.Tanh(), nn.Linear(8, K))
+    model = nn.Sequential(nn.Linear(D, 8), nn.Tanh(), nn.Linear(8, K))
+    g = torch.Generator().manual_seed(0)  # not torch's global generator: simulated ranks are threads
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return model
 
 
 def _make(model=None, *, seed=None, comm=None, data=None):

@@ -86,8 +86,11 @@ def test_two_simulated_processes_take_the_one_process_step():
     plan = _plan()
     one = _run(plan.private_step(_model(), F.cross_entropy, clip_norm=0.7, seed=5))
 
+    models = [_model(), _model()]  # built here: torch's global generator is not for threads
+
     def rank(comm):
-        step = plan.private_step(_model(), F.cross_entropy, clip_norm=0.7, seed=5, process_group=comm)
+        model = models[comm.rank]
+        step = plan.private_step(model, F.cross_entropy, clip_norm=0.7, seed=5, process_group=comm)
         assert step.collectives is comm
         out = []
         for _ in range(4):

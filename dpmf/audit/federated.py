@@ -239,7 +239,6 @@ def audit_fl_records(
     from dpmf.audit.mechanism import _possible_steps, likelihood_scores, precision_matrix
     from dpmf.audit.runner import check_audit_args, estimate
     from dpmf.federated.run import FLConfig, run_federated
-    from dpmf.plan.plan import PrivatePlan
 
     if not isinstance(config, FLConfig):
         raise TypeError(f"config={config!r} is invalid: must be a dpmf.federated.FLConfig")
@@ -258,13 +257,9 @@ def audit_fl_records(
     pv = run.privatizer
     steps = len(pv.projections)
     total = n + m
-    plan = PrivatePlan(
-        total,
-        run.config.batch_size,
-        steps=steps,
-        scheme=run.config.scheme,
-        strategy=run.config.factorization,
-    ).with_noise(pv.noise_multiplier)
+    plan = pv.plan.replace(steps=steps, noise_multiplier=pv.noise_multiplier)  # N + m examples
+    if plan.dataset_size != total:
+        raise RuntimeError("the record run's plan does not cover its canary slots: the audit cannot score it")
     if abs(plan.sensitivity - pv.sensitivity) > 1e-9 * pv.sensitivity:
         raise RuntimeError("the record run's sensitivity is not its plan's: the audit cannot score it")
     participation = np.zeros((steps, total), dtype=bool)

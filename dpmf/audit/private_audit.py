@@ -84,13 +84,16 @@ class _CanaryStep:
         self.projections: list[np.ndarray] = []
         self.canary_steps: dict[int, np.ndarray] = {}  # step → the canary slots drawn
 
-    def privatize(self, inputs, targets, *, example_ids=None, points=None):
+    def privatize(self, inputs, targets, *, example_ids=None, points=None, handed_out=None):
         from dpmf.distributed.sharding import rank_slice
 
         t = self.noise.step
         drawn = self.drawn
         if drawn is not None:  # the usual check, on the batch as the loader yielded it
-            drawn.check(t, inputs, targets, example_ids)
+            if handed_out is None:
+                drawn.check(t, inputs, targets, example_ids)
+            else:
+                drawn.check(t, handed_out, None, example_ids)
         glob = self._draws.get(t)
         if glob is None:
             raise RuntimeError(

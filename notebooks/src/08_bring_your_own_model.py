@@ -131,12 +131,12 @@ own = dpmf.make_private(
     loss_fn=F.cross_entropy, batch_size=BATCH, epochs=2, target_epsilon=EPSILON, target_delta=DELTA,
     factorization="bsr:4", scheme="cyclic_poisson", schedule=Schedule("exponential", 0.1), seed=SEED,
 )
-for epoch in range(2):
+for _epoch in range(2):
     for x, y in own.data_loader:
         own.backward(x, target=y)
         own.optimizer.step()
         own.optimizer.zero_grad()
-diff = max((a - b).abs().max().item() for a, b in zip(reference.model.parameters(), mlp.parameters()))
+diff = max((a - b).abs().max().item() for a, b in zip(reference.model.parameters(), mlp.parameters(), strict=True))
 print(f"dpmf train: ε = {reference.privacy.epsilon:.6f}, test accuracy {100 * reference.test_accuracy:.2f} %")
 print(f"own loop:   ε = {own.get_epsilon():.6f}; largest weight difference {diff:.1e}")
 assert diff == 0.0
