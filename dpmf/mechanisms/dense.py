@@ -14,7 +14,8 @@ participation      constraints on X
 =================  =====================================================================
 single             X_ii ≤ 1 (the squared column norms of C)
 fixed_epochs(b,k)  Σ_{i∈s} X_ii ≤ 1 and X_ij = 0 (i ≠ j) within each class s = {s, s+b, …}
-min_sep(b,k)       uᵀ X_π u ≤ 1 for every admissible set π (|π| ≤ k, gaps ≥ b), u ∈ {±1}^π
+min_sep(b,k)       uᵀ X_π u ≤ 1 for every admissible set π (|π| ≤ k, gaps ≥ b), u ∈ {±1}^π,
+                   then normalized by the vector sensitivity (below)
 =================  =====================================================================
 
 The fixed_epochs constraints are those of Choquette-Choo et al., "Multi-Epoch Matrix
@@ -24,9 +25,15 @@ optimum equals that of the class-sum constraint Σ_{i,j∈s} |X_ij| ≤ 1 (the b
 ``dpmf.mechanisms.sensitivity``): the dual of both is max over Λ ≻ 0 supported on the class
 blocks; the class-sum dual asks |Λ_ij| ≤ t_s, Λ_ii ≤ t_s, the orthogonal one Λ_ii = v_s, and a
 positive definite Λ with equal diagonal within a block already has |Λ_ij| ≤ v_s, while raising
-a diagonal entry to t_s only increases the dual objective. The min_sep constraints are the exact
-b-min-sep sensitivity (Choquette-Choo et al., eq. 3 and Theorem 2.1), enforced by cutting planes
-found by exhaustive search (small n only, like ``sensitivity``'s exact search).
+a diagonal entry to t_s only increases the dual objective. The min_sep constraints are the
+b-min-sep sensitivity for scalar gradients (Choquette-Choo et al., eq. 3 and Theorem 2.1; sign
+vectors u), enforced by cutting planes found by exhaustive search (small n only). For vector
+gradients the sensitivity is the larger max over correlation matrices Y of ⟨X_π, Y⟩ (see
+``dpmf.mechanisms.sensitivity``), so the sign planes are a relaxation: the dual value stays a
+lower bound on the error of every strategy feasible for vector gradients, and the returned
+strategy is normalized by ``sensitivity`` (exact, or a certified upper bound), so it is feasible
+for vector gradients and ``gap`` measures exactly what the relaxation lost (nothing when the
+optimum of the sign planes needs no more than signs).
 
 Solver (Denisov, McMahan, Rush, Smith, Thakurta, "Improved Differential Privacy for SGD via
 Optimal Private Linear Operators on Adaptive Streams", NeurIPS 2022, Sec. 4; the multi-epoch
@@ -98,7 +105,8 @@ class DenseResult:
 
     Attributes:
         factorization: the ``Factorization`` (name ``dense``; C and C⁻¹ dense lower-triangular,
-            B = A·C⁻¹ stored explicitly), normalized so that sens(C) = 1 exactly.
+            B = A·C⁻¹ stored explicitly), normalized so that sens(C) = 1 (≤ 1 when only a bound is
+            known: the reported sensitivity is then that bound, 1).
         objective: ``mean_se`` or ``max_se``, the error that was minimized.
         value: that error of ``factorization`` (unsquared, sens included).
         lower_bound: a certified lower bound on that error for every dense strategy under the
@@ -887,7 +895,8 @@ def _warm_start_dual(warm_start, cons: _Constraints, n: int):
 
 def _build_factorization(workload, pt, cons, kind, participation, b):
     """Normalize X to be exactly feasible, factor it (C = reverse Cholesky, C⁻¹ and
-    B = A·C⁻¹ dense) and return the Factorization with its exact sensitivity."""
+    B = A·C⁻¹ dense) and return the Factorization with its sensitivity (exact, or the
+    certified upper bound of ``sensitivity`` for vector gradients: C/s is then feasible)."""
     X = _primal(pt)
     n = X.shape[0]
     if kind == "single":
