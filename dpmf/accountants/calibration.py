@@ -34,6 +34,7 @@ from dpmf._validation import check_choice, check_int, check_real
 from dpmf.accountants.allocation import AllocationPLDAccountant
 from dpmf.accountants.events import ComposedEvent, GaussianEvent, PoissonGaussianEvent, flatten
 from dpmf.accountants.gaussian import gaussian_mu
+from dpmf._memory import MemoryLimitError
 from dpmf.accountants.library import NoiseTooSmallError, PLDAccountant, PRVAccountant, RDPAccountant
 from dpmf.accountants.montecarlo import (
     MonteCarloAccountant,
@@ -177,7 +178,7 @@ def _smallest_feasible(eps_of: Callable[[float], float], target: float, sigma0: 
         s = math.exp(x)
         try:
             e = eps_of(s)
-        except NoiseTooSmallError:  # below what the accountant can measure: treat as infeasible
+        except (NoiseTooSmallError, MemoryLimitError):  # σ the accountant cannot measure: infeasible
             return 1e6
         evaluated[s] = e
         return (min(e, 1e6) - target) if math.isfinite(e) else 1e6
@@ -248,7 +249,7 @@ def _calibrate_library(name: str, event1, epsilon: float, delta: float, rtol: fl
     def fine_or_none(sigma):  # None where the fine grid cannot measure σ (too little noise)
         try:
             return fine.epsilon(rescaled(event1, sigma), delta)
-        except NoiseTooSmallError:
+        except (NoiseTooSmallError, MemoryLimitError):
             return None
 
     meas = fine_or_none(s)

@@ -37,6 +37,7 @@ from dp_accounting import rdp as _rdp
 
 from dpmf._validation import check_real
 from dpmf.accountants.events import GaussianEvent, PoissonGaussianEvent, flatten
+from dpmf.accountants.memory import check_pld_memory
 from dpmf.accountants.gaussian import EXACT_MAX_MU, gaussian_delta, gaussian_epsilon
 from dpmf.accountants.result import Measurement
 
@@ -203,6 +204,7 @@ class PLDAccountant(_LibraryAccountant):
     def _accountant(self, events):
         _check_representable(events, self.name)
         _check_discretizable(events, self.name)
+        check_pld_memory(events, self.value_discretization_interval)
         acc = _pld.PLDAccountant(value_discretization_interval=self.value_discretization_interval)
         acc.compose(_dp_event(events))
         return acc

@@ -79,6 +79,7 @@ from scipy import sparse
 from scipy.linalg import LinAlgError, cholesky, eigh, solve_triangular, svd
 from scipy.sparse.linalg import LinearOperator, cg
 
+from dpmf._memory import check_memory
 from dpmf._validation import check_choice, check_int, check_real
 from dpmf.mechanisms.factorizations import Factorization
 from dpmf.mechanisms.participation import Participation
@@ -665,6 +666,12 @@ def optimize_dense(
                 f"{count:.3g} admissible (set, sign) pairs exceed search_limit={search_limit}; "
                 "use fixed_epochs, a smaller n, or a larger search_limit"
             )
+    check_memory(
+        f"the dense strategy at n={n} under {participation.label}",
+        _dense_bytes(kind, n, b, k),
+        "use a smaller n, fewer participations (max_participations), min_sep participation, or "
+        "a banded/BLT strategy (O(n) memory)",
+    )
     cons = _constraints_for(kind, n, b, k)
     y0 = _warm_start_dual(warm_start, cons, n)
     with _blas_threads(blas_threads if blas_threads is not None else (1 if n <= 256 else None)):
@@ -698,6 +705,21 @@ def optimize_dense(
         dual=run.point.y.copy(),
         weights=weights,
     )
+
+
+def _dense_bytes(kind: str, n: int, b: int, k: int) -> float:
+    """Estimated peak bytes of ``optimize_dense``: about 12 dense n×n arrays (X, W, L, E, the
+    Hessian products) plus 3 dense (atoms × n) arrays (the rows r_l = w_lᵀE, their squares and
+    products). Atoms: n for single; for fixed_epochs n plus 2 per pair of columns of a class;
+    for min_sep the singletons, the evenly spaced sets and up to ``_CUTS_PER_ROUND``·n planes."""
+    if kind == "fixed_epochs":
+        sizes = np.bincount(np.arange(n) % b)
+        atoms = n + float(np.sum(sizes * (sizes - 1)))  # 2·C(size, 2) per class
+    elif kind == "min_sep":
+        atoms = (2 + _CUTS_PER_ROUND) * n
+    else:
+        atoms = n
+    return 8.0 * (12.0 * n * n + 3.0 * atoms * n)
 
 
 def _constraints_for(kind: str, n: int, b: int, k: int) -> _Constraints:
