@@ -70,6 +70,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dpmf._memory import check_memory
 from dpmf._validation import check_int
 from dpmf.mechanisms.participation import Participation
 from dpmf.mechanisms.structured import LowerTriangular, ScaledToeplitz, as_structured
@@ -154,6 +155,12 @@ def sensitivity(
     if participation.kind == "single" or k == 1:
         return _exact(np.max(C.column_norms()), "column_norm")
     if participation.kind == "fixed_epochs":
+        kk = min(k, -(-n // b))
+        check_memory(
+            f"the fixed_epochs sensitivity at n={n}, b={b}, k={k}",
+            8.0 * 3 * min(b, n) * kk * kk,  # the class Grams, (classes, k, k), and their copies
+            "use fewer epochs (smaller k) or fewer steps",
+        )
         return _fixed_epochs(C, b, k)
     if _closed_form_applies(C):
         return _exact(_closed_form(C.coeffs, C.cols(), b, k), "toeplitz_closed_form")
