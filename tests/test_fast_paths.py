@@ -50,9 +50,13 @@ def test_toeplitz_fixed_epochs_sensitivity_is_the_exhaustive_maximum(n, b, k, sc
         part = Participation.fixed_epochs(b, k)
         fast = sensitivity(C, part)
         generic = sensitivity(DenseLowerTriangular(C.dense()), part)
-        assert fast.exact and fast.method == generic.method
-        assert fast.value == pytest.approx(_brute_fixed_epochs(C.dense(), b, k), rel=1e-12)
-        assert fast.value == pytest.approx(generic.value, rel=1e-13)
+        assert fast.exact == generic.exact and fast.method == generic.method
+        ref = _brute_fixed_epochs(C.dense(), b, k)
+        if fast.exact:  # CᵀC ≥ 0 within every class, or classes of at most 2 columns
+            assert fast.value == pytest.approx(ref, rel=1e-12)
+        else:  # signs only bound the vector sensitivity from below: a certified bound above it
+            assert fast.value >= fast.lower_bound >= ref * (1 - 1e-12)
+        assert fast.value == pytest.approx(generic.value, rel=1e-9)
 
 
 @pytest.mark.parametrize("n,p", [(1, 1), (40, 1), (40, 5), (300, 17)])

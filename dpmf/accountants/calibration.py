@@ -23,6 +23,7 @@ Algorithms:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable
 
@@ -32,7 +33,8 @@ from scipy.optimize import brentq
 from dpmf._validation import check_int, check_real
 from dpmf.accountants.events import ComposedEvent, GaussianEvent, PoissonGaussianEvent, flatten
 from dpmf.accountants.gaussian import gaussian_mu
-from dpmf.accountants.library import NoiseTooSmallError, PLDAccountant
+from dpmf._memory import MemoryLimitError
+from dpmf.accountants.library import NoiseTooSmallError, PLDAccountant, PRVAccountant, RDPAccountant
 from dpmf.accountants.montecarlo import (
     certified_delta,
     check_confidence,
@@ -52,9 +54,32 @@ __all__ = [
 ]
 
 
-def check_delta(delta) -> float:
-    """δ in (0, 1); raises ValueError naming it otherwise."""
-    return check_real("delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
+def check_delta(delta, dataset_size: int | None = None) -> float:
+    """δ in (0, 1); raises ValueError naming it otherwise.
+
+    With ``dataset_size`` N, δ ≥ 1/N is accepted (ε at such δ is well defined, e.g. for δ(ε)
+    curves) but is not a meaningful guarantee — a mechanism that publishes one random example
+    in full is (0, 1/N)-DP — so one warning line goes to the ``dpmf`` logger (stderr when
+    logging is not configured), once per (δ, N) in a process. The field's convention, as in
+    Opacus, is δ ≪ 1/N.
+    """
+    delta = check_real("delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
+    if dataset_size is not None and delta * dataset_size >= 1.0:
+        key = (delta, int(dataset_size))
+        if key not in _WARNED_DELTAS:
+            _WARNED_DELTAS.add(key)
+            logging.getLogger("dpmf").warning(
+                "warning: delta=%g >= 1/N = %.3g (N=%d): (epsilon, delta) at such delta is not a "
+                "meaningful privacy guarantee; use delta << 1/N, e.g. %.1g",
+                delta,
+                1.0 / dataset_size,
+                dataset_size,
+                min(1e-5, 0.1 / dataset_size),
+            )
+    return delta
+
+
+_WARNED_DELTAS: set = set()
 
 
 def check_monte_carlo(samples, seed, confidence):
@@ -133,7 +158,7 @@ def _smallest_feasible(eps_of: Callable[[float], float], target: float, sigma0: 
         s = math.exp(x)
         try:
             e = eps_of(s)
-        except NoiseTooSmallError:  # below what the accountant can measure: treat as infeasible
+        except (NoiseTooSmallError, MemoryLimitError):  # σ the accountant cannot measure: infeasible
             return 1e6
         evaluated[s] = e
         return (min(e, 1e6) - target) if math.isfinite(e) else 1e6
@@ -200,12 +225,24 @@ def _calibrate_library(name: str, event1, epsilon: float, delta: float, rtol: fl
     )
     slope = _log_slope(ev, sigma_c)
     s = sigma_c
-    meas = fine.epsilon(rescaled(event1, s), delta)
+
+    def fine_or_none(sigma):  # None where the fine grid cannot measure σ (too little noise)
+        try:
+            return fine.epsilon(rescaled(event1, sigma), delta)
+        except (NoiseTooSmallError, MemoryLimitError):
+            return None
+
+    meas = fine_or_none(s)
     evals = 1
-    while meas.epsilon > epsilon:  # the coarse grid was not more pessimistic here: step up
-        s *= 1.0 + rtol
-        meas = fine.epsilon(rescaled(event1, s), delta)
+    while meas is None or meas.epsilon > epsilon:  # the coarse grid was not more pessimistic
+        s *= 1.0 + rtol  # here: step up
+        meas = fine_or_none(s)
         evals += 1
+        if evals > 10_000:
+            raise ValueError(
+                f"epsilon={epsilon:g} is invalid for the pld accountant: no noise multiplier near "
+                f"{sigma_c:g} is measured on its grid; use accountant='rdp'"
+            )
     best, best_meas = s, meas
     for _ in range(3):  # secant steps towards the target, rtol/4 on the safe side
         if slope <= 0:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 
 import dp_accounting
 from dp_accounting import pld as _pld
@@ -36,6 +37,7 @@ from dp_accounting import rdp as _rdp
 
 from dpmf._validation import check_real
 from dpmf.accountants.events import GaussianEvent, PoissonGaussianEvent, flatten
+from dpmf.accountants.memory import check_pld_memory
 from dpmf.accountants.gaussian import EXACT_MAX_MU, gaussian_delta, gaussian_epsilon
 from dpmf.accountants.result import Measurement
 
@@ -202,6 +204,7 @@ class PLDAccountant(_LibraryAccountant):
     def _accountant(self, events):
         _check_representable(events, self.name)
         _check_discretizable(events, self.name)
+        check_pld_memory(events, self.value_discretization_interval)
         acc = _pld.PLDAccountant(value_discretization_interval=self.value_discretization_interval)
         acc.compose(_dp_event(events))
         return acc
@@ -214,11 +217,23 @@ class PLDAccountant(_LibraryAccountant):
         if mu is not None:
             return self._analytic(mu, delta=delta)
         acc = self._accountant(events)
-        eps = float(acc.get_epsilon(delta))
+        with warnings.catch_warnings():  # an overflow inside dp-accounting means ε = inf: handled below
+            warnings.simplefilter("ignore", RuntimeWarning)
+            eps = float(acc.get_epsilon(delta))
         if math.isinf(eps):
             # a subsampled Gaussian's ε is finite at every δ > 0: inf is the discretization's
             # mass at infinity, not the privacy of the run
             floor = float(acc.get_delta(1e6))
+            if not floor > delta:
+                # δ is resolved; ε itself is beyond the grid (its privacy loss overflows)
+                sigmas = ", ".join(f"{e.noise_multiplier:g}" for e in events)
+                raise NoiseTooSmallError(
+                    f"noise_multiplier={sigmas} (per step, after normalization) is too small for "
+                    f"the pld accountant at delta={delta:g}: the run's epsilon is beyond what its "
+                    "grid resolves (the privacy loss overflows), i.e. there is essentially no "
+                    "privacy; use a larger noise multiplier (a smaller epsilon target), or "
+                    "accountant='rdp'"
+                )
             raise DeltaTooSmallError(
                 f"delta={delta:g} is invalid for the pld accountant: it cannot resolve a delta "
                 f"below about {floor:.2g} (its pessimistic discretization leaves that much "

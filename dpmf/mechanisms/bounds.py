@@ -74,6 +74,9 @@ def _bidiagonal_inverse_nuclear_norm(d: np.ndarray) -> float:
     """‖A₁·diag(d)‖_* for d > 0 (module docstring): A⁻¹ = diag(1/d)(I − S), T = A⁻¹A⁻ᵀ =
     L·diag(D)·Lᵀ with D_i = 1/d_i² and unit L with D_iL_i² = D_{i+1}."""
     n = d.shape[0]
+    scale = float(np.max(d))  # ‖A₁·diag(d)‖_* is homogeneous in d: work with d/max(d) ≤ 1
+    if scale != 1.0:
+        return scale * _bidiagonal_inverse_nuclear_norm(d / scale)
     D = 1.0 / d**2
     c = D[1:]  # D_i·L_i², i < n − 1
     # σ_max(A⁻¹) ≤ ‖A⁻¹‖_F; σ_min(A⁻¹) = 1/‖A‖₂ ≥ 1/min(‖A‖_F, √(‖A‖₁‖A‖_∞))

@@ -14,7 +14,8 @@ participation      constraints on X
 =================  =====================================================================
 single             X_ii ≤ 1 (the squared column norms of C)
 fixed_epochs(b,k)  Σ_{i∈s} X_ii ≤ 1 and X_ij = 0 (i ≠ j) within each class s = {s, s+b, …}
-min_sep(b,k)       uᵀ X_π u ≤ 1 for every admissible set π (|π| ≤ k, gaps ≥ b), u ∈ {±1}^π
+min_sep(b,k)       uᵀ X_π u ≤ 1 for every admissible set π (|π| ≤ k, gaps ≥ b), u ∈ {±1}^π,
+                   then normalized by the vector sensitivity (below)
 =================  =====================================================================
 
 The fixed_epochs constraints are those of Choquette-Choo et al., "Multi-Epoch Matrix
@@ -24,9 +25,15 @@ optimum equals that of the class-sum constraint Σ_{i,j∈s} |X_ij| ≤ 1 (the b
 ``dpmf.mechanisms.sensitivity``): the dual of both is max over Λ ≻ 0 supported on the class
 blocks; the class-sum dual asks |Λ_ij| ≤ t_s, Λ_ii ≤ t_s, the orthogonal one Λ_ii = v_s, and a
 positive definite Λ with equal diagonal within a block already has |Λ_ij| ≤ v_s, while raising
-a diagonal entry to t_s only increases the dual objective. The min_sep constraints are the exact
-b-min-sep sensitivity (Choquette-Choo et al., eq. 3 and Theorem 2.1), enforced by cutting planes
-found by exhaustive search (small n only, like ``sensitivity``'s exact search).
+a diagonal entry to t_s only increases the dual objective. The min_sep constraints are the
+b-min-sep sensitivity for scalar gradients (Choquette-Choo et al., eq. 3 and Theorem 2.1; sign
+vectors u), enforced by cutting planes found by exhaustive search (small n only). For vector
+gradients the sensitivity is the larger max over correlation matrices Y of ⟨X_π, Y⟩ (see
+``dpmf.mechanisms.sensitivity``), so the sign planes are a relaxation: the dual value stays a
+lower bound on the error of every strategy feasible for vector gradients, and the returned
+strategy is normalized by ``sensitivity`` (exact, or a certified upper bound), so it is feasible
+for vector gradients and ``gap`` measures exactly what the relaxation lost (nothing when the
+optimum of the sign planes needs no more than signs).
 
 Solver (Denisov, McMahan, Rush, Smith, Thakurta, "Improved Differential Privacy for SGD via
 Optimal Private Linear Operators on Adaptive Streams", NeurIPS 2022, Sec. 4; the multi-epoch
@@ -72,6 +79,7 @@ from scipy import sparse
 from scipy.linalg import LinAlgError, cholesky, eigh, solve_triangular, svd
 from scipy.sparse.linalg import LinearOperator, cg
 
+from dpmf._memory import check_memory
 from dpmf._validation import check_choice, check_int, check_real
 from dpmf.mechanisms.factorizations import Factorization
 from dpmf.mechanisms.participation import Participation
@@ -98,7 +106,8 @@ class DenseResult:
 
     Attributes:
         factorization: the ``Factorization`` (name ``dense``; C and C⁻¹ dense lower-triangular,
-            B = A·C⁻¹ stored explicitly), normalized so that sens(C) = 1 exactly.
+            B = A·C⁻¹ stored explicitly), normalized so that sens(C) = 1 (≤ 1 when only a bound is
+            known: the reported sensitivity is then that bound, 1).
         objective: ``mean_se`` or ``max_se``, the error that was minimized.
         value: that error of ``factorization`` (unsquared, sens included).
         lower_bound: a certified lower bound on that error for every dense strategy under the
@@ -658,6 +667,12 @@ def optimize_dense(
                 f"{count:.3g} admissible (set, sign) pairs exceed search_limit={search_limit}; "
                 "use fixed_epochs, a smaller n, or a larger search_limit"
             )
+    check_memory(
+        f"the dense strategy at n={n} under {participation.label}",
+        _dense_bytes(kind, n, b, k),
+        "use a smaller n, fewer participations (max_participations), min_sep participation, or "
+        "a banded/BLT strategy (O(n) memory)",
+    )
     cons = _constraints_for(kind, n, b, k)
     y0 = _warm_start_dual(warm_start, cons, n)
     with _blas_threads(blas_threads if blas_threads is not None else (1 if n <= 256 else None)):
@@ -691,6 +706,21 @@ def optimize_dense(
         dual=run.point.y.copy(),
         weights=weights,
     )
+
+
+def _dense_bytes(kind: str, n: int, b: int, k: int) -> float:
+    """Estimated peak bytes of ``optimize_dense``: about 12 dense n×n arrays (X, W, L, E, the
+    Hessian products) plus 3 dense (atoms × n) arrays (the rows r_l = w_lᵀE, their squares and
+    products). Atoms: n for single; for fixed_epochs n plus 2 per pair of columns of a class;
+    for min_sep the singletons, the evenly spaced sets and up to ``_CUTS_PER_ROUND``·n planes."""
+    if kind == "fixed_epochs":
+        sizes = np.bincount(np.arange(n) % b)
+        atoms = n + float(np.sum(sizes * (sizes - 1)))  # 2·C(size, 2) per class
+    elif kind == "min_sep":
+        atoms = (2 + _CUTS_PER_ROUND) * n
+    else:
+        atoms = n
+    return 8.0 * (12.0 * n * n + 3.0 * atoms * n)
 
 
 def _constraints_for(kind: str, n: int, b: int, k: int) -> _Constraints:
@@ -888,7 +918,8 @@ def _warm_start_dual(warm_start, cons: _Constraints, n: int):
 
 def _build_factorization(workload, pt, cons, kind, participation, b):
     """Normalize X to be exactly feasible, factor it (C = reverse Cholesky, C⁻¹ and
-    B = A·C⁻¹ dense) and return the Factorization with its exact sensitivity."""
+    B = A·C⁻¹ dense) and return the Factorization with its sensitivity (exact, or the
+    certified upper bound of ``sensitivity`` for vector gradients: C/s is then feasible)."""
     X = _primal(pt)
     n = X.shape[0]
     if kind == "single":

@@ -92,7 +92,7 @@ def account(
     """
     plan = _check_plan(plan)
     sigma = check_sigma(plan.require_noise_multiplier() if noise_multiplier is None else noise_multiplier)
-    delta = check_delta(delta)
+    delta = check_delta(delta, plan.dataset_size)
     name = plan.scheme.check_accountant(accountant)
     samples, seed, confidence = check_monte_carlo(samples, seed, confidence)
     event = plan.event(sigma)
@@ -136,7 +136,7 @@ def calibrate(
     """
     plan = _check_plan(plan)
     epsilon = check_real("epsilon", epsilon, low=0.0, low_inclusive=False)
-    delta = check_delta(delta)
+    delta = check_delta(delta, plan.dataset_size)
     name = plan.scheme.check_accountant(accountant)
     samples, seed, conf = check_monte_carlo(samples, seed, confidence)
     if conf is None:
@@ -255,7 +255,7 @@ def max_steps(
     plan = _check_plan(plan)
     sigma = check_sigma(noise_multiplier)
     epsilon = check_real("epsilon", epsilon, low=0.0)
-    delta = check_delta(delta)
+    delta = check_delta(delta, plan.dataset_size)
     limit = check_int("limit", limit, minimum=1)
     name = plan.scheme.check_accountant(accountant)
     samples, seed, conf = check_monte_carlo(samples, seed, confidence)
@@ -300,7 +300,7 @@ def max_batch_size(
     plan = _check_plan(plan)
     sigma = check_sigma(noise_multiplier)
     epsilon = check_real("epsilon", epsilon, low=0.0)
-    delta = check_delta(delta)
+    delta = check_delta(delta, plan.dataset_size)
     if (steps is None) == (epochs is None):
         raise ValueError("steps/epochs is invalid: give exactly one of steps or epochs")
     if steps is not None:

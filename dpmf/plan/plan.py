@@ -28,6 +28,7 @@ from functools import cached_property
 
 import numpy as np
 
+from dpmf._memory import check_memory
 from dpmf._validation import check_int
 from dpmf.accountants.library import to_dp_event
 from dpmf.mechanisms.factorizations import Factorization
@@ -184,6 +185,7 @@ class PrivatePlan:
                     f"strategy is invalid: its strategy is {strategy.n}×{strategy.n} but steps={self.steps}"
                 )
         elif isinstance(strategy, str):
+            _check_strategy_memory(self.steps, strategy)
             strategy = build_strategy(from_schedule(schedule, self.steps), strategy, scheme, b)
         else:
             raise TypeError(
@@ -493,3 +495,22 @@ class PrivatePlan:
                 else {"noise_segments": [list(x) for x in self.noise_segments]}
             ),
         }
+
+
+# Peak float64 arrays of length n while a plan builds its strategy (measured: identity 3,
+# Toeplitz strategies 7–11), with a margin.
+_ARRAYS_PER_STEP = {"identity": 4}
+_ARRAYS_DEFAULT = 16
+
+
+def _check_strategy_memory(steps: int, spec: str) -> None:
+    """Refuse, before any allocation, a strategy whose O(n) arrays exceed the memory budget."""
+    name = spec.split(":", 1)[0].strip()
+    nbytes = 8.0 * steps * _ARRAYS_PER_STEP.get(name, _ARRAYS_DEFAULT)
+    check_memory(
+        f"steps={steps} with strategy={spec!r}",
+        nbytes,
+        "use fewer steps; for DP-SGD the accountants compose any number of steps without "
+        "per-step arrays, e.g. dpmf.accountants.RDPAccountant().epsilon("
+        "PoissonGaussianEvent(noise_multiplier, sampling_rate, steps), delta)",
+    )

@@ -605,6 +605,18 @@ def auto_scheme(entry, bands: int | None, run) -> Scheme:
     return FixedOrder()
 
 
+# The largest noise multiplier accepted: far above it the accountants' arithmetic overflows
+# (σ² past 1e308 in dp-accounting), and already at σ ≈ 1e6 every ε they report is 0.
+MAX_NOISE_MULTIPLIER = 1e100
+
+
 def check_sigma(noise_multiplier) -> float:
-    """σ > 0 (finite); raises ValueError naming it otherwise."""
-    return check_real("noise_multiplier", noise_multiplier, low=0.0, low_inclusive=False)
+    """σ in (0, ``MAX_NOISE_MULTIPLIER``]; raises ValueError naming it otherwise."""
+    sigma = check_real("noise_multiplier", noise_multiplier, low=0.0, low_inclusive=False)
+    if sigma > MAX_NOISE_MULTIPLIER:
+        raise ValueError(
+            f"noise_multiplier={sigma!r} is invalid: must be in (0, {MAX_NOISE_MULTIPLIER:g}] "
+            "(the accountants overflow beyond it, and every ε is already 0 from about 1e6); "
+            f"use noise_multiplier={MAX_NOISE_MULTIPLIER:g} or less"
+        )
+    return sigma

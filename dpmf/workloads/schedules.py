@@ -26,13 +26,16 @@ import numpy as np
 
 from dpmf._validation import check_choice, check_int, check_real
 
-__all__ = ["SCHEDULES", "Schedule", "schedule"]
+__all__ = ["SCHEDULES", "MIN_BETA", "Schedule", "schedule"]
 
 SCHEDULES = ("constant", "exponential", "linear", "cosine", "polynomial", "inverse_power")
 _DEFAULT_GAMMA = {"polynomial": 2.0, "inverse_power": 1.0}
 
 
 _POWERED = ("polynomial", "inverse_power")
+# the smallest final multiplier β: the lower bound works with 1/β⁴, which overflows float64
+# (1e308) below β ≈ 1e-77
+MIN_BETA = 1e-60
 
 
 @dataclass(frozen=True)
@@ -56,9 +59,14 @@ class Schedule:
 
     def __post_init__(self):
         check_choice("schedule", self.name, SCHEDULES)
-        object.__setattr__(
-            self, "beta", check_real("beta", self.beta, low=0.0, high=1.0, low_inclusive=False)
-        )
+        beta = check_real("beta", self.beta, low=0.0, high=1.0, low_inclusive=False)
+        if beta < MIN_BETA:
+            raise ValueError(
+                f"beta={beta!r} is invalid: must be in [{MIN_BETA:g}, 1] (the lower bound of "
+                "the error works with 1/β⁴, which overflows float64 below about 1e-77); use a "
+                "larger final learning-rate multiplier"
+            )
+        object.__setattr__(self, "beta", beta)
         if self.gamma is not None:
             if self.name not in _POWERED:
                 raise ValueError(
