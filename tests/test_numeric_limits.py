@@ -86,7 +86,9 @@ def test_pld_beyond_its_grid_names_the_noise_not_delta():
 
 
 def test_memory_refused_before_any_allocation():
-    with pytest.raises(MemoryLimitError, match=r"steps=10000000000 .* needs about .* GiB, more than the memory budget"):
+    with pytest.raises(
+        MemoryLimitError, match=r"steps=10000000000 .* needs about .* GiB, more than the memory budget"
+    ):
         PrivatePlan(dataset_size=1000, batch_size=10, steps=10**10)
     event = PoissonGaussianEvent(1.0, 0.01, 10**10)
     with pytest.raises(MemoryLimitError, match="accountant='rdp'"):

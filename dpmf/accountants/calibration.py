@@ -30,11 +30,11 @@ from collections.abc import Callable
 import numpy as np
 from scipy.optimize import brentq
 
+from dpmf._memory import MemoryLimitError
 from dpmf._validation import check_int, check_real
 from dpmf.accountants.events import ComposedEvent, GaussianEvent, PoissonGaussianEvent, flatten
 from dpmf.accountants.gaussian import gaussian_mu
-from dpmf._memory import MemoryLimitError
-from dpmf.accountants.library import NoiseTooSmallError, PLDAccountant, PRVAccountant, RDPAccountant
+from dpmf.accountants.library import NoiseTooSmallError, PLDAccountant
 from dpmf.accountants.montecarlo import (
     certified_delta,
     check_confidence,

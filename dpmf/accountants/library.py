@@ -37,8 +37,8 @@ from dp_accounting import rdp as _rdp
 
 from dpmf._validation import check_real
 from dpmf.accountants.events import GaussianEvent, PoissonGaussianEvent, flatten
-from dpmf.accountants.memory import check_pld_memory
 from dpmf.accountants.gaussian import EXACT_MAX_MU, gaussian_delta, gaussian_epsilon
+from dpmf.accountants.memory import check_pld_memory
 from dpmf.accountants.result import Measurement
 
 __all__ = [

@@ -491,7 +491,7 @@ def _fixed_epochs(C: LowerTriangular, b: int, k: int) -> Sensitivity:
         elif absum > exact_best:
             pending.setdefault(m, []).append(G)
     bound_best, lower_best, method = 0.0, exact_best, "class_abs_gram_bound"
-    for m, grams in pending.items():
+    for _m, grams in pending.items():
         Q = np.stack(grams)
         A = np.abs(Q).sum(axis=(1, 2))
         keep = A > exact_best
