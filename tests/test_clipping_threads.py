@@ -16,7 +16,9 @@ def test_limit_threads_sets_torch_blas_and_openmp_pools_and_the_environment(monk
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
     with threadpool_limits(limits=2):  # restores the BLAS/OpenMP pools afterwards
-        assert all(info["num_threads"] == 2 for info in threadpool_info())
+        # every pool at 2, except single-threaded BLAS builds (cvxpy's SCS ships one), at 1
+        counts = [info["num_threads"] for info in threadpool_info()]
+        assert 2 in counts and set(counts) <= {1, 2}
         try:
             pools = limit_threads(1)
             assert torch.get_num_threads() == 1 and pools["torch"] == 1
