@@ -99,6 +99,7 @@ def run_audit(
     from dpmf.audit import estimators as E
     from dpmf.audit.mechanism import _possible_steps, likelihood_scores, precision_matrix
     from dpmf.optim import LearningRateSchedule
+    from dpmf.optim.noise import ChunkedKeys
     from dpmf.train.config import TrainConfig
     from dpmf.train.data import load_dataset
     from dpmf.train.models import build_model
@@ -126,7 +127,9 @@ def run_audit(
     dtype = next(model.parameters()).dtype
     dim = K.param_dim(model)
     sampler = plan.sampler(seed)  # as dpmf train: keyed by derive(seed, "sampler")
-    noise = plan.noise(dim, seed, device=device, dtype=dtype)
+    sizes = tuple(p.numel() for p in model.parameters() if p.requires_grad)
+    keys = ChunkedKeys(sizes) if config.noise_keys == "chunked" else None  # as dpmf train keys it
+    noise = plan.noise(dim, seed, device=device, dtype=dtype, keys=keys)
     optimizer = build_optimizer(config, model, log=log, seed=seed)
     common = dict(
         plan=plan,
