@@ -110,3 +110,33 @@ def test_runs_in_flowers_own_loop_with_fedadam_and_reports_epsilon():
     eps = {r: m[EPSILON_KEY] for r, m in result.train_metrics_clientapp.items()}
     assert set(eps) == {1, 2} and eps[1] == eps[2] == dp.privacy.epsilon > 0
     assert "seed" not in repr(dp) and str(dp._policy.key) not in repr(dp)
+
+
+def test_a_non_finite_client_update_is_refused_not_passed_unclipped():
+    # min(1, ζ/nan) is 1: without the check a NaN update's finite coordinates would go through
+    # unclipped (and the model would become NaN)
+    from dpmf.federated.clip import update_scale
+
+    assert update_scale(5.0, ZETA, 1) == pytest.approx(ZETA / 5.0) and update_scale(0.0, ZETA, 1) == 1.0
+    for bad in (math.nan, math.inf):
+        with pytest.raises(RuntimeError, match="round 3: a client update is not finite"):
+            update_scale(bad, ZETA, 3)
+
+    dp = CorrelatedClientDP(_strategy(), num_clients=P, rounds=R, noise_multiplier=SIGMA, clip_norm=ZETA,
+                            seed=7)  # fmt: skip
+    app = ClientApp()
+
+    @app.train()
+    def train(msg, context):
+        w = {k: a.numpy() for k, a in msg.content["arrays"].items()}
+        w["w"] = w["w"] + np.float32(np.nan) * (int(context.node_config["partition-id"]) == 0)
+        content = RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in w.items()}),
+                              "metrics": MetricRecord({"num-examples": 10})})  # fmt: skip
+        return Message(content=content, reply_to=msg)
+
+    grid = LocalGrid(app, P)
+    arrays = ArrayRecord({k: Array(np.zeros(s, dtype=np.float32)) for k, s in SHAPES.items()})
+    with server_identity():
+        msgs = dp.configure_train(1, arrays, ConfigRecord({}), grid)
+        with pytest.raises(RuntimeError, match="round 1: a client update is not finite"):
+            dp.aggregate_train(1, grid.send_and_receive(msgs))

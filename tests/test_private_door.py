@@ -447,3 +447,18 @@ def test_a_later_make_private_on_the_model_closes_the_earlier_run_and_says_they_
     assert "(1 private step, ε = " in capsys.readouterr().err
     _private(model)  # closes a run that took no step: nothing to say
     assert "earlier" not in capsys.readouterr().err
+
+
+def test_a_run_cannot_be_pickled_with_its_key():
+    # torch.save(run) or a joblib cache would write the secret key with the umask's mode
+    import pickle
+
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    model = torch.nn.Linear(4, 2)
+    private = dpmf.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), torch.utils.data.TensorDataset(x, y),
+        loss_fn=torch.nn.functional.cross_entropy, batch_size=16, epochs=1, noise_multiplier=1.0,
+        target_delta=1e-5, factorization="identity",
+    )  # fmt: skip
+    with pytest.raises(TypeError, match="cannot be pickled: it holds the run's secret noise key"):
+        pickle.dumps(private)

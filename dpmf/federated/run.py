@@ -44,6 +44,7 @@ from dpmf import seeds
 from dpmf._validation import check_choice, check_int, check_real
 from dpmf.accountants.events import PoissonGaussianEvent
 from dpmf.accountants.registry import accountants_for
+from dpmf.federated.clip import update_scale
 from dpmf.federated.compliance import ComplianceSet, NoiseMap, example_profiles, uniform_control
 from dpmf.federated.data import DATASETS, PARTITIONS, FederatedData, load_federated
 from dpmf.federated.ledger import MODES, UNITS, PrivacyEntry, format_entry
@@ -436,7 +437,7 @@ class _Server:
             self.sigma_c = float(sigma_c)
 
     # -- client mode: clipping and one noise vector on the mean -------------------------------
-    def _privatize_replies(self, replies, arrays):
+    def _privatize_replies(self, replies, arrays, server_round: int):
         from flwr.app import Array, ArrayRecord
 
         base = {k: a.numpy().astype(np.float64) for k, a in arrays.items()}
@@ -447,7 +448,7 @@ class _Server:
             rec_key = next(iter(msg.content.array_records.keys()))
             upd = {k: a.numpy().astype(np.float64) - base[k] for k, a in msg.content[rec_key].items()}
             norm = math.sqrt(sum(float(np.sum(u * u)) for u in upd.values()))
-            scale = min(1.0, self.config.client_clip / norm) if norm > 0 else 1.0
+            scale = update_scale(norm, self.config.client_clip, server_round)
             out, off = {}, 0
             for k, u in upd.items():
                 z = noise[off : off + u.size].reshape(u.shape)
@@ -509,7 +510,7 @@ class _Server:
                     off += w.size
             else:
                 if self.client_noise is not None:
-                    replies = self._privatize_replies(replies, arrays)
+                    replies = self._privatize_replies(replies, arrays, r)
                 agg, _ = self.strategy.aggregate_train(r, replies)
                 if agg is None:
                     raise RuntimeError(f"round {r}: the strategy returned no model")

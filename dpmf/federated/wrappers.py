@@ -42,6 +42,7 @@ import numpy as np
 
 from dpmf import seeds
 from dpmf._validation import check_int, check_real
+from dpmf.federated.clip import update_scale
 
 __all__ = ["CorrelatedClientDP", "EPSILON_KEY", "DELTA_KEY"]
 
@@ -188,7 +189,7 @@ class CorrelatedClientDP(_Base):
         for msg in replies:
             upd = {k: a.numpy().astype(np.float64) - base[k] for k, a in msg.content[key].items()}
             norm = math.sqrt(sum(float(np.sum(u * u)) for u in upd.values()))
-            scale = min(1.0, self.clip_norm / norm) if norm > 0 else 1.0
+            scale = update_scale(norm, self.clip_norm, server_round)
             out, off = {}, 0
             for k, u in upd.items():
                 z = noise[off : off + u.size].reshape(u.shape)

@@ -414,6 +414,18 @@ class PrivateTraining:
         self.privatizer.use_key(key)
         self.sampler.use_key(key)
 
+    def __reduce__(self):
+        """Refused: a run holds its secret key, and a pickle (``torch.save(run)``, joblib caches)
+        would write it with the umask's mode. ``save`` writes the state to a private file.
+
+        Raises:
+            TypeError: always.
+        """
+        raise TypeError(
+            "PrivateTraining cannot be pickled: it holds the run's secret noise key; use "
+            "save(path) (a private 0600 file) and resume(path), or export(dir) to share the model"
+        )
+
     def save(self, path: str) -> None:
         """``state_dict()`` to ``path``, atomically (a private file: it holds the secrets). In a
         distributed run every rank calls it: each writes its shard next to ``path`` and rank 0
