@@ -11,8 +11,8 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "dpmf"
 
 # The layers, lowest first (docs/architecture.md): a package may import its own layer and the
-# ones before it. ``_validation``, ``_io``, ``_memory`` and ``seeds`` are below every layer; the ``dpmf`` facade
-# (``__init__``, ``pick``, ``plots``, ``__main__``) is above them all.
+# ones before it. ``_validation``, ``_io``, ``_memory`` and ``seeds`` are below every layer; the
+# ``dpmf`` facade (``__init__``, ``pick``, ``plots``, ``__main__``) is above them all.
 LAYERS = (
     "workloads",
     "mechanisms",
