@@ -462,3 +462,30 @@ def test_a_run_cannot_be_pickled_with_its_key():
     )  # fmt: skip
     with pytest.raises(TypeError, match="cannot be pickled: it holds the run's secret noise key"):
         pickle.dumps(private)
+
+
+def test_a_resume_on_other_data_is_refused(tmp_path):
+    # the same key and noise on a data set with one record changed would make the two released
+    # models' difference noiseless
+    x, y = torch.randn(64, 4, generator=torch.Generator().manual_seed(0)), torch.randint(0, 2, (64,))
+
+    def run(data_x):
+        model = torch.nn.Linear(4, 2)
+        return dpmf.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), torch.utils.data.TensorDataset(data_x, y),
+            loss_fn=torch.nn.functional.cross_entropy, batch_size=16, epochs=1, noise_multiplier=1.0,
+            target_delta=1e-5, factorization="identity",
+        )  # fmt: skip
+
+    first = run(x)
+    for xb, yb in first.data_loader:
+        first.backward(xb, target=yb)
+        first.optimizer.step()
+        first.optimizer.zero_grad()
+        break
+    first.save(str(tmp_path / "s.pt"))
+    other = x.clone()
+    other[5, 0] += 1.0
+    with pytest.raises(ValueError, match="state is invalid for this data set"):
+        run(other).resume(str(tmp_path / "s.pt"))
+    run(x.clone()).resume(str(tmp_path / "s.pt"))  # the same data resumes

@@ -32,6 +32,7 @@ fix (``dpmf.optim.batches``, ``dpmf.optim.model_guard``).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import weakref
@@ -92,6 +93,22 @@ class EmptySafeCollate:
         if self._empty is None:
             self._empty = _map(lambda t: t[:0], self.collate_fn([self.dataset[0]]))
         return self._empty
+
+
+def dataset_digest(dataset) -> str | None:
+    """SHA-256 (first 16 hex digits) of the tensors of a ``TensorDataset`` (shapes, dtypes,
+    bytes; through ``TransformedDataset``'s data set), or None for other data sets, whose
+    examples may be computed on the fly (random augmentation): part of a ``make_private`` state,
+    so that a resume on other data is refused."""
+    inner = getattr(dataset, "dataset", None)
+    tensors = getattr(dataset, "tensors", None) or getattr(inner, "tensors", None)
+    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(f"{tuple(t.shape)}{t.dtype}".encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def _map(fn, tree):
@@ -371,6 +388,7 @@ class PrivateTraining:
             # the sampler at the privatized step, not where a prefetching loader has drawn to
             "sampler": self.privatizer.drawn.sampler_state(self.steps_taken),
             "noise": noise_state(self.privatizer.noise),
+            "data": dataset_digest(self.data_loader.dataset),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -385,6 +403,13 @@ class PrivateTraining:
             raise ValueError("state is invalid: not a make_private state (format mismatch)")
         if state.get("plan") != self.plan.to_dict():
             raise ValueError("state is invalid: it belongs to another plan (data size, batches, scheme or σ)")
+        saved, mine = state.get("data"), dataset_digest(self.data_loader.dataset)
+        if saved is not None and mine is not None and saved != mine:
+            raise ValueError(
+                "state is invalid for this data set: its tensors differ from those the state was saved "
+                "with (resuming on other data would reuse the run's noise, so the two models' difference "
+                "would be noiseless); resume on the same data, or start a new run"
+            )
         check_model_state(self.model, state["model"])  # other frozen weights: before any loading
         self._adopt_key(state.get("secret"))
         load_noise_state(self.privatizer.noise, state["noise"], "state")
