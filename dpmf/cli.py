@@ -1005,9 +1005,11 @@ _FL_FLAGS = (
         "--accountant",
         "accountant",
         str,
-        lambda: f"{'|'.join(_accountants(poisson=True))} (default pld). Cost per accounting (record mode: "
-        "one per distinct client), 250 steps at sampling rate 0.62: pld 2.5-4 s, prv about 3x that (7-14 s), "
-        "rdp 0.1 s with ε 13-30 %% larger",
+        lambda: (
+            f"{'|'.join(_accountants(poisson=True))} (default pld). Cost per accounting (record "
+            "mode: one per distinct client), 250 steps at sampling rate 0.62: pld 2.5-4 s, prv about 3x "
+            "that (7-14 s), rdp 0.1 s with ε 13-30 %% larger"
+        ),
     ),
     ("--max-epsilon", "max_epsilon", float, "privacy budget: stop before the round whose ε would exceed it"),
     ("--eval-fraction", "eval_fraction", float, "share of each client's records held out for evaluation"),
@@ -1061,6 +1063,11 @@ def _add_fl(sub):
     p.add_argument("--backend", default="local", help="local (in-process, deterministic) | ray")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--out", required=True, help="output folder")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier run's files in --out (its ledger is lost)",
+    )
     for flag, _, kind, text in _FL_FLAGS:
         p.add_argument(flag, type=kind, default=None, help=text() if callable(text) else text)
     return p
@@ -1126,6 +1133,11 @@ def _run_fl(args) -> int:
         raise UsageError(
             "Flower is not installed: pip install 'dpmf[fl]' (flwr==1.42.0, Python >= 3.11)"
         ) from None
+    if not args.overwrite and os.path.exists(os.path.join(args.out, "ledger.json")):
+        raise UsageError(
+            f"--out {args.out!r} is invalid: it holds an earlier federated run (ledger.json), whose "
+            "privacy ledger would be lost; choose another folder, or pass --overwrite"
+        )
     from dpmf.federated.run import FLConfig
 
     overrides = {field: getattr(args, flag.lstrip("-").replace("-", "_")) for flag, field, _, _ in _FL_FLAGS}

@@ -153,3 +153,14 @@ def test_closed_pipe_is_one_line_and_status_1():
     assert proc.returncode == 1, err
     assert err.count("\n") == 1 and "Traceback" not in err and "Exception ignored" not in err
     assert "cannot write to standard output" in err
+
+
+def test_fl_into_a_folder_holding_a_ledger_is_refused_without_overwrite(tmp_path, capsys):
+    # a second run would replace the first's privacy ledger (the record of a released model)
+    pytest.importorskip("flwr")
+    out = tmp_path / "fl"
+    out.mkdir()
+    (out / "ledger.json").write_text("{}")
+    argv = ["fl", "--dataset", "breast-cancer", "--clients", "4", "--rounds", "1", "--out", str(out)]
+    _refused(argv, capsys, "holds an earlier federated run (ledger.json)", "--overwrite")
+    assert (out / "ledger.json").read_text() == "{}"
