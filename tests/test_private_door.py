@@ -489,3 +489,20 @@ def test_a_resume_on_other_data_is_refused(tmp_path):
     with pytest.raises(ValueError, match="state is invalid for this data set"):
         run(other).resume(str(tmp_path / "s.pt"))
     run(x.clone()).resume(str(tmp_path / "s.pt"))  # the same data resumes
+
+
+def test_an_example_holding_nan_reaches_the_non_finite_check_not_the_batch_check():
+    # NaN ≠ NaN: the loader's own batch must still be recognised, and the step must name the cause
+    from dpmf.optim.clipping import NonFiniteGradientError
+
+    x, y = torch.randn(32, 4, generator=torch.Generator().manual_seed(0)), torch.randint(0, 2, (32,))
+    x[:, 0] = float("nan")  # every example: whichever batch is drawn holds one
+    model = torch.nn.Linear(4, 2)
+    private = dpmf.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), torch.utils.data.TensorDataset(x, y),
+        loss_fn=torch.nn.functional.cross_entropy, batch_size=8, epochs=1, noise_multiplier=1.0,
+        target_delta=1e-5, factorization="identity",
+    )  # fmt: skip
+    xb, yb = next(iter(private.data_loader))
+    with pytest.raises(NonFiniteGradientError):
+        private.backward(xb, target=yb)

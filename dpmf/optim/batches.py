@@ -159,14 +159,20 @@ def _received(
 
 
 def _matches(received, leaves) -> bool:
-    """Every received tensor equals (up to its dtype's rounding) one recorded tensor."""
+    """Every received tensor equals (up to its dtype's rounding) one recorded tensor; a
+    non-finite projection (an example holding NaN or ∞) matches the same non-finite value, so
+    that such an example reaches the step's own non-finite check with its own message."""
     for width, f, rel, floor in received:
         if not any(
-            leaf.width == width and bool(((leaf.f - f).abs() <= leaf.r * rel + floor).all())
-            for leaf in leaves
+            leaf.width == width and bool(_close(leaf.f, f, leaf.r * rel + floor).all()) for leaf in leaves
         ):
             return False
     return True
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
+    """|a − b| ≤ tol entry-wise, with NaN matching NaN and ∞ matching the same ∞."""
+    return ((a - b).abs() <= tol) | (torch.isnan(a) & torch.isnan(b)) | (torch.isinf(a) & (a == b))
 
 
 class DrawnBatches:
