@@ -40,6 +40,29 @@ __all__ = ["audit_fl_clients", "audit_fl_records"]
 
 
 @contextlib.contextmanager
+def _audit_result(scores, included, claimed, delta, method, sig, kind) -> dict:
+    """The audit of one federated run from its canaries' ``scores`` (shape (m,)) and which were
+    in (``included``): the lower bound by ``method`` against the ``claimed`` ε at ``delta``."""
+    from dpmf.audit import estimators as E
+    from dpmf.audit.runner import estimate
+
+    ins, outs = scores[included], scores[~included]
+    claimed, delta = float(claimed), float(delta)
+    eps_lb = estimate(method, ins, outs, delta=delta, significance=sig)
+    return {
+        "claimed": {"epsilon": claimed, "delta": delta},
+        "epsilon_lower_bound": eps_lb,
+        "method": method,
+        "significance": sig,
+        "tightness": eps_lb / claimed if claimed > 0 else math.inf,
+        "exceeds_claim": bool(eps_lb > claimed),
+        "auroc": E.attack_auroc(ins, outs),
+        "canaries": {"count": int(scores.size), "kind": kind, "in": int(ins.size), "out": int(outs.size)},
+        "scores": scores,
+        "included": included,
+    }
+
+
 def _canary_hooks(state: dict):
     from dpmf.federated import local, run
 
@@ -108,8 +131,7 @@ def audit_fl_clients(
     Andrew et al., "One-shot Empirical Privacy Estimation for Federated Learning" (ICLR 2024).
     """
     from dpmf import seeds
-    from dpmf.audit import estimators as E
-    from dpmf.audit.runner import check_audit_args, estimate
+    from dpmf.audit.runner import check_audit_args
     from dpmf.federated.run import FLConfig, run_federated
     from dpmf.mechanisms import factorize
     from dpmf.workloads import prefix_sum
@@ -143,23 +165,8 @@ def audit_fl_clients(
     one = np.ones(R)
     Pw = P @ one
     scores = (Pw @ y) / math.sqrt(float(one @ Pw))
-    inc = state["included"]
-    ins, outs = scores[inc], scores[~inc]
     entry = next(e for e in result.ledger if e.mode == "client")
-    claimed = float(entry.epsilon)
-    eps_lb = estimate(method, ins, outs, delta=float(entry.delta), significance=sig)
-    return {
-        "claimed": {"epsilon": claimed, "delta": float(entry.delta)},
-        "epsilon_lower_bound": eps_lb,
-        "method": method,
-        "significance": sig,
-        "tightness": eps_lb / claimed if claimed > 0 else math.inf,
-        "exceeds_claim": bool(eps_lb > claimed),
-        "auroc": E.attack_auroc(ins, outs),
-        "canaries": {"count": m, "kind": "client", "in": int(ins.size), "out": int(outs.size)},
-        "scores": scores,
-        "included": inc,
-    }
+    return _audit_result(scores, state["included"], entry.epsilon, entry.delta, method, sig, "client")
 
 
 @contextlib.contextmanager
@@ -235,9 +242,8 @@ def audit_fl_records(
             any work).
     """
     from dpmf import seeds
-    from dpmf.audit import estimators as E
     from dpmf.audit.mechanism import _possible_steps, likelihood_scores, precision_matrix
-    from dpmf.audit.runner import check_audit_args, estimate
+    from dpmf.audit.runner import check_audit_args
     from dpmf.federated.run import FLConfig, run_federated
 
     if not isinstance(config, FLConfig):
@@ -268,19 +274,4 @@ def audit_fl_records(
     possible = _possible_steps(plan, run.sampler, participation)[:, n:]
     P = precision_matrix(plan, plan.noise_std(pv.clip_norm))
     scores = likelihood_scores(plan, run.sampler, np.stack(pv.projections), possible, pv.clip_norm, P)
-    inc = state["included"]
-    ins, outs = scores[inc], scores[~inc]
-    claimed = float(run.privacy.epsilon)
-    eps_lb = estimate(method, ins, outs, delta=config.delta, significance=sig)
-    return {
-        "claimed": {"epsilon": claimed, "delta": float(config.delta)},
-        "epsilon_lower_bound": eps_lb,
-        "method": method,
-        "significance": sig,
-        "tightness": eps_lb / claimed if claimed > 0 else math.inf,
-        "exceeds_claim": bool(eps_lb > claimed),
-        "auroc": E.attack_auroc(ins, outs),
-        "canaries": {"count": m, "kind": "record", "in": int(ins.size), "out": int(outs.size)},
-        "scores": scores,
-        "included": inc,
-    }
+    return _audit_result(scores, state["included"], run.privacy.epsilon, config.delta, method, sig, "record")
