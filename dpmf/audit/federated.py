@@ -39,7 +39,6 @@ import torch
 __all__ = ["audit_fl_clients", "audit_fl_records"]
 
 
-@contextlib.contextmanager
 def _audit_result(scores, included, claimed, delta, method, sig, kind) -> dict:
     """The audit of one federated run from its canaries' ``scores`` (shape (m,)) and which were
     in (``included``): the lower bound by ``method`` against the ``claimed`` ε at ``delta``."""
@@ -63,6 +62,7 @@ def _audit_result(scores, included, claimed, delta, method, sig, kind) -> dict:
     }
 
 
+@contextlib.contextmanager
 def _canary_hooks(state: dict):
     from dpmf.federated import local, run
 
