@@ -29,6 +29,7 @@ def main(out):
             distributed_mode=mode,
         )
         np.save(os.path.join(out, f"{mode}.rank{rank}.npy"), train(audit).scores())
+    dist.barrier()  # neither rank tears gloo down while the other is still in a collective
     dist.destroy_process_group()
 
 

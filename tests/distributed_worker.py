@@ -67,6 +67,7 @@ def _steps(out):
         verdict = str(exc)
     with open(os.path.join(out, f"seed.rank{comm.rank}.txt"), "w") as f:
         f.write(verdict)
+    dist.barrier()  # neither rank tears gloo down while the other is still in a collective
     dist.destroy_process_group()
 
 
