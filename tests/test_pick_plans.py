@@ -68,5 +68,7 @@ def test_auto_trains_the_winner_without_building_or_calibrating_it_again(result,
         max_bands=4,
     )
     config, plan = run_module.plan_for(config, N, log=lambda *a: None)
-    assert plan is result.recommendation.plan and calls["calibrate"] == 0
+    won = result.recommendation.plan  # the winner itself, with the run's clip norm and seed policy
+    assert plan.strategy is won.strategy and plan.privacy is won.privacy and calls["calibrate"] == 0
+    assert plan.noise_multiplier == won.noise_multiplier and plan.clip_norm == config.clip_norm
     assert config.factorization == plan.label and config.scheme == plan.scheme.name

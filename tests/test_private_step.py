@@ -21,8 +21,9 @@ def _model():
     return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
 
 
-def _plan():
-    return PrivatePlan(40, 8, steps=6, scheme="cyclic_poisson", strategy="bsr:3", noise_multiplier=1.1)
+def _plan(**kw):
+    kw = {"noise_multiplier": 1.1, "clip_norm": 0.7, **kw}
+    return PrivatePlan(40, 8, steps=6, scheme="cyclic_poisson", strategy="bsr:3", **kw)
 
 
 def _run(step, k=4):
@@ -43,7 +44,7 @@ def _by_hand(plan, key, chunked=True):
     model = _model()
     sizes = tuple(p.numel() for p in model.parameters())
     noise = plan.noise(sum(sizes), key, dtype=torch.float64, keys=ChunkedKeys(sizes) if chunked else None)
-    priv = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=0.7, noise=noise)
+    priv = Privatizer(model, F.cross_entropy, plan=plan, noise=noise)
     sampler = plan.sampler(key)
     out = []
     for _ in range(4):
@@ -54,43 +55,46 @@ def _by_hand(plan, key, chunked=True):
 
 
 def test_the_bound_step_is_the_plans_sampler_noise_and_privatizer():
-    plan = _plan()
-    step = plan.private_step(_model(), F.cross_entropy, clip_norm=0.7, seed=13)
+    plan = _plan(seed=13)
+    step = plan.private_step(_model(), F.cross_entropy)
     assert step.privatizer.plan is plan and step.privatizer.drawn is step.batches
     assert step.noise.keys is not None  # chunked keys by default
     first = _run(step)
     torch.testing.assert_close(first, _by_hand(plan, 13), rtol=0, atol=0)  # bit-identical
-    stream = plan.private_step(
-        _model(), F.cross_entropy, clip_norm=0.7, seed=13, flags=ExecutionFlags(noise_keys="stream")
-    )
+    stream = plan.private_step(_model(), F.cross_entropy, flags=ExecutionFlags(noise_keys="stream"))
     torch.testing.assert_close(_run(stream), _by_hand(plan, 13, chunked=False), rtol=0, atol=0)
-    other = plan.private_step(_model(), F.cross_entropy, clip_norm=0.7, seed=14)
+    other = plan.with_settings(seed=14).private_step(_model(), F.cross_entropy)
     assert not torch.equal(_run(other), first)
 
 
 def test_the_bound_step_accepts_only_the_drawn_batch():
-    step = _plan().private_step(_model(), F.cross_entropy, clip_norm=0.7, seed=2)
+    step = _plan(seed=2).private_step(_model(), F.cross_entropy)
     with pytest.raises(BatchCheckError):
         step.privatizer.privatize(X[:8], Y[:8])
 
 
 def test_a_secret_key_is_drawn_and_never_shown():
-    step = _plan().private_step(_model(), F.cross_entropy, clip_norm=0.7)
+    step = _plan().private_step(_model(), F.cross_entropy)
     assert step.policy.is_secret and step.key.bit_length() > 64
     assert str(step.key) not in repr(step) and str(step.key) not in repr(step.policy)
     policy = seeds.SeedPolicy.of(9)
-    assert _plan().private_step(_model(), F.cross_entropy, clip_norm=0.7, seed=policy).key == 9
+    assert _plan().private_step(_model(), F.cross_entropy, seed=policy).key == 9
+    given = _plan(seed=9).private_step(_model(), F.cross_entropy)
+    assert given.key == 9 and not given.policy.is_secret and given.policy.notice
+    assert "seed=" not in repr(_plan(seed=9)) and "seed" not in _plan(seed=9).to_dict()
+    with pytest.raises(TypeError, match="give an integer seed to the plan"):
+        _plan().private_step(_model(), F.cross_entropy, seed=9)
 
 
 def test_two_simulated_processes_take_the_one_process_step():
-    plan = _plan()
-    one = _run(plan.private_step(_model(), F.cross_entropy, clip_norm=0.7, seed=5))
+    plan = _plan(seed=5)
+    one = _run(plan.private_step(_model(), F.cross_entropy))
 
     models = [_model(), _model()]  # built here: torch's global generator is not for threads
 
     def rank(comm):
         model = models[comm.rank]
-        step = plan.private_step(model, F.cross_entropy, clip_norm=0.7, seed=5, process_group=comm)
+        step = plan.private_step(model, F.cross_entropy, process_group=comm)
         assert step.collectives is comm
         out = []
         for _ in range(4):
@@ -125,24 +129,26 @@ def test_bad_flags_are_refused_in_one_line(flags, match):
 
 
 def test_a_plan_without_noise_or_bad_flags_is_refused_before_any_work():
-    plan = PrivatePlan(40, 8, steps=6)
+    plan = PrivatePlan(40, 8, steps=6, clip_norm=1.0)
     with pytest.raises(ValueError, match="noise_multiplier is unknown"):
-        plan.private_step(_model(), F.cross_entropy, clip_norm=1.0, seed=1)
+        plan.private_step(_model(), F.cross_entropy)
+    with pytest.raises(ValueError, match="clip_norm is unknown"):
+        _plan(clip_norm=None).private_step(_model(), F.cross_entropy)
     with pytest.raises(TypeError, match="flags="):
-        _plan().private_step(_model(), F.cross_entropy, clip_norm=1.0, seed=1, flags={"clipping": "vmap"})
+        _plan().private_step(_model(), F.cross_entropy, flags={"clipping": "vmap"})
 
 
 def test_noise_segments_account_as_the_composition_and_set_each_steps_sigma():
     import dp_accounting as dpa
 
-    plan = PrivatePlan(1000, 10, steps=30, noise_segments=((10, 1.0), (20, 2.0)))
+    plan = PrivatePlan(1000, 10, steps=30, noise_segments=((10, 1.0), (20, 2.0)), clip_norm=0.5, seed=3)
     acc = dpa.pld.PLDAccountant()
     acc.compose(dpa.PoissonSampledDpEvent(0.01, dpa.GaussianDpEvent(1.0)), 10)
     acc.compose(dpa.PoissonSampledDpEvent(0.01, dpa.GaussianDpEvent(2.0)), 20)
     assert plan.account(delta=1e-5).epsilon == pytest.approx(acc.get_epsilon(1e-5), rel=1e-2)
     assert [plan.noise_multiplier_at(t) for t in (0, 9, 10, 29)] == [1.0, 1.0, 2.0, 2.0]
     # the privatizer adds σ_t·ζ·(C⁻¹Z)_t at each step: σ of the step's segment
-    step = plan.private_step(_model(), F.cross_entropy, clip_norm=0.5, seed=3)
+    step = plan.private_step(_model(), F.cross_entropy)
     for t in range(12):
         drawn_at, _ = step.batches.draw()
         step.batches.record(drawn_at, ids=np.zeros(0, dtype=np.int64), n=0)
@@ -170,3 +176,62 @@ def test_bad_noise_segments_are_refused(kwargs, match):
 def test_a_segment_without_noise_has_no_finite_epsilon():
     with pytest.raises(ValueError, match="σ = 0"):
         PrivatePlan(1000, 10, steps=30, noise_segments=((30, 0.0),)).account(delta=1e-5)
+
+
+def test_the_plan_holds_clip_norm_accountant_and_seed_policy():
+    from dp_accounting import pld, rdp
+    import dp_accounting as dpa
+
+    from dpmf.accountants.registry import RDP, MonteCarlo
+
+    plan = PrivatePlan(1000, 10, steps=50, clip_norm=0.5, accountant="rdp").calibrate(2.0, 1e-5)
+    assert isinstance(plan.accountant, RDP) and plan.privacy.accountant == "rdp"
+    acc = rdp.RdpAccountant()
+    acc.compose(dpa.PoissonSampledDpEvent(0.01, dpa.GaussianDpEvent(plan.noise_multiplier)), 50)
+    assert plan.privacy.epsilon == pytest.approx(acc.get_epsilon(1e-5), rel=1e-6)
+    # ε after 20 steps is measured by the plan's accountant (RDP), not the scheme's default (PLD)
+    acc20 = rdp.RdpAccountant()
+    acc20.compose(dpa.PoissonSampledDpEvent(0.01, dpa.GaussianDpEvent(plan.noise_multiplier)), 20)
+    assert plan.epsilon_after(20).epsilon == pytest.approx(acc20.get_epsilon(1e-5), rel=1e-6)
+    assert plan.noise_std() == pytest.approx(plan.noise_multiplier * 0.5)
+    assert plan.to_dict()["clip_norm"] == 0.5 and plan.to_dict()["accountant"] == "rdp"
+    # the settings survive derived plans; σ and ε are kept by with_settings
+    kept = plan.with_settings(clip_norm=2.0)
+    assert kept.clip_norm == 2.0 and kept.noise_multiplier == plan.noise_multiplier
+    assert kept.privacy is plan.privacy and plan.truncated(10).accountant == plan.accountant
+    # a Monte Carlo specification carries its own settings (fixed order, DP-SGD: Gaussian)
+    spec = MonteCarlo(samples=20_000, seed=3, confidence=None)
+    mc = PrivatePlan(1000, 10, steps=5, scheme="fixed_order", accountant=spec)
+    res = mc.account(1.0, delta=1e-3)
+    assert res.accountant == "monte_carlo" and res.samples == 20_000 and res.guarantee == "estimate"
+    assert res.epsilon == mc.account(1.0, delta=1e-3, accountant="monte_carlo", samples=20_000, seed=3,
+                                     confidence=None).epsilon
+    ref = pld.PLDAccountant()
+    ref.compose(dpa.GaussianDpEvent(1.0), 1)  # each example in one step of the epoch
+    assert res.epsilon == pytest.approx(ref.get_epsilon(1e-3), rel=0.1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(clip_norm=0.0), ValueError, "clip_norm=0.0 is invalid"),
+        (dict(clip_norm=float("nan")), ValueError, "clip_norm=nan is invalid"),
+        (dict(accountant="monte_carlo"), ValueError, "accountant='monte_carlo' is invalid for scheme='poisson'"),
+        (dict(accountant="magic"), ValueError, "accountant='magic' is invalid"),
+        (dict(accountant=3), TypeError, "accountant=3 is invalid"),
+        (dict(seed=-1), ValueError, "seed=-1 is invalid"),
+    ],
+)
+def test_bad_plan_settings_are_refused_in_one_line(kwargs, error, match):
+    with pytest.raises(error, match=match) as info:
+        PrivatePlan(100, 10, steps=5, **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_a_privatizer_refuses_a_clip_norm_other_than_the_plans():
+    from dpmf.optim.privatize import Privatizer
+
+    plan = _plan()
+    noise = plan.noise(sum(p.numel() for p in _model().parameters()), 1, dtype=torch.float64)
+    with pytest.raises(ValueError, match="the plan's clip_norm is 0.7"):
+        Privatizer(_model(), F.cross_entropy, plan=plan, clip_norm=1.0, noise=noise)

@@ -69,8 +69,16 @@ def _collectives(process_group):
     return process_group if isinstance(process_group, Collectives) else TorchCollectives(process_group)
 
 
-def _policy(seed, comm) -> seeds.SeedPolicy:
-    policy = seed if isinstance(seed, seeds.SeedPolicy) else seeds.SeedPolicy.of(seed)
+def _policy(plan, seed, comm) -> seeds.SeedPolicy:
+    if seed is None:
+        policy = plan.seed_policy()
+    elif isinstance(seed, seeds.SeedPolicy):
+        policy = seed
+    else:
+        raise TypeError(
+            f"seed of type {type(seed).__name__} is invalid here: give an integer seed to the plan "
+            "(PrivatePlan(..., seed=…)); private_step takes None or a dpmf.seeds.SeedPolicy"
+        )
     if comm is not None and policy.is_secret:  # rank 0's secret key, sent in memory only
         key = comm.all_gather_object(policy.key if comm.rank == 0 else None)[0]
         policy = seeds.SeedPolicy.adopt(key, given=False)
@@ -82,7 +90,6 @@ def build_private_step(
     model: nn.Module,
     loss_fn: Callable,
     *,
-    clip_norm: float,
     seed=None,
     process_group=None,
     optimizer=None,
@@ -91,13 +98,13 @@ def build_private_step(
     """The private step of ``plan`` for ``model``: sampler, noise stream and privatizer.
 
     Args:
-        plan: a ``PrivatePlan`` with its noise multiplier (calibrated or given).
+        plan: a ``PrivatePlan`` with its noise multiplier (calibrated or given) and its
+            ``clip_norm`` ζ.
         model: the network (its trainable parameters get the noise; device and dtype of the
             noise are those of its first trainable parameter).
         loss_fn: ``loss_fn(output, target)`` → scalar on one example.
-        clip_norm: ζ > 0.
-        seed: a ``dpmf.seeds.SeedPolicy``, an integer seed (the key itself: reproducible) or
-            None (a fresh secret key).
+        seed: None (the plan's ``seed_policy()``) or a ``dpmf.seeds.SeedPolicy`` that
+            replaces it (a resumed run's key).
         process_group: None (one process), a ``torch.distributed`` process group or a
             ``dpmf.distributed.Collectives``: the step of ``DistributedPrivatizer``, the noise
             of one process split between the ranks (noise keys always ``chunked``).
@@ -109,7 +116,7 @@ def build_private_step(
         ``BoundPrivateStep``.
 
     Raises:
-        ValueError: the plan has no σ, the model has nothing trainable, a noise stream that
+        ValueError: the plan has no σ or clip norm, the model has nothing trainable, a noise stream that
             does not match, a sampler of another length (``Privatizer.draw_from``), or any
             argument of ``Privatizer`` out of range.
         TypeError: flags not ``ExecutionFlags``, a bad seed or process group.
@@ -118,8 +125,9 @@ def build_private_step(
     if not isinstance(flags, ExecutionFlags):
         raise TypeError(f"flags={flags!r} is invalid: must be a dpmf.distributed.ExecutionFlags")
     plan.require_noise_multiplier()
+    clip_norm = plan.require_clip_norm()
     comm = _collectives(process_group)
-    policy = _policy(seed, comm)
+    policy = _policy(plan, seed, comm)
     sampler = plan.sampler(policy.key)  # keyed by derive(key, "sampler")
     common = dict(
         plan=plan, clip_norm=clip_norm, micro_batch_size=flags.micro_batch_size, clipping=flags.clipping

@@ -224,7 +224,7 @@ class DistributedPrivatizer(Privatizer):
         collectives: ``TorchCollectives`` (a process group) or a simulated rank
             (``dpmf.distributed.collectives.simulate``).
         plan: the run's ``PrivatePlan`` with its noise multiplier (the same on every rank).
-        clip_norm: ζ > 0.
+        clip_norm: ζ > 0; default the plan's (``Privatizer``).
         seed: the run's key, the same on every rank (checked by a salted digest, never sent).
         mode: ``"sharded"`` (default), ``"replicated"`` or ``"rank0"``.
         optimizer: the optimizer to be used (optional): parameters it orthogonalizes by
@@ -246,8 +246,8 @@ class DistributedPrivatizer(Privatizer):
         *,
         collectives: Collectives,
         plan,
-        clip_norm: float,
         seed: int,
+        clip_norm: float | None = None,
         mode: str = "sharded",
         optimizer=None,
         check_every: int = 50,

@@ -256,9 +256,11 @@ class PrivateLocalRun:
             scheme=scheme,
             strategy=factorization,
             noise_multiplier=noise_multiplier,
+            clip_norm=clip_norm,
         )
         self.step = plan.private_step(
-            model, F.cross_entropy, clip_norm=clip_norm, seed=seed, flags=ExecutionFlags(noise_keys="stream")
+            model, F.cross_entropy, seed=seeds.SeedPolicy.adopt(seed, given=False),
+            flags=ExecutionFlags(noise_keys="stream"),
         )
         self.sampler, self.privatizer = self.step.sampler, self.step.privatizer
 
@@ -354,9 +356,12 @@ class AggregatorDPSGD:
         self.sigmas = np.asarray(sigmas, dtype=np.float64)
         n = int(y.shape[0])
         # one plan whose noise varies by segment of steps (the σ_t set by the clients' compliance)
-        plan = PrivatePlan(n, batch_size, steps=int(self.sigmas.size), noise_segments=_segments(self.sigmas))
+        plan = PrivatePlan(
+            n, batch_size, steps=int(self.sigmas.size), noise_segments=_segments(self.sigmas), clip_norm=clip_norm
+        )
         self.step = plan.private_step(
-            model, F.cross_entropy, clip_norm=clip_norm, seed=seed, flags=ExecutionFlags(noise_keys="stream")
+            model, F.cross_entropy, seed=seeds.SeedPolicy.adopt(seed, given=False),
+            flags=ExecutionFlags(noise_keys="stream"),
         )
         self.sampler = self.step.sampler
         self.clip_norm, self.lr = float(clip_norm), float(lr)

@@ -72,6 +72,20 @@ class PrivateStep:
     mean_norm: float
 
 
+def _clip_norm_of(plan, clip_norm) -> float:
+    """ζ: the plan's ``clip_norm``; a given one must agree with it (a plan without one takes it)."""
+    own = getattr(plan, "clip_norm", None)
+    if clip_norm is None:
+        return plan.require_clip_norm()
+    clip_norm = check_real("clip_norm", clip_norm, low=0.0, low_inclusive=False)
+    if own is not None and own != clip_norm:
+        raise ValueError(
+            f"clip_norm={clip_norm!r} is invalid: the plan's clip_norm is {own!r}; the clip norm is part "
+            "of the guarantee, so give it to the plan only"
+        )
+    return clip_norm
+
+
 class Privatizer:
     """Writes the private gradient g̃_t into ``p.grad`` of every trainable parameter.
 
@@ -83,7 +97,8 @@ class Privatizer:
             sensitivity s and the expected batch size B̄ are taken from it, and the noise stream
             must be the plan's (same strategy, same number of steps). Build the whole step with
             ``plan.private_step(…)``, which also binds the plan's sampler.
-        clip_norm: ζ > 0.
+        clip_norm: ζ > 0; default the plan's ``clip_norm`` (a given one must equal it; a plan
+            without one takes it).
         noise: the unit-scale correlated noise stream; its ``dim`` must equal the number of
             trainable entries and its device/dtype the model's.
         micro_batch_size: the most per-example gradients held at once; None: as many as fit
@@ -118,9 +133,9 @@ class Privatizer:
         model: nn.Module,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         *,
-        clip_norm: float,
         noise: CorrelatedNoise,
         plan,
+        clip_norm: float | None = None,
         micro_batch_size: int | None = None,
         clipping: str = "auto",
     ):
@@ -140,7 +155,7 @@ class Privatizer:
         self._written: list | None = None  # (param, grad tensor, its version) of the last step
         self.model = model
         self.loss_fn = loss_fn
-        self.clip_norm = check_real("clip_norm", clip_norm, low=0.0, low_inclusive=False)
+        self.clip_norm = _clip_norm_of(plan, clip_norm)
         self.noise_multiplier = check_real("noise_multiplier", noise_multiplier, low=0.0)
         self.sensitivity = check_real("sensitivity", sensitivity, low=0.0, low_inclusive=False)
         self.expected_batch_size = check_real(

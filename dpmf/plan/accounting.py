@@ -19,7 +19,7 @@ from dpmf.accountants.registry import accountants_for, get_accountant, make_acco
 from dpmf.accountants.result import Measurement, PrivacyResult
 from dpmf.plan.schemes import Poisson, check_sigma
 
-__all__ = ["account", "account_segments", "calibrate", "max_steps", "max_batch_size", "privacy_result"]
+__all__ = ["account", "accountant_of", "account_segments", "calibrate", "max_steps", "max_batch_size", "privacy_result"]
 
 
 def _check_plan(plan):
@@ -28,6 +28,36 @@ def _check_plan(plan):
     if not (callable(getattr(plan, "event", None)) and hasattr(plan, "scheme") and hasattr(plan, "strategy")):
         raise TypeError(f"plan={plan!r} is invalid: must be a dpmf.PrivatePlan")
     return plan
+
+
+_MC_SETTINGS = ("samples", "seed", "confidence", "progress")
+
+
+class _Keep:
+    """The default of a Monte Carlo setting not given: keep the specification's."""
+
+    def __repr__(self):
+        return "<the accountant's>"
+
+
+KEEP = _Keep()
+
+
+def accountant_of(plan, accountant=None, **settings):
+    """The accountant specification that measures ``plan``: ``accountant`` (a name or an
+    ``AccountantSpec``; None: the plan's own, ``plan.accountant``) with any Monte Carlo
+    ``settings`` given (``samples``, ``seed``, ``confidence``, ``progress``; ``KEEP`` keeps the
+    specification's) applied to a randomized one and ignored by the others.
+
+    Raises:
+        ValueError: an accountant the plan's scheme cannot use, or invalid settings.
+    """
+    given = {k: v for k, v in settings.items() if k in _MC_SETTINGS and v is not KEEP}
+    check_monte_carlo(given.get("samples"), given.get("seed", 0), given.get("confidence"))  # given: valid
+    spec = plan.accountant if accountant is None else plan.scheme.accountant_spec(accountant)
+    if given and type(spec).randomized:
+        spec = dataclasses.replace(spec, **given)
+    return spec
 
 
 def privacy_result(plan, sigma: float, meas: Measurement, details: dict | None = None) -> PrivacyResult:
@@ -63,11 +93,11 @@ def account(
     noise_multiplier: float | None = None,
     *,
     delta: float,
-    accountant: str | None = None,
-    samples: int | None = None,
-    seed: int = 0,
-    confidence: float | None = 0.99,
-    progress: bool | None = None,
+    accountant=None,
+    samples=KEEP,
+    seed=KEEP,
+    confidence=KEEP,
+    progress=KEEP,
 ) -> PrivacyResult:
     """ε at ``delta`` of the run described by ``plan``.
 
@@ -76,13 +106,14 @@ def account(
         noise_multiplier: σ > 0 (default: the plan's); the noise on C·G has std σ·ζ·s
             (s: ``plan.sensitivity``).
         delta: δ in (0, 1).
-        accountant: one of the scheme's ``accountants`` (None: its default — PLD, or Monte
+        accountant: an ``AccountantSpec`` or the name of one of the scheme's ``accountants``
+            (None: the plan's ``accountant``, by default the scheme's default — PLD, or Monte
             Carlo for the balls-in-bins schemes).
-        samples: Monte Carlo samples per direction; None: ``samples_needed(δ)``.
-        seed: Monte Carlo seed.
-        confidence: Monte Carlo confidence 1 − α of the certified ε; None reports a point
-            estimate (guarantee ``estimate``).
-        progress: Monte Carlo progress bar (None: only on a terminal).
+        samples, seed, confidence, progress: Monte Carlo settings that override the
+            specification's (not given: the specification's): samples per direction (default
+            ``samples_needed(δ)``), seed (0), confidence 1 − α of the certified ε (0.99; None in
+            the specification reports a point estimate, guarantee ``estimate``), progress bar
+            (only on a terminal).
 
     Returns:
         ``PrivacyResult`` (ε ≥ 0, never NaN; 0 when δ(0) ≤ δ).
@@ -93,10 +124,8 @@ def account(
     plan = _check_plan(plan)
     sigma = check_sigma(plan.require_noise_multiplier() if noise_multiplier is None else noise_multiplier)
     delta = check_delta(delta, plan.dataset_size)
-    name = plan.scheme.check_accountant(accountant)
-    samples, seed, confidence = check_monte_carlo(samples, seed, confidence)
-    event = plan.event(sigma)
-    meas = make_accountant(name, samples, seed, confidence, progress).epsilon(event, delta)
+    spec = accountant_of(plan, accountant, samples=samples, seed=seed, confidence=confidence, progress=progress)
+    meas = spec.build().epsilon(plan.event(sigma), delta)
     return privacy_result(plan, sigma, meas)
 
 
@@ -105,12 +134,12 @@ def calibrate(
     *,
     epsilon: float,
     delta: float,
-    accountant: str | None = None,
-    samples: int | None = None,
-    seed: int = 0,
-    confidence: float = 0.99,
+    accountant=None,
+    samples=KEEP,
+    seed=KEEP,
+    confidence=KEEP,
     rtol: float = 1e-3,
-    progress: bool | None = None,
+    progress=KEEP,
 ) -> PrivacyResult:
     """The smallest noise multiplier σ that meets (ε, δ) for ``plan`` under the accountant.
 
@@ -124,7 +153,8 @@ def calibrate(
         epsilon: target ε > 0.
         delta: target δ in (0, 1).
         accountant, samples, seed, progress: as in ``account``.
-        confidence: 1 − α of the Monte Carlo certificate, in (0, 1).
+        confidence: 1 − α of the Monte Carlo certificate, in (0, 1) (not given: the
+            specification's, 0.99 by default).
         rtol: relative tolerance on σ for the library accountants, in (0, 0.1].
 
     Returns:
@@ -137,22 +167,12 @@ def calibrate(
     plan = _check_plan(plan)
     epsilon = check_real("epsilon", epsilon, low=0.0, low_inclusive=False)
     delta = check_delta(delta, plan.dataset_size)
-    name = plan.scheme.check_accountant(accountant)
-    samples, seed, conf = check_monte_carlo(samples, seed, confidence)
-    if conf is None:
+    spec = accountant_of(plan, accountant, samples=samples, seed=seed, confidence=confidence, progress=progress)
+    mc = {k: getattr(spec, k) for k in _MC_SETTINGS} if type(spec).randomized else {}
+    if type(spec).randomized and mc["confidence"] is None:
         raise ValueError("confidence=None is invalid for calibrate: must be in (0, 1)")
     rtol = check_real("rtol", rtol, low=0.0, high=0.1, low_inclusive=False)
-    sigma, meas, extra = calibrate_event(
-        plan.event(1.0),
-        epsilon,
-        delta,
-        name,
-        samples=samples,
-        seed=seed,
-        confidence=conf,
-        rtol=rtol,
-        progress=progress,
-    )
+    sigma, meas, extra = calibrate_event(plan.event(1.0), epsilon, delta, type(spec).name, rtol=rtol, **mc)
     return privacy_result(plan, sigma, meas, extra)
 
 
@@ -257,7 +277,7 @@ def max_steps(
     epsilon = check_real("epsilon", epsilon, low=0.0)
     delta = check_delta(delta, plan.dataset_size)
     limit = check_int("limit", limit, minimum=1)
-    name = plan.scheme.check_accountant(accountant)
+    name = type(accountant_of(plan, accountant)).name
     samples, seed, conf = check_monte_carlo(samples, seed, confidence)
     spec = plan.label if strategy is None else strategy
     if isinstance(spec, str):
@@ -307,7 +327,7 @@ def max_batch_size(
         steps = check_int("steps", steps, minimum=1)
     else:
         epochs = check_int("epochs", epochs, minimum=1)
-    name = plan.scheme.check_accountant(accountant)
+    name = type(accountant_of(plan, accountant)).name
     samples, seed, conf = check_monte_carlo(samples, seed, confidence)
     spec = plan.label if strategy is None else strategy
     N = plan.dataset_size

@@ -2,17 +2,17 @@
 
 A plan holds the dataset size N, the expected batch size B, the number of steps n, the
 batch-sampling scheme (a ``dpmf.plan.schemes.Scheme``), the strategy C (a
-``dpmf.mechanisms.Factorization`` of the learning-rate workload A_χ) and the schedule χ, and,
-once calibrated, the noise multiplier σ. It is validated once, when built. From it, and only
+``dpmf.mechanisms.Factorization`` of the learning-rate workload A_χ) and the schedule χ, the
+clip norm ζ, the accountant specification, the seed policy and, once calibrated, the noise
+multiplier σ: everything the guarantee depends on. It is validated once, when built. From it, and only
 from it, come the sampler, the noise stream, the sensitivity, the privacy event, the accounting
 and the calibration, so that these cannot disagree:
 
     plan = PrivatePlan(dataset_size=60000, batch_size=256, epochs=10,
-                       scheme="cyclic_poisson", strategy="bsr:16")
+                       scheme="cyclic_poisson", strategy="bsr:16", clip_norm=1.0)
     plan = plan.calibrate(epsilon=3.0, delta=1e-5)         # a plan with its σ
-    sampler = plan.sampler(seed)                             # batches of the accounted scheme
-    noise = plan.noise(dim, seed)                            # (C⁻¹Z)_t of the strategy
-    std = plan.noise_std(clip_norm)                          # σ·ζ·s on the sum of clipped grads
+    step = plan.private_step(model, loss_fn)                 # sampler + noise + privatizer
+    std = plan.noise_std()                                   # σ·ζ·s on the sum of clipped grads
 
 One private step is then: batch from the sampler → per-example gradients → clip to ζ → sum →
 + σ·ζ·s·(C⁻¹Z)_t → ÷ B̄ (the public expected batch size ``plan.expected_batch_size``) →
@@ -29,7 +29,8 @@ from functools import cached_property
 import numpy as np
 
 from dpmf._memory import check_memory
-from dpmf._validation import check_int
+from dpmf import seeds
+from dpmf._validation import check_int, check_real
 from dpmf.accountants.library import to_dp_event
 from dpmf.mechanisms.factorizations import Factorization
 from dpmf.mechanisms.participation import Participation
@@ -136,6 +137,16 @@ class PrivatePlan:
             only: the run is the composition of the segments' subsampled Gaussian mechanisms,
             ``dpmf.plan.api.account_segments``). A segment with σ_i = 0 adds no noise: such a
             plan has no finite ε and ``account`` refuses it. None: one σ.
+        clip_norm: ζ > 0, the per-example clip norm (the sensitivity of one example's
+            gradient); needed by ``private_step`` and ``noise_std``. None: not yet chosen.
+        accountant: the accountant that measures this plan: a specification from
+            ``dpmf.accountants.registry`` (e.g. ``MonteCarlo(samples=10**6, confidence=0.99)``,
+            carrying its own settings), a registered name, or None (the scheme's default).
+            ``account``, ``calibrate`` and ``epsilon_after`` use it unless given another.
+        seed: the seed policy of the run's key: None (default) draws a fresh secret 256-bit
+            key from the OS when the private step is built; an integer is the key itself
+            (reproducible, and predictable to anyone who knows it: ``dpmf.seeds.NOTICE``).
+            Never printed (not in the repr nor in ``to_dict``).
 
     After construction ``scheme`` is a ``Scheme``, ``strategy`` a ``Factorization``, ``steps``
     an int and ``schedule`` a ``Schedule``.
@@ -158,6 +169,9 @@ class PrivatePlan:
     noise_multiplier: float | None = None
     privacy: object = dataclasses.field(default=None, repr=False)
     noise_segments: tuple | None = None
+    clip_norm: float | None = None
+    accountant: object = None
+    seed: int | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         b = steps_per_epoch(self.dataset_size, self.batch_size)
@@ -199,6 +213,11 @@ class PrivatePlan:
             setf("noise_multiplier", check_sigma(self.noise_multiplier))
         if self.noise_segments is not None:
             setf("noise_segments", _check_segments(self))
+        if self.clip_norm is not None:
+            setf("clip_norm", check_real("clip_norm", self.clip_norm, low=0.0, low_inclusive=False))
+        setf("accountant", scheme.accountant_spec(self.accountant))
+        if self.seed is not None:
+            setf("seed", seeds.check_seed(self.seed, "seed"))
         s = self.sensitivity
         if not (math.isfinite(s) and s > 0):
             raise ValueError(
@@ -258,13 +277,30 @@ class PrivatePlan:
         """B̄: the public expected number of examples per step, the private gradient's divisor."""
         return self.scheme.expected_batch_size(self)
 
-    def noise_std(self, clip_norm: float) -> float:
-        """σ·ζ·s, the noise standard deviation on the sum of clipped gradients.
+    def noise_std(self, clip_norm: float | None = None) -> float:
+        """σ·ζ·s, the noise standard deviation on the sum of clipped gradients (ζ: the plan's
+        ``clip_norm`` unless given).
 
         Raises:
-            ValueError: the plan has no noise multiplier yet (calibrate it or give one).
+            ValueError: the plan has no noise multiplier yet (calibrate it or give one), or no
+                clip norm.
         """
-        return self.require_noise_multiplier() * float(clip_norm) * self.sensitivity
+        zeta = self.require_clip_norm() if clip_norm is None else float(clip_norm)
+        return self.require_noise_multiplier() * zeta * self.sensitivity
+
+    def require_clip_norm(self) -> float:
+        """ζ, or a ValueError saying how to give one."""
+        if self.clip_norm is None:
+            raise ValueError(
+                "clip_norm is unknown for this plan: build it with PrivatePlan(..., clip_norm=ζ) or use "
+                "plan.replace(clip_norm=ζ)"
+            )
+        return self.clip_norm
+
+    def seed_policy(self) -> seeds.SeedPolicy:
+        """The run's key: the given ``seed`` (reproducible), or a fresh secret key from the OS
+        (``dpmf.seeds.SeedPolicy``; each call draws a new one)."""
+        return seeds.SeedPolicy.of(self.seed)
 
     def require_noise_multiplier(self) -> float:
         """σ (with ``noise_segments``: the smallest σ_i), or a ValueError saying how to get one."""
@@ -321,11 +357,13 @@ class PrivatePlan:
 
     def calibrate(self, epsilon: float, delta: float, accountant=None, **options) -> PrivatePlan:
         """This plan with the smallest σ that meets (ε, δ); its ``privacy`` holds the result
-        (``dpmf.plan.accounting.calibrate``)."""
-        from dpmf.plan.accounting import calibrate
+        (``dpmf.plan.accounting.calibrate``) and its ``accountant`` the specification used
+        (``accountant`` and Monte Carlo ``options`` as in ``account``)."""
+        from dpmf.plan.accounting import accountant_of, calibrate
 
-        res = calibrate(self, epsilon=epsilon, delta=delta, accountant=accountant, **options)
-        return self.with_noise(res.noise_multiplier, privacy=res)
+        spec = accountant_of(self, accountant, **options)
+        res = calibrate(self, epsilon=epsilon, delta=delta, accountant=spec, rtol=options.get("rtol", 1e-3))
+        return dataclasses.replace(self, noise_multiplier=res.noise_multiplier, privacy=res, accountant=spec)
 
     def epsilon_after(self, steps: int, *, delta: float | None = None, accountant=None, **options):
         """The ``PrivacyResult`` of the first ``steps`` steps, for a run stopped early.
@@ -346,15 +384,10 @@ class PrivatePlan:
             if self.privacy is None:
                 raise ValueError("delta is required: this plan has no privacy result to take it from")
             delta = self.privacy.delta
-        if accountant is None and self.privacy is not None:
-            accountant = self.privacy.accountant
         if steps == self.steps:
             known = self.privacy
-            if (
-                known is not None
-                and known.delta == delta
-                and known.accountant == self.scheme.check_accountant(accountant)
-            ):
+            spec = self.accountant if accountant is None else self.scheme.accountant_spec(accountant)
+            if known is not None and known.delta == delta and known.accountant == type(spec).name:
                 return known
             return account(self, sigma, delta=delta, accountant=accountant, **options)
         part = self.truncated(steps)
@@ -372,13 +405,39 @@ class PrivatePlan:
             )
         q = self.sampling_rate
         segs = [(sigma, q, count) for count, sigma in self.noise_segments]
-        return account_segments(segs, delta=delta, accountant=accountant or "pld")
+        name = type(self.accountant if accountant is None else self.scheme.accountant_spec(accountant)).name
+        return account_segments(segs, delta=delta, accountant=name)
 
     # -- derived plans ----------------------------------------------------------------------
 
     def with_noise(self, noise_multiplier: float, *, privacy=None) -> PrivatePlan:
         """This plan with σ = ``noise_multiplier`` (and its accounting ``privacy``, if known)."""
         return dataclasses.replace(self, noise_multiplier=check_sigma(noise_multiplier), privacy=privacy)
+
+    def with_settings(self, *, clip_norm: float | None = None, seed: int | None = None) -> PrivatePlan:
+        """This plan with its clip norm ζ and its seed policy (None keeps the plan's), σ and
+        ``privacy`` kept: neither changes ε (the noise std σ·ζ·s scales with ζ).
+
+        Raises:
+            ValueError / TypeError: ζ not > 0, or a seed not an integer ≥ 0.
+        """
+        return dataclasses.replace(
+            self,
+            clip_norm=self.clip_norm if clip_norm is None else clip_norm,
+            seed=self.seed if seed is None else seed,
+        )
+
+    def with_accountant(self, accountant=None, **settings) -> PrivatePlan:
+        """This plan measured by ``accountant`` (a name or ``AccountantSpec``; None: the plan's)
+        with Monte Carlo ``settings`` applied (``dpmf.plan.accounting.accountant_of``); σ kept,
+        ``privacy`` dropped (it was measured by the previous accountant).
+
+        Raises:
+            ValueError: an accountant the scheme cannot use, or invalid settings.
+        """
+        from dpmf.plan.accounting import accountant_of
+
+        return dataclasses.replace(self, accountant=accountant_of(self, accountant, **settings), privacy=None)
 
     def truncated(self, steps: int) -> PrivatePlan:
         """The plan of the first ``steps`` steps: the leading block of the strategy, the same
@@ -391,6 +450,9 @@ class PrivatePlan:
             scheme=self.scheme.frozen_for(self),
             strategy=block,
             schedule=self.schedule,
+            clip_norm=self.clip_norm,
+            accountant=self.accountant,
+            seed=self.seed,
         )
 
     def replace(self, **changes) -> PrivatePlan:
@@ -404,6 +466,9 @@ class PrivatePlan:
             "schedule": self.schedule,
             "noise_multiplier": None,
             "privacy": None,
+            "clip_norm": self.clip_norm,
+            "accountant": self.accountant,
+            "seed": self.seed,
         }
         if "epochs" in changes or "steps" in changes:
             args.update({k: changes.pop(k, None) for k in ("steps", "epochs")})
@@ -438,16 +503,16 @@ class PrivatePlan:
             self.strategy, dim, seed=seed, device=device, mode=mode, keys=keys, **kwargs
         )
 
-    def private_step(
-        self, model, loss_fn, *, clip_norm: float, seed=None, process_group=None, optimizer=None, flags=None
-    ):
+    def private_step(self, model, loss_fn, *, seed=None, process_group=None, optimizer=None, flags=None):
         """The run's private step: this plan's sampler, noise stream and privatizer, built
-        together (``dpmf.distributed.private_step.build_private_step``; needs torch).
+        together at the plan's σ and ``clip_norm`` (``dpmf.distributed.private_step.
+        build_private_step``; needs torch).
 
         Args:
             model, loss_fn: the network and ``loss_fn(output, target)`` on one example.
-            clip_norm: ζ > 0.
-            seed: a ``dpmf.seeds.SeedPolicy``, an integer seed, or None (a fresh secret key).
+            seed: None (the plan's ``seed_policy()``: its given seed, else a fresh secret key)
+                or a ``dpmf.seeds.SeedPolicy`` that replaces it (the key a resumed run adopts
+                from its checkpoint, or a key derived for one part of a larger run).
             process_group: None, a ``torch.distributed`` group or a ``dpmf`` ``Collectives``.
             optimizer: with a process group, the optimizer (its Newton–Schulz parameters weigh
                 in the choice of owners).
@@ -456,22 +521,17 @@ class PrivatePlan:
 
         Returns:
             a ``BoundPrivateStep`` (``sampler``, ``noise``, ``privatizer`` bound to the
-            sampler's batches, ``batches``).
+            sampler's batches, ``batches``, ``policy``).
 
         Raises:
-            ValueError: the plan has no σ, or an argument out of range (named).
+            ValueError: the plan has no σ or no clip norm, or an argument out of range (named).
+            TypeError: ``seed`` neither None nor a ``SeedPolicy`` (an integer seed belongs in
+                the plan: ``PrivatePlan(..., seed=…)``).
         """
         from dpmf.distributed.private_step import build_private_step
 
         return build_private_step(
-            self,
-            model,
-            loss_fn,
-            clip_norm=clip_norm,
-            seed=seed,
-            process_group=process_group,
-            optimizer=optimizer,
-            flags=flags,
+            self, model, loss_fn, seed=seed, process_group=process_group, optimizer=optimizer, flags=flags
         )
 
     def to_dict(self) -> dict:
@@ -489,6 +549,8 @@ class PrivatePlan:
             "sampling_rate": self.sampling_rate,
             "expected_batch_size": self.expected_batch_size,
             "noise_multiplier": self.noise_multiplier,
+            "clip_norm": self.clip_norm,
+            "accountant": self.accountant.name,
             **(
                 {}
                 if self.noise_segments is None

@@ -68,7 +68,7 @@ from dpmf.accountants.events import (
     MixtureGaussianEvent,
     PoissonGaussianEvent,
 )
-from dpmf.accountants.registry import ACCOUNTANTS, AllocationPLD, MonteCarlo, accountants_for
+from dpmf.accountants.registry import ACCOUNTANTS, AccountantSpec, AllocationPLD, MonteCarlo, accountants_for
 from dpmf.mechanisms.participation import Participation
 from dpmf.mechanisms.registry import STRATEGIES
 from dpmf.mechanisms.sensitivity import gram, sensitivity
@@ -212,6 +212,25 @@ class Scheme:
                 f"{' or '.join(self.accountants)}"
             )
         return accountant
+
+    def accountant_spec(self, accountant) -> AccountantSpec:
+        """The accountant specification of a plan under this scheme: ``accountant`` itself (an
+        ``AccountantSpec``), the default settings of a registered name, or the scheme's default
+        accountant for None.
+
+        Raises:
+            ValueError: an unknown accountant, or one that cannot measure this scheme's event.
+            TypeError: neither None, a name nor an ``AccountantSpec``.
+        """
+        if isinstance(accountant, AccountantSpec):
+            self.check_accountant(type(accountant).name)
+            return accountant
+        if accountant is not None and not isinstance(accountant, str):
+            raise TypeError(
+                f"accountant={accountant!r} is invalid: must be a name ({', '.join(self.accountants)}), "
+                "a dpmf.accountants.registry.AccountantSpec, or None"
+            )
+        return ACCOUNTANTS[self.check_accountant(accountant)]()
 
     def check_strategy(self, run) -> None:
         """Raise ValueError, with the reason, when this scheme cannot account ``run``'s

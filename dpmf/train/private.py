@@ -730,19 +730,27 @@ def make_private(
         seed,
         progress,
     )
-    plan = PrivatePlan(N, batch_size, steps=n, scheme=scheme_name, strategy=spec, schedule=schedule)
-    mc = dict(accountant=accountant, seed=0 if seed is None else seed, progress=progress)
+    plan = PrivatePlan(
+        N,
+        batch_size,
+        steps=n,
+        scheme=scheme_name,
+        strategy=spec,
+        schedule=schedule,
+        clip_norm=clip_norm,
+        accountant=accountant,
+        seed=seed,
+    ).with_accountant(seed=0 if seed is None else seed, progress=progress)
     if noise_multiplier is not None:
-        res = plan.account(noise_multiplier, delta=target_delta, **mc) if target_delta is not None else None
+        res = plan.account(noise_multiplier, delta=target_delta) if target_delta is not None else None
         plan = plan.with_noise(noise_multiplier, privacy=res)
     else:
-        plan = plan.calibrate(target_epsilon, target_delta, **mc)
+        plan = plan.calibrate(target_epsilon, target_delta)
     if policy.notice:
         print(policy.notice, file=sys.stderr)
     step = plan.private_step(
         module,
         loss_fn,
-        clip_norm=clip_norm,
         seed=policy,
         process_group=comm,
         optimizer=optimizer,

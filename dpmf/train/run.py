@@ -205,12 +205,14 @@ def plan_for(config: TrainConfig, dataset_size: int, *, progress: bool = False, 
         ValueError: a strategy the scheme cannot account, or a target no σ meets.
     """
     n = config.epochs * steps_per_epoch(dataset_size, config.batch_size)
-    mc = dict(accountant=config.accountant, samples=config.samples, seed=_mc_seed(config), progress=progress)
+    mc = dict(samples=config.samples, seed=_mc_seed(config), progress=progress)
+    own = dict(clip_norm=config.clip_norm, seed=config.seed)
     if config.factorization == "auto":  # pick's winner: built and calibrated once, by pick
         config, plan = choose_strategy(config, dataset_size, n, progress=progress, log=log)
         if _same_calibration(plan, config):
-            return config, plan
-        return config, plan.replace(strategy=plan.strategy).calibrate(config.epsilon, config.delta, **mc)
+            return config, plan.with_settings(**own)
+        plan = plan.replace(strategy=plan.strategy, accountant=config.accountant, **own)
+        return config, plan.with_accountant(**mc).calibrate(config.epsilon, config.delta)
     plan = PrivatePlan(
         dataset_size,
         config.batch_size,
@@ -218,11 +220,14 @@ def plan_for(config: TrainConfig, dataset_size: int, *, progress: bool = False, 
         scheme=config.scheme,
         strategy=config.factorization,
         schedule=Schedule(config.schedule, config.beta, config.gamma),
+        accountant=config.accountant,
+        **own,
     )
+    plan = plan.with_accountant(**mc)  # the accountant with the run's Monte Carlo settings
     if config.noise_multiplier is not None:
-        privacy = plan.account(config.noise_multiplier, delta=config.delta, **mc)
+        privacy = plan.account(config.noise_multiplier, delta=config.delta)
         return config, plan.with_noise(config.noise_multiplier, privacy=privacy)
-    return config, plan.calibrate(config.epsilon, config.delta, **mc)
+    return config, plan.calibrate(config.epsilon, config.delta)
 
 
 def _same_calibration(plan: PrivatePlan, config: TrainConfig) -> bool:
@@ -515,7 +520,6 @@ def train(
     step = plan.private_step(
         model,
         F.cross_entropy,
-        clip_norm=config.clip_norm,
         seed=policy,
         process_group=collectives,
         optimizer=optimizer,
