@@ -339,11 +339,15 @@ class _AggregatorServer(ServerPart):
             eps, acc, guar = math.inf, "none", "upper_bound"
         self.entries = [
             mode.entry(
-                config, subject=f"aggregator dataset (N={n_agg})", epsilon=eps, accountant=acc,
+                config,
+                subject=f"aggregator dataset (N={n_agg})",
+                epsilon=eps,
+                accountant=acc,
                 guarantee=guar,
-                noise_multiplier=float(steps.min()) if config.server_noise else 0.0, steps=int(steps.size),
+                noise_multiplier=float(steps.min()) if config.server_noise else 0.0,
+                steps=int(steps.size),
                 dataset_size=n_agg,
-            )  # fmt: skip
+            )
         ]
 
     def _privacy(self, steps):
@@ -463,11 +467,16 @@ class _RecordClients(ClientPart):
             pr = self.runs[j].privacy
             self.entries.append(
                 self.mode.entry(
-                    config, subject=self.ids[j], client=self.ids[j], epsilon=pr.epsilon,
+                    config,
+                    subject=self.ids[j],
+                    client=self.ids[j],
+                    epsilon=pr.epsilon,
                     accountant=pr.accountant,
-                    guarantee=pr.guarantee, noise_multiplier=float(sigmas[j]), steps=pr.steps,
+                    guarantee=pr.guarantee,
+                    noise_multiplier=float(sigmas[j]),
+                    steps=pr.steps,
                     dataset_size=int(y.shape[0]),
-                )  # fmt: skip
+                )
             )
 
     def train(self, j, weights, steps, proximal_mu, server_round):
@@ -552,10 +561,16 @@ class _ClientServer(ServerPart):
         pr = self.noise.privacy
         self.entries = [
             mode.entry(
-                config, subject=f"each of the {P} participating clients", epsilon=pr.epsilon,
-                accountant=pr.accountant, guarantee=pr.guarantee, noise_multiplier=self.sigma_c, steps=R,
-                dataset_size=P, note=note,
-            )  # fmt: skip
+                config,
+                subject=f"each of the {P} participating clients",
+                epsilon=pr.epsilon,
+                accountant=pr.accountant,
+                guarantee=pr.guarantee,
+                noise_multiplier=self.sigma_c,
+                steps=R,
+                dataset_size=P,
+                note=note,
+            )
         ]
 
     def select(self, msgs, grid):
