@@ -30,6 +30,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from dpmf.federated._registry import PRIVACY_MODES
+
 __all__ = ["VACUOUS_EPSILON", "PrivacyEntry", "format_entry"]
 
 VACUOUS_EPSILON = 10.0
@@ -66,10 +68,13 @@ class PrivacyEntry:
     note: str = ""
 
     def __post_init__(self):
-        for name in ("mode", "protects"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not value:
-                raise ValueError(f"{name}={value!r} is invalid: must be a non-empty string (the mode's)")
+        if self.mode not in PRIVACY_MODES:
+            raise ValueError(
+                f"mode={self.mode!r} is invalid: must be a registered privacy mode, one of "
+                f"{tuple(PRIVACY_MODES)} (dpmf.federated.modes)"
+            )
+        if not isinstance(self.protects, str) or not self.protects:
+            raise ValueError(f"protects={self.protects!r} is invalid: must be the mode's unit (non-empty)")
         if math.isnan(self.epsilon) or self.epsilon < 0:
             raise ValueError(f"epsilon={self.epsilon!r} is invalid: must be >= 0")
 

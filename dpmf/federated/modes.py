@@ -52,6 +52,7 @@ import numpy as np
 
 from dpmf import seeds
 from dpmf._validation import check_choice, check_int, check_real
+from dpmf.federated._registry import PRIVACY_MODES as _REGISTRY
 from dpmf.federated.ledger import PrivacyEntry
 
 __all__ = [
@@ -270,7 +271,9 @@ class PrivacyMode:
         )  # fmt: skip
 
 
-PRIVACY_MODES: dict[str, type[PrivacyMode]] = {}
+#: name → ``PrivacyMode`` class, in registration order (stored in ``_registry``, which the
+#: ledger reads).
+PRIVACY_MODES: dict[str, type[PrivacyMode]] = _REGISTRY
 
 
 def register_privacy_mode(cls: type[PrivacyMode]) -> type[PrivacyMode]:
