@@ -1,7 +1,10 @@
 """A compliance-aware federated run on Flower: configuration, ClientApp, ServerApp, results.
 
-One round (r = 1..R), for the P participating clients (all clients, or only the compliant ones
-for the compliant-only baseline):
+The privacy mode (``FLConfig.privacy``) is an object of the registry ``dpmf.federated.modes``:
+its server part (``ServerPart``) and client part (``ClientPart``) do what differs between modes
+(steps 2, 3 and 5 below, and the ledger); this module only runs the rounds. One round
+(r = 1..R), for the P participating clients (all clients, or only the compliant ones for the
+compliant-only baseline), with the built-in modes:
 
 1. the strategy's ``configure_train`` sends the global weights to every participant;
 2. each ClientApp trains locally — plain SGD (``aggregator``, ``client``) or dpmf's private step
