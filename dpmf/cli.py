@@ -977,26 +977,7 @@ _FL_FLAGS = (
     ("--local-steps", "local_steps", int, "local steps per round L (default 5)"),
     ("--local-batch-size", "local_batch_size", int, "local (expected) batch size (default 16)"),
     ("--local-lr", "local_lr", float, "local learning rate (default 0.1)"),
-    ("--local-optimizer", "local_optimizer", str, lambda: f"record mode: {_optimizer_choices()}"),
-    ("--local-factorization", "local_factorization", str, "record mode: strategy of the local noise"),
-    ("--local-scheme", "local_scheme", str, "record mode: batch-sampling scheme (default poisson)"),
     ("--clip-norm", "clip_norm", float, "per-example clip norm ζ (record and aggregator modes; default 1)"),
-    ("--server-steps", "server_steps", int, "aggregator mode: server DP-SGD steps per participant per round"),
-    ("--server-batch-size", "server_batch_size", int, "aggregator mode: expected server batch (default 16)"),
-    ("--server-lr", "server_lr", float, "aggregator mode: server DP-SGD step size (default 0.1)"),
-    ("--client-clip", "client_clip", float, "client mode: bound on each client's update norm (default 1)"),
-    (
-        "--client-noise-multiplier",
-        "client_noise_multiplier",
-        float,
-        "client mode: σ_c (default: largest σ_k)",
-    ),
-    (
-        "--client-factorization",
-        "client_factorization",
-        str,
-        "client mode: identity or a strategy, e.g. bisr:4",
-    ),
     ("--proximal-mu", "proximal_mu", float, "FedProx μ (default 0.01)"),
     ("--fedopt-eta", "fedopt_eta", float, "FedAdam/FedYogi server learning rate (default Flower's)"),
     ("--hidden", "hidden", int, "hidden width of the MLP (default 32)"),
@@ -1013,9 +994,22 @@ _FL_FLAGS = (
     ),
     ("--max-epsilon", "max_epsilon", float, "privacy budget: stop before the round whose ε would exceed it"),
     ("--eval-fraction", "eval_fraction", float, "share of each client's records held out for evaluation"),
-    ("--client-sampling", "client_sampling", str, "client mode: all (default) | poisson | fixed (cyclic)"),
-    ("--clients-per-round", "clients_per_round", int, "client sampling: K per round (expected: poisson)"),
 )
+
+
+def _fl_flags() -> tuple:
+    """``dpmf fl``'s settings flags: the common ones, then every registered privacy mode's
+    options (``dpmf.federated.modes``), as (flag, FLConfig field, type, help)."""
+    from dpmf.federated.modes import PRIVACY_MODES
+
+    return _FL_FLAGS + tuple(tuple(o) for mode in PRIVACY_MODES.values() for o in mode.options)
+
+
+def _privacy_help() -> str:
+    from dpmf.federated.modes import PRIVACY_MODES
+
+    modes = "; ".join(f"{name}: {mode.summary}" for name, mode in PRIVACY_MODES.items())
+    return f"{'|'.join(PRIVACY_MODES)} (default aggregator). {modes}"
 
 
 def _add_fl(sub):
@@ -1033,7 +1027,7 @@ def _add_fl(sub):
     p.add_argument("--clients", type=int, default=16, help="number of clients K (default 16)")
     p.add_argument("--rounds", type=int, default=50, help="rounds R (default 50)")
     p.add_argument("--strategy", default="fedavg", help="fedavg|fedmedian|fedprox|fedadam|fedyogi")
-    p.add_argument("--privacy", default="aggregator", help="aggregator|record|client")
+    p.add_argument("--privacy", default="aggregator", help=_privacy_help())
     p.add_argument(
         "--compliance", default=None, help="YAML of the clients' compliance profiles (default: example)"
     )
@@ -1068,7 +1062,7 @@ def _add_fl(sub):
         action="store_true",
         help="replace an earlier run's files in --out (its ledger is lost)",
     )
-    for flag, _, kind, text in _FL_FLAGS:
+    for flag, _, kind, text in _fl_flags():
         p.add_argument(flag, type=kind, default=None, help=text() if callable(text) else text)
     return p
 
@@ -1100,20 +1094,11 @@ def _criteria_weights(text: str) -> dict:
 
 
 def _run_fl(args) -> int:
-    from dpmf._validation import check_choice, check_int
-    from dpmf.federated.compliance import NoiseMap, check_weights
+    from dpmf._validation import check_int
     from dpmf.federated.report import parse_seeds
 
-    check_choice("backend", args.backend, ("local", "ray"))
-    threads = check_int("threads", args.threads, minimum=1)
-    if args.noise_map == "table":
-        if args.noise_table is None:
-            raise UsageError("--noise-map table needs --noise-table (e.g. 0:2.0,0.5:1.2,0.8:0.8)")
-        noise_map = NoiseMap("table", table=_noise_table(args.noise_table))
-    else:
-        if args.noise_table is not None:
-            raise UsageError("--noise-table needs --noise-map table")
-        noise_map = NoiseMap(args.noise_map, args.sigma_min, args.sigma_max)
+    threads = _fl_preflight(args)
+    noise_map = _fl_noise_map(args)
     if args.seeds is not None and args.replicas is not None:
         raise UsageError(
             "--seeds and --replicas are exclusive: give seeds (reproducible) or replicas (secret keys)"
@@ -1122,7 +1107,52 @@ def _run_fl(args) -> int:
     replicas = 1 if args.replicas is None else check_int("replicas", args.replicas, minimum=1)
     weights = None
     if args.criteria_weights is not None:
+        from dpmf.federated.compliance import check_weights
+
         weights = check_weights(_criteria_weights(args.criteria_weights))
+    _fl_files(args)
+    config = _fl_config(args, noise_map)
+    compliance = _fl_compliance(args, weights, config.num_clients)
+    import torch
+
+    torch.set_num_threads(threads)
+    from dpmf.federated.report import run_seeds, summarize
+
+    try:
+        results = run_seeds(
+            config, seeds, replicas=replicas, out_dir=args.out, compliance=compliance, backend=args.backend
+        )
+    except (ImportError, FileNotFoundError) as exc:
+        raise UsageError(str(exc)) from None
+    print(summarize(results))
+    print(f"wrote {args.out}/{{metrics.csv, ledger.json, summary.csv}}")
+    return 0
+
+
+def _fl_preflight(args) -> int:
+    """The backend's name and the thread count (returned) of ``dpmf fl``."""
+    from dpmf._validation import check_choice, check_int
+
+    check_choice("backend", args.backend, ("local", "ray"))
+    return check_int("threads", args.threads, minimum=1)
+
+
+def _fl_noise_map(args):
+    """The score → σ map of ``--noise-map``/``--sigma-min``/``--sigma-max``/``--noise-table``."""
+    from dpmf.federated.compliance import NoiseMap
+
+    if args.noise_map == "table":
+        if args.noise_table is None:
+            raise UsageError("--noise-map table needs --noise-table (e.g. 0:2.0,0.5:1.2,0.8:0.8)")
+        return NoiseMap("table", table=_noise_table(args.noise_table))
+    if args.noise_table is not None:
+        raise UsageError("--noise-table needs --noise-map table")
+    return NoiseMap(args.noise_map, args.sigma_min, args.sigma_max)
+
+
+def _fl_files(args) -> None:
+    """The input files exist, Flower is installed, and ``--out`` holds no earlier ledger (unless
+    ``--overwrite``)."""
     if args.compliance is not None and not os.path.isfile(args.compliance):
         raise UsageError(f"--compliance {args.compliance!r} is invalid: no such file")
     if args.data_file is not None and not os.path.isfile(args.data_file):
@@ -1138,17 +1168,23 @@ def _run_fl(args) -> int:
             f"--out {args.out!r} is invalid: it holds an earlier federated run (ledger.json), whose "
             "privacy ledger would be lost; choose another folder, or pass --overwrite"
         )
+
+
+def _fl_config(args, noise_map):
+    """The ``FLConfig`` of the flags (the settings flags given override its defaults; options that
+    the partition or strategy ignores are refused first)."""
+    from dpmf.federated.checks import flag_conflicts
     from dpmf.federated.run import FLConfig
 
-    overrides = {field: getattr(args, flag.lstrip("-").replace("-", "_")) for flag, field, _, _ in _FL_FLAGS}
-    from dpmf.federated.checks import flag_conflicts
-
+    overrides = {
+        field: getattr(args, flag.lstrip("-").replace("-", "_")) for flag, field, _, _ in _fl_flags()
+    }
     flag_conflicts(
         [k for k, v in overrides.items() if v is not None],
         partition=overrides["partition"] or "iid",
         strategy=args.strategy,
     )
-    config = FLConfig(
+    return FLConfig(
         dataset=args.dataset,
         num_clients=args.clients,
         rounds=args.rounds,
@@ -1159,30 +1195,21 @@ def _run_fl(args) -> int:
         noise_map=noise_map,
         **{k: v for k, v in overrides.items() if v is not None},
     )
-    compliance = None
+
+
+def _fl_compliance(args, weights, num_clients: int):
+    """The clients' profiles: ``--compliance``'s file, the example's with ``--criteria-weights``,
+    or None (the example)."""
     if args.compliance is not None:
         from dpmf.federated.compliance import load_profiles
 
-        compliance = load_profiles(args.compliance, weights=weights)
-    elif weights is not None:
-        from dpmf.federated.compliance import ComplianceSet, example_profiles
+        return load_profiles(args.compliance, weights=weights)
+    if weights is None:
+        return None
+    from dpmf.federated.compliance import ComplianceSet, example_profiles
 
-        ex = example_profiles(config.num_clients)
-        compliance = ComplianceSet(ex.profiles, weights, ex.compliant_threshold, source="example")
-    import torch
-
-    torch.set_num_threads(threads)
-    from dpmf.federated.report import run_seeds, summarize
-
-    try:
-        results = run_seeds(
-            config, seeds, replicas=replicas, out_dir=args.out, compliance=compliance, backend=args.backend
-        )
-    except (ImportError, FileNotFoundError) as exc:
-        raise UsageError(str(exc)) from None
-    print(summarize(results))
-    print(f"wrote {args.out}/{{metrics.csv, ledger.json, summary.csv}}")
-    return 0
+    ex = example_profiles(num_clients)
+    return ComplianceSet(ex.profiles, weights, ex.compliant_threshold, source="example")
 
 
 _COMMANDS.append(("fl", _add_fl, _run_fl))

@@ -320,7 +320,7 @@ def test_client_mode_mean_is_the_clipped_mean_plus_one_noise_before_the_server_o
     rec = ArrayRecord({k: Array(v.astype(np.float32)) for k, v in base.items()})
     with server_identity():
         replies = grid.send_and_receive(list(server.strategy.configure_train(1, rec, ConfigRecord(), grid)))
-    replies = server._privatize_replies(replies, rec, 1)
+    replies = server.part.privatize(replies, rec, 1)
     # FedAvg's mean of the privatized replies, from Flower's own aggregation
     from flwr.serverapp.strategy import FedAvg
 

@@ -3,7 +3,8 @@
 Institutions (clients) train one model with Flower's Message API (``ServerApp``/``ClientApp``)
 and Flower's own strategies (FedAvg, FedMedian, FedProx, FedAdam, FedYogi). Each client's
 public compliance profile (HIPAA, GDPR, NIST, ISO, HL7/FHIR scores; ``compliance``) sets its
-noise multiplier. Three privacy modes, each with the unit its ε protects (``ledger``):
+noise multiplier. Privacy modes are objects in a registry (``modes``: ``PRIVACY_MODES``,
+``register_privacy_mode``), each with the unit its ε protects (``ledger``); three are built in:
 
 * ``aggregator`` — server-side DP-SGD on a small aggregator dataset after each aggregation,
   per-step noise from the participants' scores; ε of the aggregator dataset's records;
@@ -12,7 +13,7 @@ noise multiplier. Three privacy modes, each with the unit its ε protects (``led
 * ``client`` — clipped client updates, one Gaussian noise on their mean (optionally correlated
   across rounds); ε of a whole client.
 
-Modules: ``compliance`` and ``ledger`` (numpy only), ``data`` (MedMNIST files, stand-ins,
+Modules: ``compliance``, ``ledger`` and ``modes`` (numpy only at import), ``data`` (MedMNIST files, stand-ins,
 partitions), ``models`` (torch), ``local`` (the one seam to dpmf's private-step machinery),
 ``strategies``, ``grid`` (in-process Flower Grid), ``run`` (``FLConfig``, ``run_federated``),
 ``report`` (several seeds, files and summary tables) and ``experiment`` (the grid of
@@ -35,18 +36,22 @@ from dpmf.federated.compliance import (
     load_profiles,
     uniform_control,
 )
-from dpmf.federated.ledger import UNITS, VACUOUS_EPSILON, PrivacyEntry, format_entry
+from dpmf.federated.ledger import VACUOUS_EPSILON, PrivacyEntry, format_entry
+from dpmf.federated.modes import PRIVACY_MODES, PrivacyMode, privacy_modes, register_privacy_mode
 
 __all__ = [
     "CRITERIA",
-    "UNITS",
+    "PRIVACY_MODES",
     "VACUOUS_EPSILON",
     "ComplianceProfile",
     "ComplianceSet",
     "NoiseMap",
     "PrivacyEntry",
+    "PrivacyMode",
     "example_profiles",
     "format_entry",
     "load_profiles",
+    "privacy_modes",
+    "register_privacy_mode",
     "uniform_control",
 ]

@@ -15,8 +15,12 @@ reproducible: same weights and ε). With ``seed = -1`` (default) the server draw
 (client-level and aggregator noise) and each client process draws its own for its record-level
 noise; no key leaves the process that drew it.
 
-Client state: ``record`` mode's private run (sampler position, noise stream) lives in the
-client's process for the whole run, and the number of private steps taken is kept in
+The mode (``privacy``) is taken from the registry (``dpmf.federated.modes``): the ServerApp
+builds its server part and its client part's ledger entries, the ClientApp its client part.
+
+Client state: a mode whose clients keep private state (``keeps_client_state``; ``record``
+mode's private run: sampler position, noise stream) keeps it in the client's process for the
+whole run, and the number of private steps taken is kept in
 ``context.state`` (``dpmf-record``). A node whose process lost the run (a simulation engine
 that moved it to another worker) is refused with an error rather than restarted, since
 restarting would replay its noise. ``aggregator`` and ``client`` modes keep no client state.
@@ -34,7 +38,7 @@ from flwr.serverapp import Grid, ServerApp
 from dpmf import seeds
 from dpmf.federated.compliance import NoiseMap, example_profiles
 from dpmf.federated.ledger import format_entry
-from dpmf.federated.runconfig import _KEYS, _MAP_KEYS
+from dpmf.federated.runconfig import _MAP_KEYS, run_config_keys
 
 __all__ = ["app", "clientapp", "config_from_run_config", "config_keys"]
 
@@ -43,8 +47,8 @@ _LOG = logging.getLogger("dpmf.federated.app")
 
 def config_keys() -> tuple[str, ...]:
     """The run-config keys understood (besides ``noise-map``, ``sigma-min``, ``sigma-max``,
-    ``seed``)."""
-    return tuple(_KEYS)
+    ``seed``): the common ones and every registered privacy mode's options."""
+    return tuple(run_config_keys())
 
 
 def config_from_run_config(run_config) -> object:
@@ -56,14 +60,14 @@ def config_from_run_config(run_config) -> object:
     """
     from dpmf.federated.run import FLConfig
 
-    cfg = dict(run_config)
-    unknown = sorted(set(cfg) - set(_KEYS) - set(_MAP_KEYS) - {"seed", "results-file"})
+    cfg, keys = dict(run_config), run_config_keys()
+    unknown = sorted(set(cfg) - set(keys) - set(_MAP_KEYS) - {"seed", "results-file"})
     if unknown:
         raise ValueError(
-            f"run config keys {unknown} are invalid: allowed are {sorted([*_KEYS, *_MAP_KEYS, 'seed'])}"
+            f"run config keys {unknown} are invalid: allowed are {sorted([*keys, *_MAP_KEYS, 'seed'])}"
         )
     kw = {}
-    for key, (field, kind) in _KEYS.items():
+    for key, (field, kind) in keys.items():
         if key in cfg and cfg[key] != "":
             kw[field] = kind(cfg[key])
     for field in ("max_epsilon", "client_noise_multiplier", "fedopt_eta"):
@@ -154,9 +158,10 @@ def main(grid: Grid, context: Context) -> None:
     if policy.notice:
         _log(policy.notice)
     server = _Server(config, data, comp, idx, sigmas, _log, policy.key)
-    if config.privacy == "record":  # the clients' (ε_k, δ): public facts σ_k, N_k, B, steps
-        _client_app(config, data, idx, sigmas, server.ids, server, policy.key)
-    stopped = _budget(config, server, data)
+    # the ledger entries of the mode's client part (record: the clients' (ε_k, δ), from public
+    # facts σ_k, N_k, B, steps); the clients train in their own processes
+    _client_app(config, data, idx, sigmas, server.ids, server, policy.key)
+    stopped = _budget(config, server)
     rows = server.serve(grid)
     for e in server.ledger:
         _log(f"privacy: {format_entry(e)}")
@@ -215,18 +220,19 @@ def train(msg: Message, context: Context) -> Message:
             "participants: set the simulation's num-supernodes to the number of participants"
         )
     inner_key, inner = _inner(config, comp, idx, sigmas, data)
-    if config.privacy == "record":
-        state = context.state.config_records.get("dpmf-record")
-        taken = int(state["steps-taken"]) if state is not None else 0
-        seen = _TAKEN.setdefault(inner_key, {})
-        j = int(context.node_config["partition-id"])
-        if taken != seen.get(j, 0):
-            raise RuntimeError(
-                f"node {j}: its private run took {taken} steps in another process; this process cannot "
-                "continue it without replaying noise (run record mode with one process per node)"
-            )
-        reply = inner(msg, context)
-        seen[j] = taken + int(msg.content["config"]["local-steps"])
-        context.state["dpmf-record"] = ConfigRecord({"steps-taken": seen[j]})
-        return reply
-    return inner(msg, context)
+    if not config.mode.keeps_client_state:
+        return inner(msg, context)
+    # the mode's clients keep private state (record: sampler, noise stream) in this process
+    state = context.state.config_records.get("dpmf-record")
+    taken = int(state["steps-taken"]) if state is not None else 0
+    seen = _TAKEN.setdefault(inner_key, {})
+    j = int(context.node_config["partition-id"])
+    if taken != seen.get(j, 0):
+        raise RuntimeError(
+            f"node {j}: its private run took {taken} steps in another process; this process cannot "
+            f"continue it without replaying noise (run {config.privacy} mode with one process per node)"
+        )
+    reply = inner(msg, context)
+    seen[j] = taken + int(msg.content["config"]["local-steps"])
+    context.state["dpmf-record"] = ConfigRecord({"steps-taken": seen[j]})
+    return reply

@@ -9,7 +9,8 @@ found by bisection (ε(r) is non-decreasing in r: the releases of r rounds are a
 those of r + 1), and its ledger holds ε(r*) with the reason. A budget that binds costs
 ⌈log₂ R⌉ accountings per entry; one that does not, none.
 
-ε after r rounds, per mode (each the exact accounting of the released prefix):
+ε after r rounds is the privacy mode's (``dpmf.federated.modes``, ``ServerPart.epsilons_after``),
+each the exact accounting of the released prefix; for the built-in modes:
 
 * ``aggregator``: the heterogeneous composition of the first r rounds' server steps
   (``local.aggregator_privacy``);
@@ -26,8 +27,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
-
 __all__ = ["BudgetStop", "plan_budget"]
 
 
@@ -39,61 +38,14 @@ class BudgetStop:
         self.rounds, self.epsilon, self.next_epsilon, self.reason = rounds, epsilon, next_epsilon, reason
 
 
-def _epsilons_after(
-    config, ledger, *, sigmas=(), sizes=(), steps_per_round_sigmas=(), sampling_rate=1.0, num_clients=1
-):
-    from dpmf.federated import local
-    from dpmf.plan.schemes import Poisson
-
-    mode = config.privacy
-    if mode == "record" and (config.local_factorization != "identity" or config.local_scheme != Poisson.name):
-        raise ValueError(
-            "max_epsilon is invalid with a correlated local strategy or a scheme other than poisson in "
-            "record mode: the ε of a prefix of that run is not accounted; drop --max-epsilon or use "
-            "--local-factorization identity --local-scheme poisson"
-        )
-    if mode == "client" and config.client_factorization != "identity":
-        raise ValueError(
-            "max_epsilon is invalid with correlated client noise: the ε of a prefix of a stream planned for "
-            "R rounds is not accounted; drop --max-epsilon or choose --rounds within the budget"
-        )
-
-    def eps(r: int) -> list[float]:
-        if r == 0:
-            return [0.0] * len(ledger)
-        if mode == "aggregator":
-            steps = np.tile(steps_per_round_sigmas, r)
-            pr = local.aggregator_privacy(
-                steps, sampling_rate=sampling_rate, delta=config.delta, accountant=config.accountant or "pld"
-            )
-            return [pr.epsilon]
-        if mode == "record":
-            return [
-                local.record_privacy(
-                    float(s), dataset_size=int(n), batch_size=config.local_batch_size,
-                    steps=r * config.local_steps, delta=config.delta, accountant=config.accountant,
-                ).epsilon
-                for s, n in zip(sigmas, sizes, strict=True)
-            ]  # fmt: skip
-        sigma_c = ledger[0].noise_multiplier
-        noise = local.ClientLevelNoise(  # its privacy only: the stream of dim 1 is never drawn
-            num_clients, r, noise_multiplier=sigma_c, clip_norm=1.0, delta=config.delta,
-            accountant=config.accountant, dim=1, seed=0,
-        )  # fmt: skip
-        return [noise.privacy.epsilon]
-
-    return eps
-
-
-def plan_budget(config, ledger, **facts) -> BudgetStop | None:
+def plan_budget(config, ledger, epsilons_after) -> BudgetStop | None:
     """Where the run stops under ``config.max_epsilon`` (None: no budget, or it does not bind).
 
     Args:
-        config: the ``FLConfig`` (``max_epsilon``, ``rounds``, the mode's settings).
+        config: the ``FLConfig`` (``max_epsilon``, ``rounds``).
         ledger: the ``PrivacyEntry`` list of the whole planned run (R rounds).
-        facts: ``sigmas``, ``sizes`` (record mode: each entry's σ_k and N_k),
-            ``steps_per_round_sigmas`` and ``sampling_rate`` (aggregator mode: one round's
-            server σ_t and the Poisson rate), ``num_clients`` (client mode: P).
+        epsilons_after: r ↦ ε of each ledger entry after r rounds (the privacy mode's
+            ``ServerPart.epsilons_after``; it raises ValueError when the mode accounts no prefix).
 
     Raises:
         ValueError: the budget is exceeded by the first round already, or the mode's prefix is
@@ -102,7 +54,7 @@ def plan_budget(config, ledger, **facts) -> BudgetStop | None:
     cap = config.max_epsilon
     if cap is None or max(e.epsilon for e in ledger) <= cap:
         return None
-    eps = _epsilons_after(config, ledger, **facts)
+    eps = epsilons_after
     lo, hi, hi_eps = 0, config.rounds, max(e.epsilon for e in ledger)
     lo_eps = [0.0] * len(ledger)
     while hi - lo > 1:

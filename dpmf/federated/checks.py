@@ -7,9 +7,10 @@ Two kinds of checks, both before any training:
   FedAdam/FedYogi, ``proximal_mu`` without FedProx): a ValueError naming the option, the
   setting that ignores it and the fix. It looks only at the options the user gave (the CLI
   passes the flags it received), since a default cannot be told from a given value.
-* ``check_data`` — the loaded partition against the run: ``record`` mode with a local batch
-  larger than a client's records is refused (Poisson sampling at rate B/N_k > 1 does not
-  exist; silently clamping it to 1 would change the accounted run); clients with fewer than
+* ``check_data`` — the loaded partition against the run: the privacy mode's own check
+  (``PrivacyMode.check_data``; ``record`` mode with a local batch larger than a client's records
+  is refused (Poisson sampling at rate B/N_k > 1 does not
+  exist; silently clamping it to 1 would change the accounted run)); clients with fewer than
   ``TINY_CLIENT`` records and a one-client federation are warned about (returned as notices).
 """
 
@@ -62,16 +63,13 @@ def check_data(config, sizes, participants) -> list[str]:
         participants: the indices of the clients that train.
 
     Raises:
-        ValueError: ``record`` mode with ``local_batch_size`` larger than a participant's N_k.
+        ValueError: the mode's refusal (``record`` mode with ``local_batch_size`` larger than a
+            participant's N_k).
     """
     part = [int(sizes[i]) for i in participants]
     smallest = min(part)
-    if config.privacy == "record" and config.local_batch_size > smallest:
-        raise ValueError(
-            f"local_batch_size={config.local_batch_size} is invalid in record mode: a participant holds "
-            f"only {smallest} records and its Poisson sampling rate B/N_k must be <= 1; give "
-            f"--local-batch-size <= {smallest} or fewer clients"
-        )
+    mode = config.mode  # ``dpmf.federated.modes``: its own refusals (record: B ≤ N_k)
+    mode.check_data(config, smallest)
     notes = []
     if smallest < TINY_CLIENT:
         notes.append(
@@ -81,11 +79,6 @@ def check_data(config, sizes, participants) -> list[str]:
     if len(participants) == 1:
         notes.append(
             "only one client trains (compliant-only leaves one): the federation is a single client, "
-            "its update is the global model"
-            + (
-                " and client-level noise protects that one client's whole data"
-                if config.privacy == "client"
-                else ""
-            )
+            "its update is the global model" + mode.one_client_note
         )
     return notes

@@ -21,6 +21,7 @@ from collections import defaultdict
 import numpy as np
 
 from dpmf.federated.data import load_federated
+from dpmf.federated.modes import privacy_modes
 from dpmf.federated.report import mean_sd
 from dpmf.federated.run import FLConfig, run_federated
 
@@ -191,12 +192,13 @@ def summary_table(rows, value: str = "final_accuracy") -> list[dict]:
 
 
 def mode_epsilons(dataset: str, *, rounds: int, num_clients: int = 16, seed: int = 0, base=None) -> list:
-    """One FedAvg run per privacy mode (weighted allocation); the ``PrivacyEntry`` list of each
-    with its unit, and the run's final accuracy: rows ``mode, accuracy, entry``."""
+    """One FedAvg run per registered privacy mode (``dpmf.federated.modes``; weighted
+    allocation); the ``PrivacyEntry`` list of each with its unit, and the run's final accuracy:
+    rows ``mode, accuracy, entry``."""
     base = base or FLConfig()
     data = _data({}, dataset, num_clients, seed, base)
     out = []
-    for mode in ("aggregator", "record", "client"):
+    for mode in privacy_modes():
         cfg = _cell(base, dataset, rounds=rounds, seed=seed, num_clients=num_clients, privacy=mode)
         res = run_federated(cfg, data=data, log=lambda *_: None)
         for e in res.ledger:

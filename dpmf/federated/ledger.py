@@ -1,7 +1,8 @@
 """The privacy ledger of a federated run: every ε with what it protects.
 
-An (ε, δ) is meaningless without its unit — the neighbouring relation it is a guarantee for. The
-three privacy modes protect different things:
+An (ε, δ) is meaningless without its unit — the neighbouring relation it is a guarantee for. Each
+privacy mode (``dpmf.federated.modes``, its registry) names its unit and makes its entries; the
+built-in three protect different things:
 
 ==============  ==============================  ===============================================
 mode            unit (``protects``)             what the guarantee says
@@ -29,14 +30,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-__all__ = ["MODES", "UNITS", "VACUOUS_EPSILON", "PrivacyEntry", "format_entry"]
+from dpmf.federated._registry import PRIVACY_MODES
 
-MODES = ("aggregator", "record", "client")
-UNITS = {
-    "aggregator": "aggregator-dataset records",
-    "record": "records of client {k}",
-    "client": "client",
-}
+__all__ = ["VACUOUS_EPSILON", "PrivacyEntry", "format_entry"]
+
 VACUOUS_EPSILON = 10.0
 
 
@@ -45,9 +42,9 @@ class PrivacyEntry:
     """One (ε, δ) of a federated run and what it protects.
 
     Attributes:
-        mode: the privacy mode (``MODES``).
-        protects: the unit: ``aggregator-dataset records``, ``records of client <id>`` or
-            ``client``.
+        mode: the privacy mode's name (``dpmf.federated.modes.PRIVACY_MODES``).
+        protects: the unit (the mode's ``protects``): ``aggregator-dataset records``,
+            ``records of client <id>``, ``client``, ….
         subject: whose privacy it is (the aggregator dataset, a client id, every client).
         epsilon: ε ≥ 0, or ∞ for a run without noise.
         delta: δ.
@@ -71,8 +68,13 @@ class PrivacyEntry:
     note: str = ""
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"mode={self.mode!r} is invalid: must be one of {MODES}")
+        if self.mode not in PRIVACY_MODES:
+            raise ValueError(
+                f"mode={self.mode!r} is invalid: must be a registered privacy mode, one of "
+                f"{tuple(PRIVACY_MODES)} (dpmf.federated.modes)"
+            )
+        if not isinstance(self.protects, str) or not self.protects:
+            raise ValueError(f"protects={self.protects!r} is invalid: must be the mode's unit (non-empty)")
         if math.isnan(self.epsilon) or self.epsilon < 0:
             raise ValueError(f"epsilon={self.epsilon!r} is invalid: must be >= 0")
 

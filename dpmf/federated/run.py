@@ -1,7 +1,10 @@
 """A compliance-aware federated run on Flower: configuration, ClientApp, ServerApp, results.
 
-One round (r = 1..R), for the P participating clients (all clients, or only the compliant ones
-for the compliant-only baseline):
+The privacy mode (``FLConfig.privacy``) is an object of the registry ``dpmf.federated.modes``:
+its server part (``ServerPart``) and client part (``ClientPart``) do what differs between modes
+(steps 2, 3 and 5 below, and the ledger); this module only runs the rounds. One round
+(r = 1..R), for the P participating clients (all clients, or only the compliant ones for the
+compliant-only baseline), with the built-in modes:
 
 1. the strategy's ``configure_train`` sends the global weights to every participant;
 2. each ClientApp trains locally — plain SGD (``aggregator``, ``client``) or dpmf's private step
@@ -33,7 +36,6 @@ weights, data partition, local SGD order) comes from the seed when given, else f
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from types import SimpleNamespace
@@ -44,11 +46,11 @@ from dpmf import seeds
 from dpmf._validation import check_choice, check_int, check_real
 from dpmf.accountants.events import PoissonGaussianEvent
 from dpmf.accountants.registry import accountants_for
-from dpmf.federated.clip import update_scale
 from dpmf.federated.compliance import ComplianceSet, NoiseMap, example_profiles, uniform_control
 from dpmf.federated.data import DATASETS, PARTITIONS, FederatedData, load_federated
-from dpmf.federated.ledger import MODES, UNITS, PrivacyEntry, format_entry
-from dpmf.federated.strategies import MEAN_STRATEGIES, STRATEGIES, make_strategy
+from dpmf.federated.ledger import PrivacyEntry, format_entry
+from dpmf.federated.modes import PRIVACY_MODES, get_privacy_mode, privacy_modes
+from dpmf.federated.strategies import STRATEGIES, make_strategy
 from dpmf.plan.schemes import Poisson
 
 __all__ = ["ALLOCATIONS", "BACKENDS", "FLConfig", "FLResult", "run_federated", "participants"]
@@ -67,7 +69,8 @@ class FLConfig:
         num_clients: K ≥ 2 (clients with a compliance profile; the first K profiles).
         rounds: R ≥ 1.
         strategy: one of ``STRATEGIES`` (Flower's classes).
-        privacy: ``aggregator``, ``record`` or ``client``.
+        privacy: a registered privacy mode (``dpmf.federated.modes``): ``aggregator``,
+            ``record``, ``client``, …
         compliant_only: train with the compliant clients only (the compliant-only baseline).
         allocation: ``weighted`` (σ_k from each client's score) or ``uniform`` (every client at
             the participants' mean σ: equal mean noise).
@@ -142,17 +145,30 @@ class FLConfig:
     replica: int = 0
 
     def __post_init__(self):
-        from dpmf.optim.registry import optimizer_names
+        self._check_run()
+        self._check_training()
+        self._check_mode()
 
+    def _check_run(self) -> None:
+        """The data, the federation, the strategy, δ, the accountant and the seeds."""
         check_choice("dataset", self.dataset, DATASETS)
         check_int("num_clients", self.num_clients, minimum=2)
         check_int("rounds", self.rounds, minimum=1)
         check_choice("strategy", self.strategy, STRATEGIES)
-        check_choice("privacy", self.privacy, MODES)
+        check_choice("privacy", self.privacy, privacy_modes())
         check_choice("allocation", self.allocation, ALLOCATIONS)
         if not isinstance(self.noise_map, NoiseMap):
             raise TypeError(f"noise_map={self.noise_map!r} is invalid: must be a NoiseMap")
         check_choice("partition", self.partition, PARTITIONS)
+        check_real("delta", self.delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
+        if self.accountant is not None:
+            check_choice("accountant", self.accountant, accountants_for(PoissonGaussianEvent))
+        seeds.check_seed(self.seed)
+        check_int("replica", self.replica, minimum=0)
+        check_real("eval_fraction", self.eval_fraction, low=0.0, high=0.5)
+
+    def _check_training(self) -> None:
+        """The sizes, steps and rates of the local and server training; the budget."""
         for name in ("local_steps", "local_batch_size", "server_steps", "server_batch_size", "hidden"):
             check_int(name, getattr(self, name), minimum=1)
         for name in ("local_lr", "clip_norm", "server_lr", "client_clip"):
@@ -160,68 +176,32 @@ class FLConfig:
         check_real("proximal_mu", self.proximal_mu, low=0.0)
         if self.fedopt_eta is not None:
             check_real("fedopt_eta", self.fedopt_eta, low=0.0, low_inclusive=False)
-        check_real("delta", self.delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
-        if self.accountant is not None:
-            check_choice("accountant", self.accountant, accountants_for(PoissonGaussianEvent))
-        seeds.check_seed(self.seed)
-        check_int("replica", self.replica, minimum=0)
-        check_choice("local_optimizer", self.local_optimizer, optimizer_names())
-        if self.privacy == "client" and self.strategy not in MEAN_STRATEGIES:
-            raise ValueError(
-                f"strategy={self.strategy!r} is invalid with privacy='client': client-level noise is "
-                "calibrated to the sensitivity of a mean, and a coordinate-wise median has another; "
-                f"use one of {', '.join(MEAN_STRATEGIES)}"
-            )
-        if self.client_noise_multiplier is not None:
-            check_real("client_noise_multiplier", self.client_noise_multiplier, low=0.0, low_inclusive=False)
-        if self.privacy != "record" and (
-            self.local_optimizer != "dp-sgd"
-            or self.local_factorization != "identity"
-            or self.local_scheme != Poisson.name
-        ):
-            raise ValueError(
-                "local_optimizer/local_factorization/local_scheme are invalid with "
-                f"privacy={self.privacy!r}: they set record mode's private local step"
-            )
-        if self.privacy != "client" and (
-            self.client_factorization != "identity" or self.client_noise_multiplier is not None
-        ):
-            raise ValueError(
-                f"client_factorization/client_noise_multiplier are invalid with privacy={self.privacy!r}: "
-                "they set client mode's noise"
-            )
-        check_real("eval_fraction", self.eval_fraction, low=0.0, high=0.5)
-        from dpmf.federated.sampling import CLIENT_SAMPLINGS
-
-        check_choice("client_sampling", self.client_sampling, CLIENT_SAMPLINGS)
-        if self.client_sampling != "all":
-            if self.privacy != "client":
-                raise ValueError(
-                    f"client_sampling={self.client_sampling!r} is invalid with privacy={self.privacy!r}: "
-                    "client sampling is accounted for client-level noise only; use privacy='client'"
-                )
-            if self.clients_per_round is None:
-                raise ValueError(
-                    f"client_sampling={self.client_sampling!r} needs clients_per_round (K >= 1, the "
-                    "expected number of clients per round)"
-                )
-            check_int("clients_per_round", self.clients_per_round, minimum=1, maximum=self.num_clients)
-            if self.max_epsilon is not None:
-                raise ValueError(
-                    "max_epsilon is invalid with client_sampling: the budget's prefix accounting is for "
-                    "full participation; drop one of them"
-                )
-        elif self.clients_per_round is not None:
-            raise ValueError(
-                "clients_per_round is invalid with client_sampling='all': every client trains every round; "
-                "add --client-sampling poisson or fixed"
-            )
         if self.max_epsilon is not None:
             check_real("max_epsilon", self.max_epsilon, low=0.0, low_inclusive=False)
             if not self.server_noise:
                 raise ValueError("max_epsilon is invalid with server_noise=False: that run has ε = ∞")
-        if not self.server_noise and self.privacy != "aggregator":
-            raise ValueError("server_noise=False is invalid: only aggregator mode has server noise")
+
+    def _check_mode(self) -> None:
+        """Client sampling's names, then the privacy mode's rules (``dpmf.federated.modes``): the
+        other modes refuse their own settings, the mode checks its own."""
+        from dpmf.federated.sampling import CLIENT_SAMPLINGS
+
+        check_choice("client_sampling", self.client_sampling, CLIENT_SAMPLINGS)
+        mode = get_privacy_mode(self.privacy)
+        for name, other in PRIVACY_MODES.items():
+            if name != self.privacy:
+                other().refuse_foreign(self)
+        if self.client_sampling == "all" and self.clients_per_round is not None:
+            raise ValueError(
+                "clients_per_round is invalid with client_sampling='all': every client trains every round; "
+                "add --client-sampling poisson or fixed"
+            )
+        mode.check_config(self)
+
+    @property
+    def mode(self):
+        """The ``PrivacyMode`` of ``privacy`` (``dpmf.federated.modes``)."""
+        return get_privacy_mode(self.privacy)
 
     def replace(self, **changes) -> FLConfig:
         return replace(self, **changes)
@@ -307,157 +287,36 @@ def _flwr():
 
 
 class _Server:
-    """The server side of one run: strategy, privacy mechanism, evaluation, ledger."""
+    """The server side of one run: strategy, the privacy mode's server part, evaluation, ledger.
+
+    ``part`` is the mode's ``ServerPart`` (``dpmf.federated.modes``); the ledger starts with its
+    entries (the client part's are appended by ``_client_app``).
+    """
 
     def __init__(
         self, config: FLConfig, data: FederatedData, comp: ComplianceSet, idx, sigmas, log, key: int
     ):
-        from dpmf.federated import local
-        from dpmf.federated.models import build_model, get_weights
+        from dpmf.federated.models import get_weights
 
         self.config, self.data, self.log = config, data, log
         self.ids = [comp.profiles[i].client_id for i in idx]
         self.idx, self.sigmas = list(idx), np.asarray(sigmas, dtype=np.float64)
-        self.model = build_model(
-            data.input_shape, data.num_classes, hidden=config.hidden, seed=config.public_seed
-        )
+        self.model = self.new_model()
         self.initial = get_weights(self.model)
         self.dim = int(sum(v.size for v in self.initial.values()))
-        P, R = len(self.idx), config.rounds
-        self.rounds = R  # fewer when a privacy budget binds (``dpmf.federated.budget``)
+        self.rounds = config.rounds  # fewer when a privacy budget binds (``dpmf.federated.budget``)
         self.strategy = make_strategy(
-            config.strategy, P, proximal_mu=config.proximal_mu, server_lr=config.fedopt_eta
+            config.strategy, len(self.idx), proximal_mu=config.proximal_mu, server_lr=config.fedopt_eta
         )
-        self.ledger: list[PrivacyEntry] = []
-        self.dp = self.client_noise = None
-        self.sampled = config.client_sampling != "all"
-        if config.privacy == "aggregator":
-            per_round = np.repeat(self.sigmas, config.server_steps)
-            steps = np.tile(per_round, R)
-            n_agg = int(data.aggregator_y.shape[0])
-            if config.server_batch_size > n_agg:
-                raise ValueError(
-                    f"server_batch_size={config.server_batch_size} is invalid: the aggregator dataset has "
-                    f"{n_agg} records"
-                )
-            self.dp = local.AggregatorDPSGD(
-                data.aggregator_x,
-                data.aggregator_y,
-                build_model(
-                    data.input_shape, data.num_classes, hidden=config.hidden, seed=config.public_seed
-                ),
-                sigmas=steps if config.server_noise else np.zeros_like(steps),
-                clip_norm=config.clip_norm,
-                batch_size=config.server_batch_size,
-                lr=config.server_lr,
-                seed=seeds.child_key(key, "fl-aggregator"),
-            )
-            self.steps_per_round = per_round.size
-            self.round_sigmas = per_round
-            note = (
-                "protects only the server's aggregator dataset against the released models; the "
-                "clients' updates reach a semi-honest aggregator unprotected (client-level DP needs "
-                "secure aggregation)"
-            )
-            if config.server_noise:
-                pr = local.aggregator_privacy(
-                    steps,
-                    sampling_rate=self.dp.sampling_rate,
-                    delta=config.delta,
-                    accountant=config.accountant or "pld",
-                )
-                eps, acc, guar = pr.epsilon, pr.accountant, pr.guarantee
-            else:
-                eps, acc, guar = math.inf, "none", "upper_bound"
-            self.ledger.append(
-                PrivacyEntry(
-                    "aggregator",
-                    UNITS["aggregator"],
-                    f"aggregator dataset (N={n_agg})",
-                    eps,
-                    config.delta,
-                    acc,
-                    guar,
-                    float(steps.min()) if config.server_noise else 0.0,
-                    int(steps.size),
-                    n_agg,
-                    note,
-                )  # fmt: skip
-            )
-        elif config.privacy == "client":
-            sigma_c = config.client_noise_multiplier
-            if sigma_c is None:
-                sigma_c = float(self.sigmas.max())
-            if self.sampled:
-                from dpmf.federated.sampling import SampledClientNoise
+        self.part = config.mode.server(self, key)
+        self.ledger: list[PrivacyEntry] = list(self.part.entries)
 
-                self.client_noise = SampledClientNoise(
-                    config.client_sampling, P, config.clients_per_round, R, noise_multiplier=sigma_c,
-                    clip_norm=config.client_clip, delta=config.delta,
-                    factorization=config.client_factorization, accountant=config.accountant, dim=self.dim,
-                    seed=seeds.child_key(key, "fl-client-sampling"),
-                )  # fmt: skip
-            else:
-                self.client_noise = local.ClientLevelNoise(
-                    P,
-                    R,
-                    noise_multiplier=sigma_c,
-                    clip_norm=config.client_clip,
-                    delta=config.delta,
-                    factorization=config.client_factorization,
-                    accountant=config.accountant,
-                    dim=self.dim,
-                    seed=seeds.child_key(key, "fl-client-noise"),
-                )
-            pr = self.client_noise.privacy
-            note = (
-                "protects each whole client (add or remove one client) against whoever sees the noisy "
-                "aggregate; individual updates must stay hidden from the server (secure aggregation)"
-            )
-            if self.sampled:
-                note += (
-                    f"; {config.client_sampling} client sampling, {config.clients_per_round} of {P} clients "
-                    "per round (expected), amplification accounted"
-                )
-            self.ledger.append(
-                PrivacyEntry(
-                    "client",
-                    UNITS["client"],
-                    f"each of the {P} participating clients",
-                    pr.epsilon,
-                    config.delta,
-                    pr.accountant,
-                    pr.guarantee,
-                    float(sigma_c),
-                    R,
-                    P,
-                    note,
-                )  # fmt: skip
-            )
-            self.sigma_c = float(sigma_c)
+    def new_model(self):
+        """A fresh model of the run (the public initial weights)."""
+        from dpmf.federated.models import build_model
 
-    # -- client mode: clipping and one noise vector on the mean -------------------------------
-    def _privatize_replies(self, replies, arrays, server_round: int):
-        from flwr.app import Array, ArrayRecord
-
-        base = {k: a.numpy().astype(np.float64) for k, a in arrays.items()}
-        divisor = getattr(self.client_noise, "divisor", len(replies))  # K̄ when clients are sampled
-        grow = len(replies) / divisor  # the mean of the replies is then Σ/K̄ (1.0 without sampling)
-        noise = self.client_noise.next() / divisor
-        for msg in replies:
-            rec_key = next(iter(msg.content.array_records.keys()))
-            upd = {k: a.numpy().astype(np.float64) - base[k] for k, a in msg.content[rec_key].items()}
-            norm = math.sqrt(sum(float(np.sum(u * u)) for u in upd.values()))
-            scale = update_scale(norm, self.config.client_clip, server_round)
-            out, off = {}, 0
-            for k, u in upd.items():
-                z = noise[off : off + u.size].reshape(u.shape)
-                off += u.size
-                out[k] = Array(np.asarray(base[k] + grow * scale * u + z, dtype=np.float32))
-            msg.content[rec_key] = ArrayRecord(out)
-            met_key = next(iter(msg.content.metric_records.keys()))
-            msg.content[met_key]["num-examples"] = 1
-        return replies
+        c, d = self.config, self.data
+        return build_model(d.input_shape, d.num_classes, hidden=c.hidden, seed=c.public_seed)
 
     def _evaluate(self, weights) -> tuple[float, float]:
         from dpmf.federated.models import evaluate, set_weights
@@ -467,63 +326,42 @@ class _Server:
 
     def serve(self, grid) -> list[dict]:
         """The R rounds (steps 1–6 of the module docstring) over ``grid``; per-round metrics."""
-        from flwr.app import Array, ArrayRecord, ConfigRecord
-
-        def record(w):
-            return ArrayRecord({k: Array(np.asarray(v)) for k, v in w.items()})
-
         weights = self.initial
         acc, loss = self._evaluate(weights)
         rows = [{"round": 0, "test_accuracy": acc, "test_loss": loss, "train_loss": float("nan")}]
-        arrays = record(weights)
+        arrays = _record(weights)
         for r in range(1, self.rounds + 1):
-            msgs = list(
-                self.strategy.configure_train(
-                    r, arrays, ConfigRecord({"local-steps": self.config.local_steps}), grid
-                )
-            )
-            expected = len(self.idx)
-            if self.sampled:  # this round's clients (``dpmf.federated.sampling``)
-                nodes = sorted(grid.get_node_ids())
-                keep = {nodes[j] for j in self.client_noise.participants()}
-                msgs = [m for m in msgs if m.metadata.dst_node_id in keep]
-                expected = len(keep)
-            replies = []
-            if msgs:
-                replies = sorted(grid.send_and_receive(msgs), key=lambda m: m.metadata.src_node_id)
-            errors = [m for m in replies if m.has_error()]
-            if errors:
-                raise RuntimeError(f"round {r}: a ClientApp failed: {errors[0].error.reason}")
-            if len(replies) != expected:
-                raise RuntimeError(f"round {r}: {len(replies)} replies from {expected} participants")
-            train_loss = (
-                float(np.mean([float(m.content["metrics"]["train-loss"]) for m in replies]))
-                if replies
-                else float("nan")
-            )
-            if not replies:  # a Poisson round without clients: w + ν/K̄ (nothing to aggregate)
-                nu = self.client_noise.next() / self.client_noise.divisor
-                weights, off = {}, 0
-                for k, a in arrays.items():
-                    w = a.numpy().astype(np.float64)
-                    weights[k] = np.asarray(w + nu[off : off + w.size].reshape(w.shape), dtype=np.float32)
-                    off += w.size
-            else:
-                if self.client_noise is not None:
-                    replies = self._privatize_replies(replies, arrays, r)
-                agg, _ = self.strategy.aggregate_train(r, replies)
-                if agg is None:
-                    raise RuntimeError(f"round {r}: the strategy returned no model")
-                weights = {k: a.numpy() for k, a in agg.items()}
-            if self.dp is not None:
-                weights = self.dp.run(weights, self.steps_per_round)
-            arrays = record(weights)
+            weights, train_loss = self._round(r, arrays, grid)
+            arrays = _record(weights)
             acc, loss = self._evaluate(weights)
             row = {"round": r, "test_accuracy": acc, "test_loss": loss, "train_loss": train_loss}
             if self.config.eval_fraction > 0:
                 row.update(self._federated_evaluation(r, arrays, grid))
             rows.append(row)
         return rows
+
+    def _round(self, r: int, arrays, grid) -> tuple[dict, float]:
+        """Round r from the global ``arrays``: the new weights and the clients' mean loss."""
+        from flwr.app import ConfigRecord
+
+        local = ConfigRecord({"local-steps": self.config.local_steps})
+        msgs = self.strategy.configure_train(r, arrays, local, grid)
+        msgs, expected = self.part.select(msgs, grid)
+        replies = []
+        if msgs:
+            replies = sorted(grid.send_and_receive(msgs), key=lambda m: m.metadata.src_node_id)
+        errors = [m for m in replies if m.has_error()]
+        if errors:
+            raise RuntimeError(f"round {r}: a ClientApp failed: {errors[0].error.reason}")
+        if len(replies) != expected:
+            raise RuntimeError(f"round {r}: {len(replies)} replies from {expected} participants")
+        if not replies:  # e.g. a Poisson round without clients
+            return self.part.after_aggregate(self.part.no_replies(arrays)), float("nan")
+        train_loss = float(np.mean([float(m.content["metrics"]["train-loss"]) for m in replies]))
+        agg, _ = self.strategy.aggregate_train(r, self.part.privatize(replies, arrays, r))
+        if agg is None:
+            raise RuntimeError(f"round {r}: the strategy returned no model")
+        return self.part.after_aggregate({k: a.numpy() for k, a in agg.items()}), train_loss
 
     def _federated_evaluation(self, r, arrays, grid) -> dict:
         """Every participant evaluates the global model on its held-out records; the mean
@@ -539,94 +377,30 @@ class _Server:
         return {"federated_accuracy": float(agg["eval-accuracy"]), "federated_loss": float(agg["eval-loss"])}
 
 
+def _record(weights):
+    from flwr.app import Array, ArrayRecord
+
+    return ArrayRecord({k: Array(np.asarray(v)) for k, v in weights.items()})
+
+
 def _client_app(config: FLConfig, data: FederatedData, idx, sigmas, ids, server, key: int):
-    """The ClientApp; node i trains participant i's partition. Record mode keeps each
-    client's private run (sampler, noise stream) between rounds."""
+    """The ClientApp; node i trains participant i's partition through the privacy mode's client
+    part (``dpmf.federated.modes``; built once, so a mode's clients keep their state between
+    rounds), whose ledger entries are appended to ``server.ledger``."""
     from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
 
-    from dpmf.federated import local
-    from dpmf.federated.models import build_model, get_weights, local_sgd, set_weights
-
-    runs = {}
-    if config.privacy == "record":
-        from dpmf.federated.prefetch import prefetch_record_privacy
-
-        prefetch_record_privacy(
-            (float(sigmas[j]), int(data.client_y[i].shape[0]), config.local_batch_size,
-             config.rounds * config.local_steps, config.delta, config.local_scheme,
-             config.local_factorization, config.accountant)
-            for j, i in enumerate(idx)
-        )  # fmt: skip
-        for j, i in enumerate(idx):
-            x, y = data.client_x[i], data.client_y[i]
-            b = config.local_batch_size  # ≤ N_k: checked by ``check_data``
-            runs[j] = local.PrivateLocalRun(
-                x,
-                y,
-                build_model(
-                    data.input_shape, data.num_classes, hidden=config.hidden, seed=config.public_seed
-                ),
-                noise_multiplier=float(sigmas[j]),
-                clip_norm=config.clip_norm,
-                batch_size=b,
-                steps=config.rounds * config.local_steps,
-                delta=config.delta,
-                scheme=config.local_scheme,
-                factorization=config.local_factorization,
-                accountant=config.accountant,
-                optimizer=config.local_optimizer,
-                lr=config.local_lr,
-                seed=seeds.child_key(key, "fl-record", i),
-            )
-            pr = runs[j].privacy
-            server.ledger.append(
-                PrivacyEntry(
-                    "record",
-                    UNITS["record"].format(k=ids[j]),
-                    ids[j],
-                    pr.epsilon,
-                    config.delta,
-                    pr.accountant,
-                    pr.guarantee,
-                    float(sigmas[j]),
-                    pr.steps,
-                    int(y.shape[0]),
-                    "protects one record of this client against everyone who sees its updates, the server "
-                    "included; the server's aggregation and optimizer are post-processing",
-                )  # fmt: skip
-            )
-    plain = {}
+    part = config.mode.client(config, data, idx, sigmas, ids, key)
+    server.ledger.extend(part.entries)
     app = ClientApp()
 
     @app.train()
     def train(msg: Message, context) -> Message:
         j = int(context.node_config["partition-id"])
-        i = idx[j]
         weights = {k: a.numpy() for k, a in msg.content["arrays"].items()}
         cfg = msg.content["config"]
-        mu = float(cfg.get("proximal-mu", 0.0))
-        steps = int(cfg["local-steps"])
-        r = int(cfg["server-round"])
-        if config.privacy == "record":
-            new, _ = runs[j].train_round(weights, steps, mu)
-            weight = 1
-        else:
-            if j not in plain:
-                plain[j] = build_model(
-                    data.input_shape, data.num_classes, hidden=config.hidden, seed=config.public_seed
-                )
-            model = plain[j]
-            set_weights(model, weights)
-            rng = np.random.default_rng([config.public_seed, 3, i, r])
-            loss = local_sgd(
-                model, data.client_x[i], data.client_y[i], steps=steps, batch_size=config.local_batch_size,
-                lr=config.local_lr, proximal_mu=mu, rng=rng,
-            )  # fmt: skip
-            new = get_weights(model)
-            weight = int(data.client_y[i].shape[0]) if config.privacy == "aggregator" else 1
-        if config.privacy != "aggregator":  # a non-private statistic of the protected data: not sent
-            loss = float("nan")
+        mu, steps, r = float(cfg.get("proximal-mu", 0.0)), int(cfg["local-steps"]), int(cfg["server-round"])
+        new, weight, loss = part.train(j, weights, steps, mu, r)
         content = RecordDict(
             {
                 "arrays": ArrayRecord({k: Array(np.asarray(v)) for k, v in new.items()}),
@@ -637,11 +411,11 @@ def _client_app(config: FLConfig, data: FederatedData, idx, sigmas, ids, server,
 
     @app.evaluate()
     def evaluate_held_out(msg: Message, context) -> Message:
-        from dpmf.federated.models import evaluate
+        from dpmf.federated.models import evaluate, set_weights
 
         j = int(context.node_config["partition-id"])
         i = idx[j]
-        model = build_model(data.input_shape, data.num_classes, hidden=config.hidden, seed=config.public_seed)
+        model = part.new_model()
         set_weights(model, {k: a.numpy() for k, a in msg.content["arrays"].items()})
         acc, loss = evaluate(model, data.eval_x[i], data.eval_y[i])
         n = int(data.eval_y[i].shape[0])
@@ -651,27 +425,19 @@ def _client_app(config: FLConfig, data: FederatedData, idx, sigmas, ids, server,
     return app
 
 
-def _budget(config: FLConfig, server: _Server, data: FederatedData) -> str:
+def _budget(config: FLConfig, server: _Server) -> str:
     """Apply ``config.max_epsilon`` (``dpmf.federated.budget``) before any training: set the
-    rounds to run and the ledger of the stopped run; the reason, or "" when it does not bind."""
+    rounds to run and the ledger of the stopped run; the reason, or "" when it does not bind.
+    ε after r rounds is the mode's (``ServerPart.epsilons_after``)."""
     from dpmf.federated import budget
 
     if config.max_epsilon is None:
         return ""
-    facts, per = {}, [1] * len(server.ledger)
-    if config.privacy == "aggregator":
-        facts = {"steps_per_round_sigmas": server.round_sigmas, "sampling_rate": server.dp.sampling_rate}
-        per = [server.steps_per_round]
-    elif config.privacy == "record":
-        facts = {"sigmas": server.sigmas, "sizes": [int(data.client_y[i].shape[0]) for i in server.idx]}
-        per = [config.local_steps] * len(server.ledger)
-    else:
-        facts = {"num_clients": len(server.idx)}
-    stop = budget.plan_budget(config, server.ledger, **facts)
+    stop = budget.plan_budget(config, server.ledger, server.part.epsilons_after)
     if stop is None:
         return ""
     server.rounds = stop.rounds
-    server.ledger[:] = budget.apply(server.ledger, stop, per)
+    server.ledger[:] = budget.apply(server.ledger, stop, server.part.steps_per_round(len(server.ledger)))
     server.log(f"privacy budget: {stop.reason}")
     return stop.reason
 
@@ -692,7 +458,7 @@ def run_federated(
             through ``log``).
         backend: ``local`` (the ServerApp and ClientApps in this process through
             ``LocalGrid``; deterministic) or ``ray`` (Flower's simulation engine; needs Ray,
-            and refuses ``record`` mode, whose clients keep private state between rounds).
+            and refuses a mode whose clients keep private state between rounds, ``record``).
         data: already loaded data (else loaded from the config).
         log: where notices and the ledger lines go.
 
@@ -703,20 +469,7 @@ def run_federated(
         ImportError: Flower (or Ray for ``backend='ray'``) is not installed.
         ValueError: invalid settings, before any training.
     """
-    check_choice("backend", backend, BACKENDS)
-    _flwr()
-    if backend == "ray":
-        try:
-            import ray  # noqa: F401
-        except ImportError:
-            raise ImportError(
-                "backend='ray' needs Ray: pip install 'flwr[simulation]==1.42.0' (or use the local backend)"
-            ) from None
-        if config.privacy == "record":
-            raise ValueError(
-                "backend='ray' is invalid with privacy='record': each client's private run keeps its "
-                "sampler and noise stream between rounds, which Ray workers do not; use backend='local'"
-            )
+    _check_backend(config, backend)
     began = time.perf_counter()
     if compliance is None:
         compliance = example_profiles(config.num_clients)
@@ -726,28 +479,7 @@ def run_federated(
             f"clients, {int(compliance.compliant().sum())} compliant)"
         )
     idx, sigmas = participants(config, compliance)
-    if data is None:
-        data = load_federated(
-            config.dataset,
-            config.num_clients,
-            data_file=config.data_file,
-            partition_scheme=config.partition,
-            alpha=config.alpha,
-            shards=config.shards,
-            seed=config.public_seed,
-            aggregator_fraction=config.aggregator_fraction,
-        )
-    from dpmf.federated.checks import check_data
-
-    if config.eval_fraction > 0 and not data.eval_y:
-        from dpmf.federated.evaluation import split_held_out
-
-        data = split_held_out(data, config.eval_fraction, config.public_seed)
-    warnings = check_data(config, data.client_sizes(), idx)  # refusals before any training
-    for note in data.notes:
-        log(f"notice: {note}")
-    for note in warnings:
-        log(f"warning: {note}")
+    data = _prepare_data(config, data, idx, log)
     comp = compliance.select(config.num_clients)
     policy = seeds.SeedPolicy.of(config.seed)  # secret unless given; never stored or shown
     if policy.notice:
@@ -762,37 +494,10 @@ def run_federated(
             )
         rows, ledger, stopped = run_app(config, len(idx), log=log)
         server = SimpleNamespace(ledger=ledger, ids=[comp.profiles[i].client_id for i in idx], sigmas=sigmas)
-        out = {"rows": rows}
     else:
         server = _Server(config, data, comp, idx, sigmas, log, policy.key)
-        app = _client_app(config, data, idx, sigmas, server.ids, server, policy.key)
-        stopped = _budget(config, server, data)
-        from flwr.app import Context, RecordDict
-        from flwr.serverapp import Grid, ServerApp
-
-        from dpmf.federated.grid import LocalGrid, server_identity
-
-        out: dict = {}
-        server_app = ServerApp()
-
-        @server_app.main()
-        def main(grid: Grid, context: Context) -> None:
-            out["rows"] = server.serve(grid)
-
-        grid = LocalGrid(app, len(idx))
-        with server_identity():
-            server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
-    if config.eval_fraction > 0:
-        from dpmf.federated.evaluation import EVAL_NOTE
-
-        server.ledger[:] = [replace(e, note=e.note + "; " + EVAL_NOTE) for e in server.ledger]
-    if not policy.is_secret:  # the guarantee holds only against whoever does not know the seed
-        server.ledger[:] = [
-            replace(e, note=e.note + "; the seed was given: only against whoever does not know it")
-            for e in server.ledger
-        ]
-    for e in server.ledger:
-        log(f"privacy: {format_entry(e)}")
+        rows, stopped = _serve_locally(config, data, idx, sigmas, server, policy.key)
+    _finish_ledger(config, server.ledger, policy, log)
     data_info = {
         "name": data.name,
         "source": data.source,
@@ -802,7 +507,7 @@ def run_federated(
     }
     return FLResult(
         config,
-        out["rows"],
+        rows,
         list(server.ledger),
         list(server.ids),
         {cid: float(s) for cid, s in zip(server.ids, server.sigmas, strict=True)},
@@ -810,3 +515,81 @@ def run_federated(
         time.perf_counter() - began,
         stopped,
     )
+
+
+def _check_backend(config: FLConfig, backend: str) -> None:
+    """Flower installed; for ``ray``: Ray installed and a mode whose clients keep no state."""
+    check_choice("backend", backend, BACKENDS)
+    _flwr()
+    if backend != "ray":
+        return
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise ImportError(
+            "backend='ray' needs Ray: pip install 'flwr[simulation]==1.42.0' (or use the local backend)"
+        ) from None
+    if config.mode.keeps_client_state:
+        raise ValueError(
+            f"backend='ray' is invalid with privacy={config.privacy!r}: each client's private run keeps its "
+            "sampler and noise stream between rounds, which Ray workers do not; use backend='local'"
+        )
+
+
+def _prepare_data(config: FLConfig, data: FederatedData | None, idx, log) -> FederatedData:
+    """The run's data (loaded unless given, with its held-out split), checked against the run
+    before any training; its notes and warnings logged."""
+    from dpmf.federated.checks import check_data
+
+    if data is None:
+        data = load_federated(
+            config.dataset, config.num_clients, data_file=config.data_file, partition_scheme=config.partition,
+            alpha=config.alpha, shards=config.shards, seed=config.public_seed,
+            aggregator_fraction=config.aggregator_fraction,
+        )  # fmt: skip
+    if config.eval_fraction > 0 and not data.eval_y:
+        from dpmf.federated.evaluation import split_held_out
+
+        data = split_held_out(data, config.eval_fraction, config.public_seed)
+    warnings = check_data(config, data.client_sizes(), idx)  # refusals before any training
+    for note in data.notes:
+        log(f"notice: {note}")
+    for note in warnings:
+        log(f"warning: {note}")
+    return data
+
+
+def _serve_locally(config: FLConfig, data, idx, sigmas, server: _Server, key: int) -> tuple[list, str]:
+    """The ServerApp and the ClientApps in this process (``LocalGrid``): the rows and the
+    budget's reason."""
+    from flwr.app import Context, RecordDict
+    from flwr.serverapp import Grid, ServerApp
+
+    from dpmf.federated.grid import LocalGrid, server_identity
+
+    app = _client_app(config, data, idx, sigmas, server.ids, server, key)
+    stopped = _budget(config, server)
+    out: dict = {}
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        out["rows"] = server.serve(grid)
+
+    grid = LocalGrid(app, len(idx))
+    with server_identity():
+        server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
+    return out["rows"], stopped
+
+
+def _finish_ledger(config: FLConfig, ledger: list, policy, log) -> None:
+    """The notes every entry carries (held-out evaluation, a given seed); each entry logged."""
+    if config.eval_fraction > 0:
+        from dpmf.federated.evaluation import EVAL_NOTE
+
+        ledger[:] = [replace(e, note=e.note + "; " + EVAL_NOTE) for e in ledger]
+    if not policy.is_secret:  # the guarantee holds only against whoever does not know the seed
+        given = "; the seed was given: only against whoever does not know it"
+        ledger[:] = [replace(e, note=e.note + given) for e in ledger]
+    for e in ledger:
+        log(f"privacy: {format_entry(e)}")

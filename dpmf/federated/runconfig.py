@@ -4,10 +4,10 @@ inverse, ``dpmf.federated.app.config_from_run_config``, builds the ``FLConfig``)
 
 from __future__ import annotations
 
-__all__ = ["run_config_from_config"]
+__all__ = ["run_config_from_config", "run_config_keys"]
 
-# run-config key → (FLConfig field, type)
-_KEYS = {
+# run-config key → (FLConfig field, type), besides the privacy modes' own (``run_config_keys``)
+_COMMON_KEYS = {
     "dataset": ("dataset", str),
     "data-file": ("data_file", str),
     "clients": ("num_clients", int),
@@ -21,15 +21,7 @@ _KEYS = {
     "local-steps": ("local_steps", int),
     "local-batch-size": ("local_batch_size", int),
     "local-lr": ("local_lr", float),
-    "local-optimizer": ("local_optimizer", str),
-    "local-factorization": ("local_factorization", str),
     "clip-norm": ("clip_norm", float),
-    "server-steps": ("server_steps", int),
-    "server-batch-size": ("server_batch_size", int),
-    "server-lr": ("server_lr", float),
-    "client-clip": ("client_clip", float),
-    "client-noise-multiplier": ("client_noise_multiplier", float),
-    "client-factorization": ("client_factorization", str),
     "proximal-mu": ("proximal_mu", float),
     "fedopt-eta": ("fedopt_eta", float),
     "hidden": ("hidden", int),
@@ -38,10 +30,22 @@ _KEYS = {
     "max-epsilon": ("max_epsilon", float),
     "shards": ("shards", int),
     "aggregator-fraction": ("aggregator_fraction", float),
-    "local-scheme": ("local_scheme", str),
     "replica": ("replica", int),
     "eval-fraction": ("eval_fraction", float),
 }
+
+
+def run_config_keys() -> dict:
+    """Run-config key → (``FLConfig`` field, type): the common keys and every registered privacy
+    mode's options (``dpmf.federated.modes``; the key is the option's flag without ``--``)."""
+    from dpmf.federated.modes import PRIVACY_MODES
+
+    keys = dict(_COMMON_KEYS)
+    for mode in PRIVACY_MODES.values():
+        keys.update({o.key: (o.field, o.kind) for o in mode.options})
+    return keys
+
+
 _MAP_KEYS = ("noise-map", "sigma-min", "sigma-max")
 
 
@@ -56,7 +60,7 @@ def run_config_from_config(config) -> dict:
             "noise_map kind 'table' is invalid in a Flower run config: use linear or exponential"
         )
     out = {}
-    for key, (field, _) in _KEYS.items():
+    for key, (field, _) in run_config_keys().items():
         value = getattr(config, field)
         if value is not None:
             out[key] = value
