@@ -365,6 +365,8 @@ class AggregatorDPSGD:
         )
         self.sampler = self.step.sampler
         self.clip_norm, self.lr = float(clip_norm), float(lr)
+        # the privatized gradient's post-processing: plain SGD (torch's, no momentum)
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=self.lr)
 
     @property
     def sampling_rate(self) -> float:
@@ -381,10 +383,8 @@ class AggregatorDPSGD:
                 torch.from_numpy(self.x)[idx], torch.from_numpy(self.y)[idx], example_ids=idx
             )
             self.step.privatizer.consume()
-            with torch.no_grad():
-                for p in self.model.parameters():
-                    p.add_(p.grad, alpha=-self.lr)
-                    p.grad = None
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return get_weights(self.model)
 
 
@@ -431,15 +431,17 @@ class ClientLevelNoise:
             scheme=FixedOrder.name,
             strategy=factorization,
             noise_multiplier=sigma_acc,
+            clip_norm=clip_norm,
+            accountant=accountant,
         )
-        self.privacy = self.plan.account(delta=delta, accountant=accountant, progress=False)
+        self.privacy = self.plan.account(delta=delta, progress=False)
         self.noise = self.plan.noise(dim, seed, dtype=torch.float64)
-        self.clip_norm = float(clip_norm)
+        self.clip_norm = self.plan.clip_norm
 
     @property
     def std_on_sum(self) -> float:
         """σ·ζ·sens: the scale of the unit-variance stream on the sum of the clipped updates."""
-        return self.plan.noise_std(self.clip_norm)
+        return self.plan.noise_std()
 
     def next(self) -> np.ndarray:
         """The noise on the round's sum of clipped updates, shape (dim,), float64."""
