@@ -1,3 +1,3 @@
-from dpmf.cli import main
+from dpmf.cli import run
 
-raise SystemExit(main())
+run()

@@ -98,6 +98,21 @@ def _configure_logging() -> None:
         logger.setLevel(logging.INFO)
 
 
+def run() -> None:
+    """The ``dpmf`` command: ``main()``, then exit with its status.
+
+    After a stop by SIGINT/SIGTERM (130/143) ``results.json`` and the checkpoint are already on
+    disk (atomic writes), so the process leaves without the interpreter's teardown, where a C++
+    worker thread interrupted mid-operation can abort it (SIGABRT) and hide the exit status.
+    """
+    code = main()
+    if code in (130, 143):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``dpmf`` command ``argv`` (default ``sys.argv[1:]``); return the exit status.
 
