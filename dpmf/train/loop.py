@@ -291,7 +291,13 @@ class Trainer:
     def _restore(self, state: dict) -> int:
         where = f"checkpoint {self.checkpoint_path!r}"
         check_run_state(
-            state, where, door="train", plan=self.plan, run_identity=self.run_identity, data=self.data_digest
+            state,
+            where,
+            door="train",
+            plan=self.plan,
+            run_identity=self.run_identity,
+            data=self.data_digest,
+            model=self.model,
         )
         if self.lookahead is not None and state.get("lookahead") is None:
             raise ValueError(f"{where} has no lookahead state")

@@ -245,6 +245,7 @@ def check_run_state(
     plan: dict | None = None,
     run_identity: dict | None = None,
     data: str | None = None,
+    model=None,
 ) -> None:
     """Refuse, before anything is loaded, a state this run cannot continue.
 
@@ -256,10 +257,12 @@ def check_run_state(
         plan: the run's ``PrivatePlan.to_dict()`` (None: not compared).
         run_identity: the reader's identity; every key of either must agree (None: not compared).
         data: the reader's data digest (None, or a state without one: not compared).
+        model: the reader's model: a trainable-only state must come from its frozen weights
+            (None: not compared).
 
     Raises:
         ValueError: one line: an old or foreign format, another door, another run (the fields
-            that differ, never the key), another plan or other data.
+            that differ, never the key), another plan, other data or other frozen weights.
     """
     _check_format(state, where)
     if door == "train" and state.get("door") != "train":
@@ -286,6 +289,8 @@ def check_run_state(
             f"{where} is invalid: it belongs to another plan (data size, batches, steps, scheme, "
             "strategy or σ); resume with the settings of the run that wrote it"
         )
+    if model is not None:
+        check_model_state(model, state.get("model"), where)
 
 
 def resumed_key(state: dict, policy: seeds.SeedPolicy, where: str) -> seeds.SeedPolicy:
