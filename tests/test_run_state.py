@@ -5,8 +5,17 @@ format shared by ``dpmf train`` and ``make_private``."""
 import hashlib
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
 
+import dpmf
+from dpmf.train import state as run_state
+from dpmf.train.build import build_optimizer, sub_seed
+from dpmf.train.checkpoint import load_checkpoint, save_checkpoint
 from dpmf.train.config import TrainConfig
+from dpmf.train.data import load_dataset
+from dpmf.train.models import build_model
 from dpmf.train.run import train
 
 pytestmark = pytest.mark.torch
@@ -101,3 +110,110 @@ def test_resume_gives_the_recorded_model(name, tmp_path):
     res = train(cfg, str(tmp_path), progress=False, log=_quiet, resume=True)
     assert res.metrics[0]["epoch"] == 1 and len(res.metrics) == 2
     assert model_digest(res.model) == expected
+
+
+# -- one format for both doors ------------------------------------------------------------------
+
+DOOR = dict(
+    dataset="digits",
+    model="mlp",
+    optimizer="dp-sgd",
+    factorization="bisr:4",
+    scheme="fixed_order",
+    epochs=2,
+    batch_size=128,
+    epsilon=3.0,
+    delta=1e-5,
+    seed=11,
+    device="cpu",
+)
+
+
+def _private(cfg, data, seed):
+    model = build_model("mlp", data.input_shape, data.num_classes, seed=sub_seed(cfg.seed, 0))
+    return dpmf.make_private(
+        model,
+        build_optimizer(cfg, model),
+        TensorDataset(data.train_x, data.train_y),
+        loss_fn=F.cross_entropy,
+        batch_size=cfg.batch_size,
+        epochs=cfg.epochs,
+        target_epsilon=cfg.epsilon,
+        target_delta=cfg.delta,
+        factorization=cfg.factorization,
+        scheme=cfg.scheme,
+        seed=seed,
+    )
+
+
+@pytest.fixture(scope="module")
+def stopped_train(tmp_path_factory):
+    """A ``dpmf train`` run of DOOR stopped after its first epoch, and the uninterrupted run."""
+    cfg = TrainConfig(**DOOR)
+    full = train(cfg, str(tmp_path_factory.mktemp("full")), progress=False, log=_quiet)
+    out = tmp_path_factory.mktemp("stopped")
+    with pytest.raises(_Stop):
+        train(cfg, str(out), progress=False, log=_quiet, on_epoch_end=[_stop_after_first_epoch])
+    return cfg, full, str(out / "checkpoint.pt")
+
+
+def test_both_doors_write_the_same_format(stopped_train, tmp_path, capsys):
+    cfg, full, path = stopped_train
+    private = _private(cfg, load_dataset("digits"), seed=11)
+    for x, y in private.data_loader:  # its first epoch, as the train run did
+        private.backward(x, target=y, return_loss=False)
+        private.optimizer.step()
+        private.optimizer.zero_grad()
+    private.save(str(tmp_path / "state.pt"))
+    ours, theirs = load_checkpoint(str(tmp_path / "state.pt")), load_checkpoint(path)
+    assert tuple(ours) == tuple(theirs) == run_state.KEYS  # the same keys, in the same order
+    assert ours["format"] == theirs["format"] == run_state.FORMAT == "dpmf.run/2"
+    assert (ours["door"], theirs["door"]) == ("make_private", "train")
+    assert ours["plan"] == theirs["plan"] and ours["data"] == theirs["data"] is not None
+    assert ours["step"] == theirs["step"] == ours["plan"]["steps_per_epoch"] and ours["epoch"] == 1
+    assert ours["secret"] == theirs["secret"] == {"seed": 11, "given": True}
+    for k, v in theirs["model"].items():  # the same first epoch: the same weights, bit for bit
+        assert torch.equal(v, ours["model"][k]), k
+    capsys.readouterr()
+
+
+def test_make_private_resumes_a_dpmf_train_checkpoint_to_the_same_bits(stopped_train, capsys):
+    cfg, full, path = stopped_train
+    private = _private(cfg, load_dataset("digits"), seed=None)  # adopts the checkpoint's key
+    private.resume(path)
+    assert private.steps_taken == private.plan.steps_per_epoch and private.seed_given
+    for x, y in private.data_loader:  # the second epoch
+        private.backward(x, target=y, return_loss=False)
+        private.optimizer.step()
+        private.optimizer.zero_grad()
+    assert private.steps_taken == private.plan.steps
+    for (k, a), (_, b) in zip(
+        full.model.state_dict().items(), private.model.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), k
+    assert dpmf.seeds.NOTICE in capsys.readouterr().err  # the adopted key was a given seed
+
+
+def test_dpmf_train_refuses_a_make_private_file_in_one_line(stopped_train, tmp_path):
+    cfg, _, _ = stopped_train
+    private = _private(cfg, load_dataset("digits"), seed=11)
+    private.save(str(tmp_path / "checkpoint.pt"))
+    with pytest.raises(ValueError, match=r"written by 'make_private'; resume it with make_private") as err:
+        train(cfg, str(tmp_path), resume=True, progress=False, log=_quiet)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("old", [1, "dpmf.make_private/1"])
+def test_an_old_format_is_refused_in_one_line_by_both_doors(stopped_train, tmp_path, old):
+    cfg, _, path = stopped_train
+    state = load_checkpoint(path)
+    state["format"] = old
+    save_checkpoint(str(tmp_path / "checkpoint.pt"), state)
+    private = _private(cfg, load_dataset("digits"), seed=11)
+    for resume in (
+        lambda: train(cfg, str(tmp_path), resume=True, progress=False, log=_quiet),
+        lambda: private.resume(str(tmp_path / "checkpoint.pt")),
+    ):
+        with pytest.raises(ValueError, match="format .* of an earlier dpmf.*start a new run") as err:
+            resume()
+        assert "\n" not in str(err.value) and "11" not in str(err.value).replace(str(tmp_path), "")
