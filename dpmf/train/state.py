@@ -228,7 +228,7 @@ def _check_format(state, where: str) -> None:
     fmt = state.get("format") if isinstance(state, dict) else None
     if fmt == FORMAT:
         return
-    if isinstance(fmt, int | str) and fmt in _OLD_FORMATS:
+    if isinstance(fmt, int | str) and not isinstance(fmt, bool) and fmt in _OLD_FORMATS:
         raise ValueError(
             f"{where} is invalid: it is in the format {fmt!r} of an earlier dpmf's "
             f"{_OLD_FORMATS[fmt]} (this version reads {FORMAT!r}); finish that run with the dpmf "
