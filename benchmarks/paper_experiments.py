@@ -60,7 +60,7 @@ from dpmf._validation import check_choice, check_int, check_real  # noqa: E402
 from dpmf.optim import matrix_shape  # noqa: E402
 from dpmf.optim.clipping import clipped_sum, trainable_parameters  # noqa: E402
 from dpmf.train import Dataset, TrainConfig, evaluate, load_dataset, train  # noqa: E402
-from dpmf.train.run import plan_for  # noqa: E402
+from dpmf.train.planning import plan_for  # noqa: E402
 
 __all__ = [
     "EXPERIMENTS",

@@ -41,10 +41,10 @@ def test_make_private_audit_is_the_dpmf_audit_run_for_the_same_key(monkeypatch, 
     # the two doors make the same run (same plan over N + m, key, initial weights, batches,
     # noise, canaries): the canaries' scores agree to rounding
     from dpmf.audit.private_audit import audit_make_private
+    from dpmf.train.build import build_optimizer, sub_seed
     from dpmf.train.config import TrainConfig
     from dpmf.train.data import load_dataset
     from dpmf.train.models import build_model
-    from dpmf.train.run import build_optimizer, sub_seed
 
     seen = _capture(monkeypatch)
     cfg = TrainConfig(

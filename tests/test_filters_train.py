@@ -12,9 +12,10 @@ from torch import nn
 from dpmf.cli import main
 from dpmf.optim import Doppler, EvaluationPoint
 from dpmf.optim.clipping import clipped_sum, per_example_gradients
+from dpmf.train.build import build_optimizer
 from dpmf.train.checkpoint import load_checkpoint
 from dpmf.train.config import TrainConfig
-from dpmf.train.run import build_optimizer, train
+from dpmf.train.run import train
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -16,10 +16,11 @@ import dpmf
 from dpmf.cli import main
 from dpmf.optim import DPSGD, Privatizer
 from dpmf.plan import PrivatePlan
+from dpmf.train.build import build_optimizer, sub_seed
 from dpmf.train.config import TrainConfig
 from dpmf.train.data import load_dataset
 from dpmf.train.models import build_model
-from dpmf.train.run import build_optimizer, sub_seed, train
+from dpmf.train.run import train
 
 pytestmark = pytest.mark.torch
 

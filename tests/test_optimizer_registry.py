@@ -22,8 +22,8 @@ from dpmf.optim.registry import (
     unregister_optimizer,
 )
 from dpmf.optim.transforms import AddDecayedWeights, Transform, chain
+from dpmf.train.build import build_optimizer
 from dpmf.train.config import TrainConfig
-from dpmf.train.run import build_optimizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -3,7 +3,7 @@ pick built and calibrated it (no second factorization, no second calibration).""
 
 import pytest
 
-import dpmf.train.run as run_module
+import dpmf.train.planning as run_module
 from dpmf import calibrate
 from dpmf.pick import pick
 from dpmf.plan import PrivatePlan

@@ -73,7 +73,7 @@ def test_resume_on_other_data_is_refused(finished, tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()
     state = load_checkpoint(str(finished / "checkpoint.pt"))
-    state["run_identity"]["data"] = "0" * 16  # the digest of other data with the same size
+    state["data"] = "0" * 16  # the digest of other data with the same size
     save_checkpoint(str(out / "checkpoint.pt"), state)
     capsys.readouterr()
     assert main(TRAIN + ["--out", str(out), "--resume"]) == 2

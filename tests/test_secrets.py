@@ -19,10 +19,11 @@ from dpmf import seeds
 from dpmf.mechanisms import factorize
 from dpmf.optim.noise import ChunkedKeys, identity_noise, noise_for_factorization
 from dpmf.plan.samplers import PoissonSampler
+from dpmf.train.build import sub_seed
 from dpmf.train.config import TrainConfig
 from dpmf.train.data import load_dataset
 from dpmf.train.models import build_model
-from dpmf.train.run import sub_seed, train
+from dpmf.train.run import train
 from dpmf.workloads import prefix_sum
 
 pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
@@ -160,7 +161,7 @@ from torch.utils.data import TensorDataset
 import dpmf
 from dpmf.train.data import load_dataset
 from dpmf.train.models import build_model
-from dpmf.train.run import sub_seed
+from dpmf.train.build import sub_seed
 torch.set_num_threads(1)
 d = load_dataset("digits")
 model = build_model("mlp", d.input_shape, d.num_classes, seed=sub_seed(3, 0))

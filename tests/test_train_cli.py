@@ -10,10 +10,12 @@ from torch import nn
 
 from dpmf.cli import main
 from dpmf.mechanisms import factorize
+from dpmf.plan.plan import leading_block
+from dpmf.train.build import build_optimizer
 from dpmf.train.checkpoint import load_checkpoint
 from dpmf.train.config import TrainConfig
 from dpmf.train.metrics import read_metrics_csv
-from dpmf.train.run import build_optimizer, leading_block, train
+from dpmf.train.run import train
 from dpmf.workloads import Schedule, from_schedule
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -266,7 +268,7 @@ def test_leading_block_is_the_top_left_corner():
 
 
 def test_device_auto_is_cuda_when_available_else_cpu():
-    from dpmf.train.run import resolve_device
+    from dpmf.train.build import resolve_device
 
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert resolve_device("auto").type == expected

@@ -1,7 +1,8 @@
 """The private step of one run spread over W processes, with exactly the noise of one process.
 
 Every process draws the same global batch from the plan's sampler and handles its slice
-(``sharding.rank_slice``); per-example clipping is local. Then, by ``mode``:
+(``sharding.RankSlices``, the one way a rank takes its examples); per-example clipping is local.
+Then, by ``mode``:
 
 ``sharded`` (default)
     each trainable parameter has one owner (``sharding.assign_owners``); one reduce per

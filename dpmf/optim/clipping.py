@@ -19,7 +19,7 @@ as the fix.
 Every trainable tensor counts in the global norm whatever its shape: a per-channel scale of
 shape (C, 1, 1) is clipped and noised like any other entry. Its shape matters only to the
 optimizer afterwards: it is a vector (its matrix view C × 1 is degenerate), so DP-Muon must
-update it with the 1-D rule, never Newton–Schulz (``dpmf.train.run.build_optimizer`` routes
+update it with the 1-D rule, never Newton–Schulz (``dpmf.train.build.build_optimizer`` routes
 it there; ``route_parameters`` refuses it for a matrix rule).
 """
 

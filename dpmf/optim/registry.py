@@ -7,7 +7,7 @@ that factory takes, its default learning rate, and whether it applies Newton–S
 updates matrices only, the 1-D parameters by the DP-SGD rule) or draws random probes (then
 ``dpmf train`` gives it a seed of its own). ``DPOptimizer`` builds a group's chain from the
 entry of its rule; ``TrainConfig`` takes its choices and default learning rates from here;
-``dpmf.train.run.build_optimizer``, ``dpmf.federated`` and the command line read the same
+``dpmf.train.build.build_optimizer``, ``dpmf.federated`` and the command line read the same
 entries. Adding an optimizer is one ``register_optimizer`` call.
 
 This module imports no torch: the built-in entries name their factories as

@@ -127,7 +127,8 @@ def run_one(
     """
     from dpmf.train.config import TrainConfig
     from dpmf.train.loop import CHECKPOINT
-    from dpmf.train.run import RESULTS, train
+    from dpmf.train.outputs import RESULTS
+    from dpmf.train.run import train
 
     settings = dict(BASE, **(overrides or {}), **method_settings(method, composition))
     config = TrainConfig.from_dict(

@@ -1,4 +1,6 @@
-"""Checkpoints written atomically, and the global random generators' states.
+"""Checkpoint files: written atomically, private, with the SHA-256 of every entry.
+
+What a run's checkpoint holds is ``dpmf.train.state``'s; this module only stores and loads it.
 
 A checkpoint is written to a temporary file in the same folder, then renamed over the old
 one (``dpmf._io.atomic_path``): a resumed run after a kill sees either the previous or the new
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import random
 
 import numpy as np
 import torch
@@ -32,8 +33,6 @@ __all__ = [
     "as_numpy",
     "save_checkpoint",
     "load_checkpoint",
-    "rng_state",
-    "set_rng_state",
 ]
 
 
@@ -170,26 +169,3 @@ def load_checkpoint(path) -> dict:
     if not isinstance(state, dict):
         raise ValueError(f"checkpoint={path!r} is invalid: not a dpmf checkpoint (no state mapping)")
     return _verify(state, path)
-
-
-def rng_state() -> dict:
-    """The global generators' states: Python ``random``, NumPy's legacy global, torch CPU and
-    (when available) every CUDA device."""
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore ``rng_state()``."""
-    random.setstate(state["python"])
-    kind, keys, *rest = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

@@ -152,6 +152,14 @@ class TrainConfig:
     distributed_mode: str = "sharded"
 
     def __post_init__(self):
+        self._check_run_choices()
+        self._check_budget()
+        self._check_optimizer_settings()
+        self._check_schedule()
+        self._check_execution()
+
+    def _check_run_choices(self) -> None:
+        """The data set, model, optimizer and strategy/scheme choices."""
         check_choice("dataset", self.dataset, DATASETS)
         if self.data_dir is not None and not isinstance(self.data_dir, str):
             raise TypeError(f"data_dir={self.data_dir!r} is invalid: must be a folder path")
@@ -176,6 +184,9 @@ class TrainConfig:
                     "accounts DP-SGD (C = I) only; use cyclic_poisson, balls_in_bins, fixed_order or "
                     "single_release for a matrix mechanism"
                 )
+
+    def _check_budget(self) -> None:
+        """The length, the batch size and the privacy budget (ε or σ, δ, ζ)."""
         object.__setattr__(self, "epochs", check_int("epochs", self.epochs, minimum=1))
         object.__setattr__(self, "batch_size", check_int("batch_size", self.batch_size, minimum=1))
         if (self.epsilon is None) == (self.noise_multiplier is None):
@@ -201,6 +212,9 @@ class TrainConfig:
         object.__setattr__(
             self, "clip_norm", check_real("clip_norm", self.clip_norm, low=0.0, low_inclusive=False)
         )
+
+    def _check_optimizer_settings(self) -> None:
+        """The optimizer's numbers and the temporal filter."""
         if self.lr is not None:
             object.__setattr__(self, "lr", check_real("lr", self.lr, low=0.0, low_inclusive=False))
         object.__setattr__(
@@ -217,6 +231,9 @@ class TrainConfig:
         )
         object.__setattr__(self, "weight_decay", check_real("weight_decay", self.weight_decay, low=0.0))
         self._check_filter()
+
+    def _check_schedule(self) -> None:
+        """The learning-rate schedule χ (its final multiplier β, γ)."""
         check_choice("schedule", self.schedule, SCHEDULES)
         object.__setattr__(
             self, "beta", check_real("beta", self.beta, low=0.0, high=1.0, low_inclusive=False)
@@ -230,6 +247,9 @@ class TrainConfig:
             )
         if self.gamma is not None:
             object.__setattr__(self, "gamma", check_real("gamma", self.gamma, low=0.0, low_inclusive=False))
+
+    def _check_execution(self) -> None:
+        """The seed, device, clipping, accounting, logging and process settings."""
         if self.seed is not None:
             object.__setattr__(self, "seed", check_int("seed", self.seed, minimum=0))
         check_choice("device", self.device, DEVICES)

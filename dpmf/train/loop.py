@@ -14,14 +14,14 @@ Each step t (0-based, T = epochs·steps_per_epoch in all):
    an error names it.
 
 After every epoch: test loss and accuracy, ε spent so far, one CSV row, the PNG of the curves,
-and a checkpoint (model, optimizer, sampler, noise stream, global RNG states, metrics)
-written atomically. ``resume=True`` continues from it and reaches the same final weights as an
+and a checkpoint (model, optimizer, sampler, noise stream, global RNG states, metrics: the run
+state of ``dpmf.train.state``, the format ``make_private`` writes too) written atomically.
+``resume=True`` continues from it and reaches the same final weights as an
 uninterrupted run (everything random is either checkpointed or a function of (seed, step)).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import threading
@@ -38,25 +38,22 @@ from dpmf._validation import check_int, check_real, check_vector
 from dpmf.optim.clipping import trainable_parameters
 from dpmf.optim.model_guard import check_state_unchanged, state_versions
 from dpmf.optim.privatize import Privatizer
-from dpmf.train.checkpoint import as_numpy, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from dpmf.train.data import Dataset
 from dpmf.train.metrics import StepLog, batch_loss, plot_training_curves, write_metrics_csv
 from dpmf.train.samplers import BatchSampler
-from dpmf.train.shards import (
-    keep_own_optimizer_state,
-    load_noise_state,
-    merge_shards,
-    noise_state,
-    remove_shards,
-    save_sharded,
+from dpmf.train.shards import remove_shards
+from dpmf.train.state import (
+    check_run_state,
+    read_run_state,
+    restore_run_state,
+    run_state,
+    set_rng_state,
+    write_run_state,
 )
 
 __all__ = [
     "critical_section",
     "deliver_stop",
-    "check_resumable",
-    "data_digest",
-    "saved_seed",
     "CHECKPOINT",
     "METRICS",
     "CURVES",
@@ -69,7 +66,6 @@ __all__ = [
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.csv"
 CURVES = "curves.png"
-_FORMAT = 1
 
 
 class NonFiniteWeightsError(FloatingPointError):
@@ -130,52 +126,6 @@ class TrainOutcome:
     resumed_from_epoch: int = 0
 
 
-def saved_seed(path, state: dict | None = None) -> int:
-    """The run's seed kept in the checkpoint at ``path`` (to resume a run whose seed was drawn).
-
-    Raises:
-        ValueError: the checkpoint is unreadable or holds no seed.
-    """
-    state = load_checkpoint(path) if state is None else state
-    seed = state.get("secret", {}).get("seed")
-    if not isinstance(seed, int):
-        raise ValueError(
-            f"checkpoint {path!r} is invalid: it holds no seed to resume with (an older format?)"
-        )
-    return seed
-
-
-def data_digest(data) -> str:
-    """SHA-256 (first 16 hex digits) of the training tensors' bytes, shapes and dtypes: part of a
-    run's identity, so that a resume on other data is refused."""
-    h = hashlib.sha256()
-    for t in (data.train_x, data.train_y):
-        h.update(f"{tuple(t.shape)}{t.dtype}".encode())
-        h.update(t.contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def check_resumable(state: dict, run_identity: dict, path) -> None:
-    """Raise unless the checkpoint ``state`` belongs to the run ``run_identity`` (keys present in
-    both must agree; this is checked before any work when resuming).
-
-    Raises:
-        ValueError: another format, or the fields that differ (e.g. other data or settings).
-    """
-    if state.get("format") != _FORMAT:
-        raise ValueError(
-            f"checkpoint {str(path)!r} is invalid: format {state.get('format')!r} is not supported "
-            f"(expected {_FORMAT})"
-        )
-    theirs = state.get("run_identity", {})
-    diff = sorted(k for k in set(theirs) & set(run_identity) if theirs.get(k) != run_identity.get(k))
-    if diff:
-        detail = ", ".join(f"{k}: {theirs.get(k)!r} → {run_identity.get(k)!r}" for k in diff)
-        if "data" in diff:
-            detail = "the training data differ (another --data-dir or file?); " + detail
-        raise ValueError(f"checkpoint {str(path)!r} belongs to another run ({detail})")
-
-
 @torch.no_grad()
 def evaluate(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, batch_size: int, device
@@ -206,7 +156,10 @@ class Trainer:
     Args:
         model: on ``device``.
         data: the in-memory ``Dataset`` (CPU tensors; batches are moved to ``device``).
-        sampler: the batch sampler, covering ``epochs·steps_per_epoch`` steps.
+        sampler: the batch sampler, covering ``epochs·steps_per_epoch`` steps; in a run over
+            several processes, the ``dpmf.distributed.RankSlices`` of the plan's sampler (the
+            private step's ``batches.sampler``), which yields this rank's slice of each global
+            batch.
         privatizer: clip → sum → noise → divide; its noise stream covers the same steps.
         optimizer: any ``torch.optim.Optimizer`` over the trainable parameters, freshly built:
             each group's ``lr`` is taken as its base rate η_g. A DP optimizer bound to the
@@ -222,8 +175,8 @@ class Trainer:
         delta: δ.
         eval_batch_size: test batch size.
         progress: show a tqdm bar on stderr.
-        secrets: plain data the checkpoint must keep to resume but no other file may hold
-            (the drawn noise seed), saved under ``"secret"``.
+        secrets: ``{"seed": key, "given": bool}``: the noise key the checkpoint must keep to
+            resume but no other file may hold, saved under ``"secret"``.
         lookahead: an object whose ``points(model)`` gives each step's evaluation plan
             (``dpmf.optim.disk.DiskLookahead`` for the DiSK filter), called once per step
             before the gradients; its ``state_dict`` is checkpointed. None: gradients at θ_t.
@@ -234,6 +187,11 @@ class Trainer:
             (then ``privatizer`` is a ``DistributedPrivatizer``): each rank handles its slice
             of every global batch, the checkpoint is one shard per rank and a manifest, and
             only rank 0 writes the metrics, curves and progress bar. None: one process.
+        plan: the run's ``PrivatePlan.to_dict()``, kept in the checkpoint and compared on resume
+            (None: neither).
+        data_digest: ``dpmf.train.state.data_digest(data)``, kept and compared likewise.
+
+    The checkpoint is ``dpmf.train.state``'s run state (the format ``make_private`` also writes).
 
     Raises:
         ValueError: inconsistent step counts or out-of-range numbers.
@@ -262,6 +220,8 @@ class Trainer:
         secrets: dict | None = None,
         log_every: int | None = None,
         collectives=None,
+        plan: dict | None = None,
+        data_digest: str | None = None,
     ):
         self.collectives = collectives
         self.writer = collectives is None or collectives.rank == 0
@@ -295,6 +255,8 @@ class Trainer:
         self.out_dir = out_dir
         self.device = torch.device(device)
         self.run_identity = dict(run_identity)
+        self.plan = plan
+        self.data_digest = data_digest
         self.epsilon_at = epsilon_at
         self.final_epsilon = final_epsilon
         self.delta = delta
@@ -310,59 +272,55 @@ class Trainer:
 
     # -- checkpoint -------------------------------------------------------------------------
     def _state(self, epoch: int) -> dict:
-        return {
-            "format": _FORMAT,
-            "run_identity": self.run_identity,
-            "secret": self.secrets,
-            "epoch": epoch,
-            "step": self.privatizer.step,
-            "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
-            "sampler": self.drawn.sampler_state(self.privatizer.step),
-            "noise": noise_state(self.privatizer.noise),
-            "rng": rng_state(),
-            "metrics": list(self.outcome.metrics),
-            "empty_batches": self.outcome.empty_batches,
-            **({} if self.lookahead is None else {"lookahead": self.lookahead.state_dict()}),
-        }
+        return run_state(
+            door="train",
+            plan=self.plan,
+            privatizer=self.privatizer,
+            model=self.model,
+            optimizer=self.optimizer,
+            key=self.secrets.get("seed"),
+            given=self.secrets.get("given", False),
+            run_identity=self.run_identity,
+            data=self.data_digest,
+            epoch=epoch,
+            metrics=self.outcome.metrics,
+            empty_batches=self.outcome.empty_batches,
+            lookahead=self.lookahead,
+        )
 
     def _restore(self, state: dict) -> int:
-        if state.get("format") != _FORMAT:
-            raise ValueError(
-                f"checkpoint format {state.get('format')!r} is not supported (expected {_FORMAT})"
-            )
-        theirs = state.get("run_identity", {})
-        diff = sorted(
-            k for k in set(theirs) | set(self.run_identity) if theirs.get(k) != self.run_identity.get(k)
+        where = f"checkpoint {self.checkpoint_path!r}"
+        check_run_state(
+            state,
+            where,
+            door="train",
+            plan=self.plan,
+            run_identity=self.run_identity,
+            data=self.data_digest,
+            model=self.model,
         )
-        if diff:
-            detail = ", ".join(f"{k}: {theirs.get(k)!r} → {self.run_identity.get(k)!r}" for k in diff)
-            raise ValueError(f"checkpoint {self.checkpoint_path!r} belongs to another run ({detail})")
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.sampler.load_state_dict(as_numpy(state["sampler"]))
-        load_noise_state(self.privatizer.noise, state["noise"], f"checkpoint {self.checkpoint_path!r}")
-        self.drawn.reset()
-        keep_own_optimizer_state(self.optimizer, self.privatizer)
+        if self.lookahead is not None and state.get("lookahead") is None:
+            raise ValueError(f"{where} has no lookahead state")
+        restore_run_state(
+            state,
+            model=self.model,
+            optimizer=self.optimizer,
+            sampler=self.sampler,
+            privatizer=self.privatizer,
+            where=where,
+        )
         if self.lookahead is not None:
-            if "lookahead" not in state:
-                raise ValueError(f"checkpoint {self.checkpoint_path!r} has no lookahead state")
             self.lookahead.load_state_dict(state["lookahead"])
         set_rng_state(state["rng"])
-        if self.sampler.step != self.privatizer.noise.step or self.sampler.step != state["step"]:
-            raise ValueError("checkpoint is inconsistent: sampler and noise stream are at different steps")
         self.outcome.metrics = list(state["metrics"])
         self.outcome.empty_batches = int(state["empty_batches"])
         return int(state["epoch"])
 
     # -- one step -----------------------------------------------------------------------------
     def _step(self, t: int) -> int:
-        drawn_at, batch = self.drawn.draw()
-        idx = batch
-        if self.collectives is not None:  # this rank's slice of the global batch
-            from dpmf.distributed.sharding import rank_slice
-
-            idx = rank_slice(batch, self.collectives.rank, self.collectives.world_size)
+        # this rank's slice of the global batch in a distributed run (the sampler is then a
+        # ``dpmf.distributed.RankSlices``)
+        drawn_at, idx = self.drawn.draw()
         self.drawn.record(drawn_at, ids=idx, n=int(idx.shape[0]))  # what privatize must receive
         ids = torch.from_numpy(idx)
         x = self.data.train_x[ids].to(self.device, non_blocking=True)
@@ -392,7 +350,7 @@ class Trainer:
                 f"the optimizer step at step {t} (epoch {t // self.sampler.steps_per_epoch + 1}) made "
                 f"weights NaN/inf (lr={lr:g}); the step was undone. Lower the learning rate."
             )
-        return int(batch.shape[0])
+        return int(info.batch_size)  # the global batch's size (summed over the ranks)
 
     # -- the run ------------------------------------------------------------------------------
     def run(
@@ -425,7 +383,7 @@ class Trainer:
                     f"out_dir={self.out_dir!r} is invalid: it holds a checkpoint of an earlier run; "
                     "pass --resume to continue it or choose another --out"
                 )
-            state = merge_shards(load_checkpoint(self.checkpoint_path), self.checkpoint_path)
+            state = read_run_state(self.checkpoint_path)
             start_epoch = self._restore(state)
             if self.outcome.metrics and self.writer:  # the files agree with the checkpoint
                 write_metrics_csv(os.path.join(self.out_dir, METRICS), self.outcome.metrics)
@@ -496,17 +454,9 @@ class Trainer:
         state = self._state(epoch)
         state["metrics"].append(row)
         with critical_section():  # a SIGTERM here stops after the epoch is counted
+            write_run_state(self.checkpoint_path, state, self.privatizer, self.collectives)
             if self.collectives is None:
-                save_checkpoint(self.checkpoint_path, state)
                 remove_shards(self.checkpoint_path)  # those of a distributed run this one resumed
-            else:
-                save_sharded(
-                    self.checkpoint_path,
-                    state,
-                    self.collectives,
-                    mode=self.privatizer.mode,
-                    seed_digest=self.privatizer.seed_digest,
-                )
             self.outcome.metrics.append(row)
         if not self.writer:
             return row

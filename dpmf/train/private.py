@@ -28,11 +28,24 @@ once; per-example transformations go into ``make_private(transform=…)``. The m
 optimizer must stay as they were given (no parameter unfrozen, group or submodule added), and
 the forward pass must write no parameter or buffer. Each refusal names what was wrong and the
 fix (``dpmf.optim.batches``, ``dpmf.optim.model_guard``).
+
+Keys: with ``seed=None`` the run's key is 256 bits of the operating system's entropy, kept only
+in memory and in ``save``/``state_dict`` (``resume`` adopts a saved key); a given seed is the
+key: the run is reproducible and its noise predictable to whoever knows it (``dpmf.seeds.NOTICE``
+is printed to stderr). ``save``/``resume`` use the run state of ``dpmf.train.state``, the format
+``dpmf train`` writes, so ``resume`` also continues a ``dpmf train`` checkpoint of the same plan
+and data.
+
+Processes: with a process group every process calls ``make_private`` with the same arguments;
+the loader yields this rank's slice of each global batch (``dpmf.distributed.RankSlices``), the
+private step is ``dpmf.distributed.DistributedPrivatizer`` (the noise of one process), the
+optimizer's step returns the parameters to all ranks and the secret key is rank 0's.
+``noise_keys="chunked"`` (default; always with a process group) keys the raw noise by parameter
+and chunk, the same at any number of processes; ``"stream"`` is the keying of earlier runs.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import weakref
@@ -52,23 +65,23 @@ from dpmf.optim.model_guard import check_state_unchanged, state_versions
 from dpmf.optim.privatize import Privatizer
 from dpmf.plan.plan import PrivatePlan, steps_per_epoch
 from dpmf.plan.schemes import auto_scheme, get_scheme
-from dpmf.train.checkpoint import as_numpy, load_checkpoint, save_checkpoint
-from dpmf.train.hf import batch_size_of, check_model_state, load_model_state, model_state, split_batch
+from dpmf.train.hf import batch_size_of, split_batch
 from dpmf.train.ledger import export as export_files
 from dpmf.train.ledger import privacy_ledger
 from dpmf.train.private_loader import PrivateDataLoader, TransformedDataset
-from dpmf.train.shards import (
-    keep_own_optimizer_state,
-    load_noise_state,
-    merge_shards,
-    noise_state,
-    save_sharded,
+from dpmf.train.state import (
+    check_run_state,
+    dataset_digest,
+    read_run_state,
+    restore_run_state,
+    resumed_key,
+    run_state,
+    write_run_state,
 )
 from dpmf.workloads.schedules import Schedule
 
 __all__ = ["make_private", "PrivateTraining", "PrivateOptimizer", "EmptySafeCollate"]
 
-_FORMAT = "dpmf.make_private/1"
 #: module → the live ``PrivateTraining`` over it (one per module: a later make_private closes it)
 _LIVE_RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -93,22 +106,6 @@ class EmptySafeCollate:
         if self._empty is None:
             self._empty = _map(lambda t: t[:0], self.collate_fn([self.dataset[0]]))
         return self._empty
-
-
-def dataset_digest(dataset) -> str | None:
-    """SHA-256 (first 16 hex digits) of the tensors of a ``TensorDataset`` (shapes, dtypes,
-    bytes; through ``TransformedDataset``'s data set), or None for other data sets, whose
-    examples may be computed on the fly (random augmentation): part of a ``make_private`` state,
-    so that a resume on other data is refused."""
-    inner = getattr(dataset, "dataset", None)
-    tensors = getattr(dataset, "tensors", None) or getattr(inner, "tensors", None)
-    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
-        return None
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(f"{tuple(t.shape)}{t.dtype}".encode())
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def _map(fn, tree):
@@ -376,68 +373,60 @@ class PrivateTraining:
         return export_files(out_dir, self.model, self.ledger(delta))
 
     def state_dict(self) -> dict:
-        """Everything needed to resume: weights, optimizer, sampler, noise stream and the key.
-        It holds the run's secrets: keep it private (``export`` is what can be shared)."""
-        return {
-            "format": _FORMAT,
-            "plan": self.plan.to_dict(),
-            "secret": {"seed": self._seed, "given": self.seed_given},
-            "step": self.steps_taken,
-            "model": model_state(self.model),
-            "optimizer": self.optimizer.state_dict(),
-            # the sampler at the privatized step, not where a prefetching loader has drawn to
-            "sampler": self.privatizer.drawn.sampler_state(self.steps_taken),
-            "noise": noise_state(self.privatizer.noise),
-            "data": dataset_digest(self.data_loader.dataset),
-        }
+        """Everything needed to resume: weights, optimizer, sampler, noise stream and the key,
+        in the run-state format of ``dpmf.train.state`` (the one ``dpmf train`` writes). It
+        holds the run's secrets: keep it private (``export`` is what can be shared)."""
+        return run_state(
+            door="make_private",
+            plan=self.plan.to_dict(),
+            privatizer=self.privatizer,
+            model=self.model,
+            optimizer=self.optimizer,
+            key=self._seed,
+            given=self.seed_given,
+            data=dataset_digest(self.data_loader.dataset),
+            epoch=self.steps_taken // self.plan.steps_per_epoch,
+        )
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore ``state_dict()`` of the same plan. A run made with ``seed=None`` adopts the
-        state's key (secret or given); a run made with a seed refuses a state of another key.
+        """Restore a run state of the same plan and data: ``state_dict()``'s, or a ``dpmf
+        train`` checkpoint's (``dpmf.train.state``) with the model and optimizer built as that
+        run built them. A run made with ``seed=None`` adopts the state's key (secret or given);
+        a run made with a seed refuses a state of another key.
 
         Raises:
-            ValueError: another format or plan, another key than a given seed, or an
-                inconsistent state (no key is ever shown).
+            ValueError: another or an old format, another plan or data, another key than a
+                given seed, or an inconsistent state (no key is ever shown).
         """
-        if not isinstance(state, dict) or state.get("format") != _FORMAT:
-            raise ValueError("state is invalid: not a make_private state (format mismatch)")
-        if state.get("plan") != self.plan.to_dict():
-            raise ValueError("state is invalid: it belongs to another plan (data size, batches, scheme or σ)")
-        saved, mine = state.get("data"), dataset_digest(self.data_loader.dataset)
-        if saved is not None and mine is not None and saved != mine:
-            raise ValueError(
-                "state is invalid for this data set: its tensors differ from those the state was saved "
-                "with (resuming on other data would reuse the run's noise, so the two models' difference "
-                "would be noiseless); resume on the same data, or start a new run"
-            )
-        check_model_state(self.model, state["model"])  # other frozen weights: before any loading
-        self._adopt_key(state.get("secret"))
-        load_noise_state(self.privatizer.noise, state["noise"], "state")
-        load_model_state(self.model, state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.sampler.load_state_dict(as_numpy(state["sampler"]))
-        self.privatizer.drawn.reset()  # earlier draws and loader iterations are void
-        keep_own_optimizer_state(self.optimizer, self.privatizer)
-        if self.sampler.step != self.privatizer.noise.step:
-            raise ValueError("state is invalid: sampler and noise stream are at different steps")
+        if not isinstance(state, dict):
+            raise ValueError("state is invalid: not a dpmf run state (a dict from state_dict())")
+        check_run_state(
+            state,
+            "state",
+            door="make_private",
+            plan=self.plan.to_dict(),
+            data=dataset_digest(self.data_loader.dataset),
+            model=self.model,
+        )
+        mine = seeds.SeedPolicy(self._seed if self.seed_given else None, self._seed)
+        policy = resumed_key(state, mine, "state")
+        if not self.seed_given:  # adopt the state's key (secret or given)
+            self._adopt_key(policy)
+        restore_run_state(
+            state,
+            model=self.model,
+            optimizer=self.optimizer,
+            sampler=self.sampler,
+            privatizer=self.privatizer,
+            where="state",
+        )
 
-    def _adopt_key(self, secret) -> None:
-        key = secret.get("seed") if isinstance(secret, dict) else None
-        if isinstance(key, bool) or not isinstance(key, int) or key < 0:
-            raise ValueError("state is invalid: it holds no noise key to resume with")
-        given = bool(secret.get("given", False))
-        if self.seed_given:
-            if key != self._seed:
-                raise ValueError(
-                    "state is invalid for this run: it was saved under another key than the seed given "
-                    "to make_private (give that run's seed, or seed=None to adopt the saved key)"
-                )
-            return
-        if given:
-            print(seeds.NOTICE, file=sys.stderr)
-        self.seed_given, self._seed = given, key
-        self.privatizer.use_key(key)
-        self.sampler.use_key(key)
+    def _adopt_key(self, policy: seeds.SeedPolicy) -> None:
+        if policy.notice:
+            print(policy.notice, file=sys.stderr)
+        self.seed_given, self._seed = not policy.is_secret, policy.key
+        self.privatizer.use_key(policy.key)
+        self.sampler.use_key(policy.key)
 
     def __reduce__(self):
         """Refused: a run holds its secret key, and a pickle (``torch.save(run)``, joblib caches)
@@ -455,26 +444,17 @@ class PrivateTraining:
         """``state_dict()`` to ``path``, atomically (a private file: it holds the secrets). In a
         distributed run every rank calls it: each writes its shard next to ``path`` and rank 0
         the manifest ``path`` (``dpmf.train.shards``), resumable at any number of processes."""
-        comm = self.collectives
-        if comm is None:
-            save_checkpoint(path, self.state_dict())
-        else:
-            save_sharded(
-                path,
-                self.state_dict(),
-                comm,
-                mode=self.privatizer.mode,
-                seed_digest=self.privatizer.seed_digest,
-            )
+        write_run_state(path, self.state_dict(), self.privatizer, self.collectives)
 
     def resume(self, path: str) -> None:
-        """Load ``save(path)``'s file (``torch.load(weights_only=True)``), with its shards if it
-        was written by a distributed run.
+        """Load ``save(path)``'s file, or a ``dpmf train`` checkpoint of the same plan and data
+        (``torch.load(weights_only=True)``), with its shards if a distributed run wrote it.
 
         Raises:
-            ValueError: a corrupted or foreign file, a missing shard, or another run's state.
+            ValueError: a corrupted, foreign or old-format file, a missing shard, or another
+                run's state.
         """
-        self.load_state_dict(merge_shards(load_checkpoint(path), path))
+        self.load_state_dict(read_run_state(path))
         if self.collectives is not None:
             self.privatizer.verify()
 
@@ -620,93 +600,47 @@ def make_private(
     distributed_mode: str = "sharded",
     noise_keys: str = "chunked",
 ) -> PrivateTraining:
-    """Make ``module``, ``optimizer`` and ``dataset`` a private run with correlated noise.
-
-    The returned ``PrivateTraining`` accepts at each step only the batch its ``data_loader``
-    yielded for that step, once (``backward`` refuses the user's own loader, the whole data set,
-    split or re-used batches, with the reason); the batch may be moved to another device or
-    dtype in the loop, anything else is done per example by ``transform``. Changing the model or
-    the optimizer afterwards (unfreezing a parameter, ``add_param_group``, a new submodule) is
-    refused at the next ``backward``/``step``: call ``make_private`` again. A forward pass that
-    writes a parameter or buffer (``nn.Embedding(max_norm=…)``, running statistics) is refused.
+    """Make ``module``, ``optimizer`` and ``dataset`` a private run with correlated noise; the
+    loop and what ``backward`` and ``optimizer.step`` accept are in this module's docstring.
 
     Args:
-        module: the model; per-example gradients need layers that do not couple examples (no
-            BatchNorm: use GroupNorm/LayerNorm).
-        optimizer: any ``torch.optim.Optimizer`` over the module's parameters (SGD, Adam, AdamW,
-            ``torch.optim.Muon`` on 2-D weights, …) or a dpmf DP optimizer; the step of private
-            step t uses each group's current ``lr`` times the plan's χ_t, so a torch
-            learning-rate scheduler on ``private.optimizer`` works and χ_t applies on top of it.
+        module: the model; no layer that couples examples (no BatchNorm: GroupNorm/LayerNorm).
+        optimizer: any ``torch.optim.Optimizer`` over its parameters (SGD, Adam, Muon on 2-D
+            weights, …) or a dpmf DP optimizer; private step t uses each group's ``lr`` × χ_t.
         dataset: a map-style Dataset of N examples returning tensors, tuples or dicts.
         loss_fn: ``loss_fn(output, target)`` → mean loss of a batch.
         batch_size: B, the expected batch size, in [1, N].
-        epochs, steps: the run's length (exactly one): n = epochs·⌈N/B⌉ or n = steps.
-        target_epsilon, target_delta: (ε, δ) to calibrate σ for; or give ``noise_multiplier``
-            (and ``target_delta`` for ``get_epsilon``).
-        noise_multiplier: σ > 0 given directly.
-        factorization: ``"auto"`` (``pick``'s recommendation for the run; needs target_epsilon)
-            or a strategy spec (``identity``, ``bsr:16``, ``bisr:8``, ``blt:4``, ``lcgd:0.5``, …).
-        scheme: ``"auto"`` (pick's scheme; with a given strategy: Poisson for DP-SGD, cyclic
-            Poisson for a banded C that fits, else fixed order) or a scheme name.
-        schedule: the learning-rate schedule χ (``dpmf.workloads.Schedule``); the strategy is
-            built for the workload A_χ and the step of private step t multiplies each group's lr
-            by χ_t (the group's ``lr`` is put back after the step).
-        clip_norm: ζ > 0.
-        accountant: None (the scheme's default) or pld/rdp/prv/monte_carlo.
-        seed: None (default): the run's key (noise and sampling) is 256 bits of the operating
-            system's entropy, kept only in memory and in ``state_dict``/``save`` (``resume``
-            adopts a saved key); a given seed (any integer ≥ 0) is the key: the run is
-            reproducible and its noise predictable to whoever knows it (``dpmf.seeds.NOTICE``
-            is printed to stderr).
-        max_bands: the memory budget of ``factorization="auto"``.
-        micro_batch_size: per-example gradients held at once (None: automatic).
-        clipping: how per-example norms and the clipped sum are computed: ``"auto"`` (ghost
-            norms / book-keeping where the layers allow, else ``torch.func``), ``"vmap"``,
-            ``"ghost"`` or ``"bk"`` (``dpmf.optim.clipping.clipped_sum``).
-        num_workers: DataLoader worker processes (the batches are drawn and fingerprinted in
-            the main process; a checkpoint holds the sampler at the privatized step even when
-            the workers have prefetched ahead).
-        collate_fn: collate function for non-empty batches (default ``default_collate``).
-        transform: None, or a callable applied to each example as the loader fetches it
-            (``transform(dataset[i])``, in the worker processes): data augmentation,
-            conversion, normalization or extra per-example inputs. The batches ``backward``
-            accepts are the transformed ones; transforming a batch in the loop is refused.
-        progress: progress bars of pick and the Monte Carlo accountant.
-        process_group: None (one process), a ``torch.distributed`` process group
-            (``torch.distributed.group.WORLD`` for the default one) or a
-            ``dpmf.distributed.Collectives``: every process calls ``make_private`` with the same
-            arguments; the data loader yields this rank's slice of each global batch, the private
-            step is ``dpmf.distributed.DistributedPrivatizer`` (the noise of one process), the
-            optimizer's step returns the parameters to all ranks, the secret seed is rank 0's.
-        distributed_mode: ``sharded`` (default), ``replicated`` or ``rank0``
-            (``dpmf.distributed.step``).
-        noise_keys: ``chunked`` (default: raw noise keyed by parameter and chunk, the noise
-            of a distributed run at any number of processes; always with a process group) or
-            ``stream`` (one raw stream keyed by step, the keying of earlier runs).
+        epochs, steps: the length, exactly one: n = epochs·⌈N/B⌉ or n = steps.
+        target_epsilon, target_delta, noise_multiplier: (ε, δ) to calibrate σ for, or σ > 0
+            given (with ``target_delta`` for ``get_epsilon``).
+        factorization: ``"auto"`` (``pick``'s choice; needs ``target_epsilon``) or a strategy
+            (``identity``, ``bsr:16``, ``bisr:8``, ``blt:4``, …); scheme: ``"auto"`` (pick's, or
+            ``dpmf.plan.schemes.auto_scheme``'s for a given strategy) or a scheme name.
+        schedule: χ (``dpmf.workloads.Schedule``; the strategy is built for A_χ); clip_norm:
+            ζ > 0; accountant: None (the scheme's) or a name.
+        seed: None: a secret key (``dpmf.seeds``; in memory and in ``save``, adopted by
+            ``resume``); an integer ≥ 0 is the key (reproducible, noise predictable: a notice).
+        max_bands: the memory budget of ``"auto"``; micro_batch_size, clipping: as
+            ``dpmf.optim.clipping.clipped_sum`` (per-example gradients held at once; method).
+        num_workers, collate_fn: the DataLoader's (draws stay in the main process); transform:
+            None or ``transform(dataset[i])`` per example as fetched; progress: pick's bars.
+        process_group, distributed_mode, noise_keys: one process (None) or a torch.distributed
+            group / ``Collectives`` (every rank calls alike; its loader yields its slice of each
+            global batch), see ``dpmf.distributed.ExecutionFlags``.
 
     Returns:
-        ``PrivateTraining``. One run is live per module: an earlier ``make_private`` run over
-        ``module`` is closed (its ``backward`` refuses), and when it took steps a notice says
-        that the weights carry both runs' privacy loss (each ledger covers only its own steps).
+        ``PrivateTraining``; an earlier run over ``module`` is closed (a notice if it took steps).
 
     Raises:
-        ValueError / TypeError: any invalid argument (named, before any work), a strategy the
-            scheme cannot account, or a module that couples examples or writes the batch into
-            itself (BatchNorm, ``nn.Embedding(max_norm=…)``).
+        ValueError / TypeError: an invalid argument (named, before any work), a strategy the
+            scheme cannot account, a module that couples examples or writes the batch.
     """
     _check_module(module, optimizer, loss_fn)  # before pick and calibration
-    N, n, target_epsilon, target_delta = _check_run(
-        dataset, batch_size, epochs, steps, target_epsilon, target_delta, noise_multiplier
+    run = _RunArgs.check(
+        dataset, batch_size, epochs, steps, target_epsilon, target_delta, noise_multiplier, clip_norm, seed
     )
-    clip_norm = check_real("clip_norm", clip_norm, low=0.0, low_inclusive=False)
-    policy = seeds.SeedPolicy.of(seed)
-    num_workers = check_int("num_workers", num_workers, minimum=0)
-    if transform is not None and not callable(transform):
-        raise TypeError(f"transform={transform!r} is invalid: must be callable(example) -> example, or None")
-    schedule = schedule if schedule is not None else Schedule("constant")
-    if not isinstance(schedule, Schedule):
-        raise TypeError(f"schedule={schedule!r} is invalid: must be a dpmf.workloads.Schedule or None")
-
+    loading = _Loading.check(num_workers, transform, collate_fn)
+    schedule = _check_schedule(schedule)
     flags = ExecutionFlags(
         clipping=clipping,
         micro_batch_size=micro_batch_size,
@@ -714,74 +648,154 @@ def make_private(
         distributed_mode=distributed_mode,
     )
     comm = _process_group(process_group)  # a bad group fails here, before pick and calibration
+    plan = _calibrated_plan(run, factorization, scheme, schedule, accountant, max_bands, progress)
+    step = _private_step(plan, module, loss_fn, optimizer, run, comm, flags)
+    return _open(module, _private_training(module, optimizer, dataset, plan, step, run, loading))
 
-    from dpmf.optim.schedules import LearningRateSchedule
 
-    spec, scheme_name = _resolve(
-        N,
+def _open(module: nn.Module, private: PrivateTraining) -> PrivateTraining:
+    """``private`` as the live run over ``module`` (an earlier one closed)."""
+    _close_earlier_run(module)
+    _LIVE_RUNS[module] = weakref.ref(private)
+    return private
+
+
+@dataclass(frozen=True)
+class _RunArgs:
+    """The run's validated numbers: N, n, (ε, δ) or σ, ζ and the key policy."""
+
+    dataset_size: int
+    steps: int
+    batch_size: int
+    target_epsilon: float | None
+    target_delta: float | None
+    noise_multiplier: float | None
+    clip_norm: float
+    seed: int | None
+    policy: seeds.SeedPolicy = field(repr=False)
+
+    @classmethod
+    def check(
+        cls,
+        dataset,
         batch_size,
-        n,
+        epochs,
+        steps,
+        target_epsilon,
+        target_delta,
+        noise_multiplier,
+        clip_norm,
+        seed,
+    ):
+        N, n, target_epsilon, target_delta = _check_run(
+            dataset, batch_size, epochs, steps, target_epsilon, target_delta, noise_multiplier
+        )
+        clip_norm = check_real("clip_norm", clip_norm, low=0.0, low_inclusive=False)
+        policy = seeds.SeedPolicy.of(seed)
+        return cls(N, n, batch_size, target_epsilon, target_delta, noise_multiplier, clip_norm, seed, policy)
+
+
+@dataclass(frozen=True)
+class _Loading:
+    """How the loader fetches: worker processes, the per-example transform, the collate function."""
+
+    num_workers: int
+    transform: object
+    collate_fn: object
+
+    @classmethod
+    def check(cls, num_workers, transform, collate_fn):
+        num_workers = check_int("num_workers", num_workers, minimum=0)
+        if transform is not None and not callable(transform):
+            raise TypeError(
+                f"transform={transform!r} is invalid: must be callable(example) -> example, or None"
+            )
+        return cls(num_workers, transform, collate_fn)
+
+
+def _check_schedule(schedule) -> Schedule:
+    """``schedule``, or the constant one for None."""
+    schedule = schedule if schedule is not None else Schedule("constant")
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule={schedule!r} is invalid: must be a dpmf.workloads.Schedule or None")
+    return schedule
+
+
+def _calibrated_plan(run: _RunArgs, factorization, scheme, schedule, accountant, max_bands, progress):
+    """The run's ``PrivatePlan``: the strategy and scheme resolved (``_resolve``), σ calibrated for
+    (ε, δ) or given (its ε accounted when δ is)."""
+    spec, scheme_name = _resolve(
+        run.dataset_size,
+        run.batch_size,
+        run.steps,
         factorization,
         scheme,
         schedule,
-        target_epsilon,
-        target_delta,
+        run.target_epsilon,
+        run.target_delta,
         max_bands,
-        seed,
+        run.seed,
         progress,
     )
     plan = PrivatePlan(
-        N,
-        batch_size,
-        steps=n,
+        run.dataset_size,
+        run.batch_size,
+        steps=run.steps,
         scheme=scheme_name,
         strategy=spec,
         schedule=schedule,
-        clip_norm=clip_norm,
+        clip_norm=run.clip_norm,
         accountant=accountant,
-        seed=seed,
-    ).with_accountant(seed=0 if seed is None else seed, progress=progress)
-    if noise_multiplier is not None:
-        res = plan.account(noise_multiplier, delta=target_delta) if target_delta is not None else None
-        plan = plan.with_noise(noise_multiplier, privacy=res)
-    else:
-        plan = plan.calibrate(target_epsilon, target_delta)
-    if policy.notice:
-        print(policy.notice, file=sys.stderr)
+        seed=run.seed,
+    ).with_accountant(seed=0 if run.seed is None else run.seed, progress=progress)
+    sigma, delta = run.noise_multiplier, run.target_delta
+    if sigma is not None:
+        res = plan.account(sigma, delta=delta) if delta is not None else None
+        return plan.with_noise(sigma, privacy=res)
+    return plan.calibrate(run.target_epsilon, delta)
+
+
+def _private_step(plan, module, loss_fn, optimizer, run: _RunArgs, comm, flags):
+    """The plan's private step over ``module`` (the notice of a given seed first)."""
+    if run.policy.notice:
+        print(run.policy.notice, file=sys.stderr)
     step = plan.private_step(
         module,
         loss_fn,
-        seed=policy,
+        seed=run.policy,
         process_group=comm,
         optimizer=optimizer,
         flags=flags,
     )
-    seed_given, master, privatizer = not step.policy.is_secret, step.key, step.privatizer
     for g in optimizer.param_groups:
         check_real("lr", g["lr"], low=0.0)
-    if transform is not None:
-        dataset = TransformedDataset(dataset, transform)
+    return step
+
+
+def _private_training(module, optimizer, dataset, plan, step, run: _RunArgs, loading: _Loading):
+    """The ``PrivateTraining`` over the step: the loader of its batches and the guarded optimizer."""
+    from dpmf.optim.schedules import LearningRateSchedule
+
+    if loading.transform is not None:
+        dataset = TransformedDataset(dataset, loading.transform)
     loader = PrivateDataLoader(
         dataset,
         step.batches,
-        collate_fn=EmptySafeCollate(dataset, collate_fn),
-        num_workers=num_workers,
+        collate_fn=EmptySafeCollate(dataset, loading.collate_fn),
+        num_workers=loading.num_workers,
     )
-    multipliers = LearningRateSchedule(schedule, n).multipliers
-    run = PrivateTraining(
+    multipliers = LearningRateSchedule(plan.schedule, plan.steps).multipliers
+    return PrivateTraining(
         model=module,
-        optimizer=PrivateOptimizer(optimizer, privatizer, multipliers),
+        optimizer=PrivateOptimizer(optimizer, step.privatizer, multipliers),
         data_loader=loader,
         plan=plan,
-        privatizer=privatizer,
-        clip_norm=clip_norm,
-        seed_given=seed_given,
-        _seed=master,
-        _delta=target_delta,
+        privatizer=step.privatizer,
+        clip_norm=run.clip_norm,
+        seed_given=not step.policy.is_secret,
+        _seed=step.key,
+        _delta=run.target_delta,
     )
-    _close_earlier_run(module)
-    _LIVE_RUNS[module] = weakref.ref(run)
-    return run
 
 
 def _close_earlier_run(module: nn.Module) -> None:

@@ -24,47 +24,7 @@ __all__ = [
     "save_sharded",
     "merge_shards",
     "remove_shards",
-    "noise_state",
-    "load_noise_state",
-    "keep_own_optimizer_state",
 ]
-
-
-def noise_state(noise) -> dict | list:
-    """What a checkpoint keeps of a noise stream: its ``state_dict()`` for single-stream keys, a
-    one-element list of its ``parameter_state()`` for coordinate keys (the form shards hold)."""
-    return noise.state_dict() if noise.keys is None else [noise.parameter_state()]
-
-
-def load_noise_state(noise, saved, where: str) -> None:
-    """Restore ``noise_state`` (or the merged list of a manifest's shards) into ``noise``.
-
-    Raises:
-        ValueError: the saved noise is keyed otherwise than ``noise`` (``where`` names the file),
-            or it belongs to another generator.
-    """
-    chunked = isinstance(saved, list)
-    if chunked != (noise.keys is not None):
-        have, want = ("coordinate", "single-stream") if chunked else ("single-stream", "coordinate")
-        raise ValueError(
-            f"{where} holds {have}-keyed noise and this run has {want}-keyed noise: resume it with "
-            f"noise_keys={'chunked' if chunked else 'stream'} (--noise-keys)"
-        )
-    if chunked:
-        noise.load_parameter_state(saved)
-    else:
-        noise.load_state_dict(saved)
-
-
-def keep_own_optimizer_state(optimizer, privatizer) -> None:
-    """Drop the optimizer state of parameters another rank owns (after loading a merged state:
-    each rank keeps its share); nothing for a one-process privatizer."""
-    written = getattr(privatizer, "written_parameters", None)
-    if written is None:
-        return
-    mine = {id(p) for p in written()}
-    for p in [p for p in optimizer.state if id(p) not in mine]:
-        del optimizer.state[p]
 
 
 def _shard_name(path: str, rank: int, world_size: int, step: int) -> str:
