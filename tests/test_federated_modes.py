@@ -239,9 +239,9 @@ def _sources():
     return [*sorted((ROOT / "dpmf" / "federated").glob("*.py")), ROOT / "dpmf" / "cli.py"]
 
 
-def test_no_function_of_the_federated_package_or_the_cli_is_longer_than_80_lines():
+def test_no_function_of_train_federated_or_the_cli_is_longer_than_80_lines():
     long = []
-    for path in _sources():
+    for path in [*sorted((ROOT / "dpmf" / "train").glob("*.py")), *_sources()]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1
