@@ -195,6 +195,11 @@ class CorrelatedClientDP(_Base):
             f"{clip}, {self.factorization}, {self.num_clients} clients × {self.rounds} rounds)"
         )
 
+    def _client_clip(self, msg, clip: float) -> float:
+        """The clip norm of the reply ``msg`` in a round whose norm is ``clip`` (the same for every
+        client here; ``dpmf.federated.weighted`` scales it per client)."""
+        return clip
+
     # -- Flower's Strategy interface --------------------------------------------------------
     def configure_train(self, server_round: int, arrays, config, grid) -> Iterable:
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
@@ -233,8 +238,9 @@ class CorrelatedClientDP(_Base):
         for msg in replies:
             upd = {k: a.numpy().astype(np.float64) - base[k] for k, a in msg.content[key].items()}
             norm = math.sqrt(sum(float(np.sum(u * u)) for u in upd.values()))
-            scale = update_scale(norm, clip, server_round)
-            unclipped += int(norm <= clip)
+            own = self._client_clip(msg, clip)
+            scale = update_scale(norm, own, server_round)
+            unclipped += int(norm <= own)
             out, off = {}, 0
             for k, u in upd.items():
                 z = noise[off : off + u.size].reshape(u.shape)
