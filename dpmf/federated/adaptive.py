@@ -3,9 +3,9 @@
 Andrew, Thakkar, McMahan, Ramaswamy, "Differentially Private Learning with Adaptive Clipping"
 (NeurIPS 2021). Round r clips every client update Δ_k to the current norm C_r and counts the
 updates that were *not* clipped, b_k = 1[‖Δ_k‖ ≤ C_r]; the count is released with Gaussian noise
-of standard deviation σ_b (``clipped_count_stddev``),
+of standard deviation σ_b (``clipped_count_stddev``), centred so that one client moves it by ½,
 
-    b̄_r = (Σ_k b_k + N(0, σ_b²)) / P,                       (P clients per round)
+    b̄_r = (Σ_k (b_k − ½) + N(0, σ_b²)) / P + ½,             (P clients per round, public)
 
 and the clip norm takes one geometric step towards the γ-quantile of the norms
 (γ = ``target_clipped_quantile``, η = ``clip_norm_lr``; their Algorithm 1):

@@ -255,7 +255,9 @@ class CorrelatedClientDP(_Base):
         metrics[DELTA_KEY] = float(self.delta)
         metrics[CLIP_NORM_KEY] = float(clip)
         if self.adaptive is not None:  # the noisy count of unclipped updates moves ζ (Algorithm 1)
-            noisy = (unclipped + self._count_rng.normal(0.0, self.clipped_count_stddev)) / self.num_clients
+            # released: the centred count Σ_k (b_k − ½) + N(0, σ_b²) (sensitivity ½); b̄ adds back ½
+            centred = unclipped - len(replies) / 2 + self._count_rng.normal(0.0, self.clipped_count_stddev)
+            noisy = centred / self.num_clients + 0.5
             self.current_clip_norm = geometric_update(
                 clip, noisy, self.adaptive.target_clipped_quantile, self.adaptive.clip_norm_lr
             )
