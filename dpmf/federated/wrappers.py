@@ -231,8 +231,9 @@ class CorrelatedClientDP(_Base):
             self._build(int(sum(v.size for v in base.values())))
         self._round += 1
         clip = self.current_clip_norm
-        # the stream's unit-variance draw times σ·ζ·sens at this round's ζ (z_Δ when adaptive)
-        noise = self._noise.noise.next().numpy() * self._noise.plan.noise_std(clip) / len(replies)
+        noise = self._noise.next() / len(replies)  # σ·ζ_1·sens·(C⁻¹Z)_r (z_Δ when adaptive)
+        if clip != self.clip_norm:  # adaptive: the noise at this round's ζ = C_r
+            noise = noise * (clip / self.clip_norm)
         key = self.strategy.arrayrecord_key
         unclipped = 0
         for msg in replies:
