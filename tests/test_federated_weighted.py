@@ -126,3 +126,12 @@ def test_record_level_trainer_runs_at_the_clients_sigma_and_its_epsilon_is_dp_ac
         _rule().record_trainer("lower-02", x, y, None, noise_multiplier=1.0)
     with pytest.raises(ValueError, match="client_id='nowhere' is invalid"):
         _rule().record_trainer("nowhere", x, y, None)
+
+
+def test_client_level_refuses_settings_the_rule_owns():
+    inner = fs.FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=P, min_available_nodes=P)
+    for bad in ({"noise_multiplier": 1.0}, {"num_clients": 4}, {"adaptive": object()}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} is invalid for a compliance-weighted"):
+            _rule().client_dp(inner, node_clients={1: "lower-01"}, rounds=R, clip_norm=ZETA, **bad)
+    with pytest.raises(ValueError, match="profile ids repeat"):
+        _rule().client_dp(inner, node_clients={1: "lower-01", 2: "lower-01"}, rounds=R, clip_norm=ZETA)
