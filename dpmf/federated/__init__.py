@@ -21,9 +21,11 @@ Experiments 1/4 × weighted/uniform noise); ``checks`` (contradictory settings),
 (record-mode accountings in parallel), ``budget`` (``max_epsilon``), ``sampling`` (client
 sampling per round), ``evaluation`` (held-out federated evaluation). Building blocks for a
 user's own Flower app: ``wrappers.CorrelatedClientDP`` (a strategy wrapper: client-level DP with
-noise correlated across rounds) and ``mods.RecordDPTrainer`` (record-level DP as a train
-handler); the whole run as a Flower app: ``app`` (``app``, ``clientapp``; ``flwr run``).
-Import ``run``/``grid``/``strategies``/``report``/``experiment``/``wrappers``/``mods``/``app``
+noise correlated across rounds, fixed or adaptive clipping — ``adaptive.AdaptiveClipping``),
+``mods.RecordDPTrainer`` (record-level DP as a train handler) and
+``weighted.ComplianceWeighted`` (compliance-weighted noise over either); the whole run as a
+Flower app: ``app`` (``app``, ``clientapp``; ``flwr run``). Import
+``run``/``grid``/``strategies``/``report``/``experiment``/``wrappers``/``mods``/``weighted``/``app``
 only with Flower installed.
 """
 

@@ -12,11 +12,12 @@ Three pieces:
 
 * ``record_privacy`` / ``PrivateLocalRun`` (``record`` mode): a client's local training over the
   whole federation is one private run of R·L steps on its own records (per-example clipping,
-  any batch-sampling scheme and strategy, DP-SGD or DP-Muon). Its (ε_k, δ) is computed by the
-  same call as ``dpmf epsilon`` (``account`` with the strategy built by ``build_strategy`` for the
-  prefix-sum workload). Between rounds the weights are replaced by the global model, which
-  depends on the client's records only through its earlier private releases (post-processing)
-  and on other clients' independent data: the adaptive composition of the run's steps holds.
+  any batch-sampling scheme and strategy, DP-SGD or DP-Muon). Its (ε_k, δ) is the event and
+  accountant of ``dpmf epsilon`` (the plan with the strategy built by ``build_strategy`` for the
+  prefix-sum workload; PLD on a 1e-3 grid, pessimistic). Between rounds the weights are
+  replaced by the global model, which depends on the client's records only through its earlier
+  private releases (post-processing) and on other clients' independent data: the adaptive
+  composition of the run's steps holds.
 * ``AggregatorDPSGD`` (``aggregator`` mode): DP-SGD steps on the server's aggregator dataset,
   Poisson-sampled, with a per-step noise multiplier (set from the clients' compliance).
 * ``ClientLevelNoise`` (``client`` mode): the Gaussian noise on the mean of K clipped client
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 from dpmf import seeds
 from dpmf._validation import check_real
 from dpmf.accountants import ComposedEvent, PLDAccountant, PoissonGaussianEvent, PrivacyResult
+from dpmf.accountants.calibration import check_delta
 from dpmf.distributed.flags import ExecutionFlags
 from dpmf.federated.models import add_proximal_gradient, get_weights, set_weights
 from dpmf.mechanisms import parse_factorization
@@ -47,9 +49,10 @@ from dpmf.optim import matrix_shape, route_parameters
 from dpmf.optim.clipping import trainable_parameters
 from dpmf.optim.optimizers import make_optimizer
 from dpmf.optim.registry import get_optimizer, optimizer_names
+from dpmf.plan.accounting import privacy_result
 from dpmf.plan.api import account, account_segments
 from dpmf.plan.plan import PrivatePlan, build_strategy
-from dpmf.plan.schemes import FixedOrder, Poisson, get_scheme
+from dpmf.plan.schemes import FixedOrder, Poisson, check_sigma, get_scheme
 from dpmf.workloads import prefix_sum
 
 __all__ = [
@@ -89,8 +92,13 @@ def record_privacy(
 ):
     """(ε_k, δ) of one client's local private run: the ``dpmf epsilon`` computation.
 
-    Equals ``dpmf epsilon --scheme S --noise-multiplier σ --dataset-size N --batch-size B
-    --steps n --delta δ [--factorization F] [--accountant A]``.
+    The event and accountant of ``dpmf epsilon --scheme S --noise-multiplier σ --dataset-size N
+    --batch-size B --steps n --delta δ [--factorization F] [--accountant A]``; with the PLD
+    accountant (the default) on dp-accounting's value grid ``RECORD_PLD_GRID`` = 1e-3 instead
+    of 1e-4: a pessimistic discretization (ε can only grow with the grid step), larger than
+    ``dpmf epsilon``'s ε by less than 10⁻⁴ at the settings of ``dpmf fl`` (e.g. 64.04777
+    against 64.04774 at σ = 1.3, q = 16/26, 250 steps) and 8–13× faster: the accounting was
+    half of a record-mode run's time. RDP, PRV and Monte Carlo are ``dpmf epsilon``'s computation.
 
     Returns:
         ``dpmf.accountants.PrivacyResult``.
@@ -114,10 +122,23 @@ def record_privacy(
 RECORD_CACHE: dict = {}  # record_privacy's arguments → PrivacyResult (a pure function of them)
 
 
+RECORD_PLD_GRID = 1e-3  # record mode's PLD value discretization (coarser = pessimistic)
+
+
 def _record_privacy(
     noise_multiplier, dataset_size, batch_size, steps, delta, scheme, factorization, accountant
 ):
     fact = _strategy(factorization, steps, scheme, -(-int(dataset_size) // int(batch_size)))
+    plan = PrivatePlan(
+        dataset_size, batch_size, steps=steps, scheme=scheme, strategy="identity" if fact is None else fact
+    )
+    if plan.scheme.check_accountant(accountant) == "pld":
+        # ``account``'s checks, then its PLD measurement on the grid ``RECORD_PLD_GRID``
+        sigma = check_sigma(noise_multiplier)
+        meas = PLDAccountant(value_discretization_interval=RECORD_PLD_GRID).epsilon(
+            plan.event(sigma), check_delta(delta, plan.dataset_size)
+        )
+        return privacy_result(plan, sigma, meas)
     return account(
         scheme,
         noise_multiplier=noise_multiplier,

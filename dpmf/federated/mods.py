@@ -5,8 +5,8 @@ messages). Record-level DP (one record of the client's data) needs per-example c
 noise *inside* every local step, which a mod cannot reach; so dpmf's building block is the
 train handler itself: a ``RecordDPTrainer`` owns the client's private run for the whole
 federation (``dpmf.federated.local.PrivateLocalRun``: R·L steps of DP-SGD, DP-Adam or DP-Muon,
-any batch-sampling scheme and noise strategy, accounted as ``dpmf epsilon`` does) and answers
-Flower train messages:
+any batch-sampling scheme and noise strategy, accounted as ``dpmf epsilon`` does, PLD on a
+1e-3 grid: ``local.record_privacy``) and answers Flower train messages:
 
     trainer = RecordDPTrainer(x, y, model, noise_multiplier=1.1, clip_norm=1.0, batch_size=32,
                               rounds=50, local_steps=5)

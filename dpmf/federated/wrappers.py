@@ -14,7 +14,16 @@ accounting is for full participation):
    ``aggregate_train`` (its server optimizer acts on the noisy mean: post-processing);
 3. the returned metrics carry ``dp-client-epsilon`` and ``dp-client-delta``: the (ε, δ) of the
    whole run (all R rounds) for the unit *a whole client* (add or remove one client's data),
-   with the accountant in the log line.
+   with the accountant in the log line, and ``dp-client-clip-norm``, the round's ζ.
+
+Adaptive clipping (``adaptive=AdaptiveClipping(...)``, ``dpmf.federated.adaptive``; Andrew et
+al., NeurIPS 2021): ``clip_norm`` is the initial norm C_1; round r clips to C_r, releases the
+count of unclipped updates with noise N(0, σ_b²) and sets C_{r+1} = C_r·exp(−η(b̄_r − γ)); the
+updates' noise uses z_Δ = (σ⁻² − (2σ_b)⁻²)^(−1/2) > σ at the round's ζ = C_r, so that the
+round's two Gaussian releases together have the privacy of noise multiplier σ, and the reported
+ε is the run's ε at σ (for any factorization: every client in every round, the correlated
+stream on the normalized sums Σ_k clip(Δ_k)/C_r with C_r fixed by earlier releases — the
+adaptive streaming setting of the matrix mechanism, Denisov et al., NeurIPS 2022).
 
 The noise is ``dpmf.federated.local.ClientLevelNoise``: with ``factorization="identity"`` it is
 Flower's DP-FedAvg noise N(0, σ²ζ²) on the sum each round; with a strategy (``bisr:4``,
@@ -42,12 +51,14 @@ import numpy as np
 
 from dpmf import seeds
 from dpmf._validation import check_int, check_real
+from dpmf.federated.adaptive import AdaptiveClipping, adjusted_noise_multiplier, geometric_update
 from dpmf.federated.clip import update_scale
 
-__all__ = ["CorrelatedClientDP", "EPSILON_KEY", "DELTA_KEY"]
+__all__ = ["AdaptiveClipping", "CorrelatedClientDP", "EPSILON_KEY", "DELTA_KEY", "CLIP_NORM_KEY"]
 
 EPSILON_KEY = "dp-client-epsilon"
 DELTA_KEY = "dp-client-delta"
+CLIP_NORM_KEY = "dp-client-clip-norm"
 _NOT_A_MEAN = ("FedMedian", "FedTrimmedAvg", "Krum", "MultiKrum", "Bulyan", "QFedAvg", "FedXgbBagging",
                "FedXgbCyclic")  # fmt: skip
 
@@ -67,16 +78,20 @@ class CorrelatedClientDP(_Base):
         rounds: R, the rounds the noise and the accounting are planned for.
         noise_multiplier: σ > 0 (Flower's convention: N(0, σ²ζ²) on the sum per round with
             ``identity``; the same ε for any factorization).
-        clip_norm: ζ > 0, the bound on each client's update norm.
+        clip_norm: ζ > 0, the bound on each client's update norm (with ``adaptive``: its
+            initial value C_1; the paper recommends 0.1).
         delta: δ in (0, 1) of the reported ε.
         factorization: ``identity`` or a dpmf strategy spec (``bisr:4``, ``blt:2``, …).
         accountant: ``pld`` (default), ``rdp`` or ``prv``.
         seed: None (default): a secret key; an int: the key itself (reproducible, the noise
             predictable to whoever knows it).
+        adaptive: None (fixed clipping) or an ``AdaptiveClipping`` (target_clipped_quantile,
+            clip_norm_lr, clipped_count_stddev — default P/20).
 
     Raises:
         TypeError: not a Flower strategy.
-        ValueError: a strategy whose aggregate is not a mean, or a parameter out of range.
+        ValueError: a strategy whose aggregate is not a mean, or a parameter out of range
+            (with ``adaptive``: σ ≥ 2σ_b, where the count alone would spend the budget).
     """
 
     def __init__(
@@ -91,6 +106,7 @@ class CorrelatedClientDP(_Base):
         factorization: str = "identity",
         accountant: str | None = None,
         seed: int | None = None,
+        adaptive: AdaptiveClipping | None = None,
     ):
         from flwr.serverapp.strategy import FedAvg, Strategy
 
@@ -115,6 +131,19 @@ class CorrelatedClientDP(_Base):
         self.delta = check_real("delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
         self.factorization = factorization
         self.accountant = accountant
+        if adaptive is not None and not isinstance(adaptive, AdaptiveClipping):
+            raise TypeError(
+                f"adaptive={adaptive!r} is invalid: must be None (fixed clipping) or a "
+                "dpmf.federated.adaptive.AdaptiveClipping"
+            )
+        self.adaptive = adaptive
+        self.stream_noise_multiplier = self.noise_multiplier  # z_Δ: the updates' noise multiplier
+        if adaptive is not None:
+            self.clipped_count_stddev = adaptive.count_stddev(self.num_clients)
+            self.stream_noise_multiplier = adjusted_noise_multiplier(
+                self.noise_multiplier, self.clipped_count_stddev
+            )
+        self.current_clip_norm = self.clip_norm  # C_r (constant with fixed clipping)
         self._policy = seeds.SeedPolicy.of(seed)  # secret unless given; never stored or shown
         if self._policy.notice:
             logging.getLogger(__name__).warning(self._policy.notice)
@@ -130,7 +159,7 @@ class CorrelatedClientDP(_Base):
         self._noise = ClientLevelNoise(
             self.num_clients,
             self.rounds,
-            noise_multiplier=self.noise_multiplier,
+            noise_multiplier=self.stream_noise_multiplier,
             clip_norm=self.clip_norm,
             delta=self.delta,
             factorization=self.factorization,
@@ -139,6 +168,13 @@ class CorrelatedClientDP(_Base):
             seed=seeds.child_key(self._policy.key, "fl-client-noise"),
         )
         self._privacy = self._noise.privacy
+        if self.adaptive is not None:
+            # the updates (z_Δ) and the counts (2σ_b) together: the run at σ (module docstring)
+            self._count_rng = seeds.generator(self._policy.key, "fl-clip-count")
+            self._privacy = self._noise.plan.account(
+                self.noise_multiplier / math.sqrt(self.rounds), delta=self.delta,
+                accountant=self.accountant, progress=False,
+            )  # fmt: skip
 
     @property
     def privacy(self):
@@ -149,10 +185,20 @@ class CorrelatedClientDP(_Base):
         self.strategy.summary()
 
     def __repr__(self) -> str:
+        clip = f"ζ={self.clip_norm:g}"
+        if self.adaptive is not None:
+            a = self.adaptive
+            clip = (f"adaptive ζ₁={self.clip_norm:g} γ={a.target_clipped_quantile:g} "
+                    f"η={a.clip_norm_lr:g} σ_b={self.clipped_count_stddev:g}")  # fmt: skip
         return (
             f"CorrelatedClientDP({type(self.strategy).__name__}, σ={self.noise_multiplier:g}, "
-            f"ζ={self.clip_norm:g}, {self.factorization}, {self.num_clients} clients × {self.rounds} rounds)"
+            f"{clip}, {self.factorization}, {self.num_clients} clients × {self.rounds} rounds)"
         )
+
+    def _client_clip(self, msg, clip: float) -> float:
+        """The clip norm of the reply ``msg`` in a round whose norm is ``clip`` (the same for every
+        client here; ``dpmf.federated.weighted`` scales it per client)."""
+        return clip
 
     # -- Flower's Strategy interface --------------------------------------------------------
     def configure_train(self, server_round: int, arrays, config, grid) -> Iterable:
@@ -184,12 +230,18 @@ class CorrelatedClientDP(_Base):
         if self._noise is None:
             self._build(int(sum(v.size for v in base.values())))
         self._round += 1
-        noise = self._noise.next() / len(replies)
+        clip = self.current_clip_norm
+        noise = self._noise.next() / len(replies)  # σ·ζ_1·sens·(C⁻¹Z)_r (z_Δ when adaptive)
+        if clip != self.clip_norm:  # adaptive: the noise at this round's ζ = C_r
+            noise = noise * (clip / self.clip_norm)
         key = self.strategy.arrayrecord_key
+        unclipped = 0
         for msg in replies:
             upd = {k: a.numpy().astype(np.float64) - base[k] for k, a in msg.content[key].items()}
             norm = math.sqrt(sum(float(np.sum(u * u)) for u in upd.values()))
-            scale = update_scale(norm, self.clip_norm, server_round)
+            own = self._client_clip(msg, clip)
+            scale = update_scale(norm, own, server_round)
+            unclipped += int(norm <= own)
             out, off = {}, 0
             for k, u in upd.items():
                 z = noise[off : off + u.size].reshape(u.shape)
@@ -202,6 +254,14 @@ class CorrelatedClientDP(_Base):
         metrics = MetricRecord({} if metrics is None else dict(metrics))
         metrics[EPSILON_KEY] = float(self._privacy.epsilon)
         metrics[DELTA_KEY] = float(self.delta)
+        metrics[CLIP_NORM_KEY] = float(clip)
+        if self.adaptive is not None:  # the noisy count of unclipped updates moves ζ (Algorithm 1)
+            # released: the centred count Σ_k (b_k − ½) + N(0, σ_b²) (sensitivity ½); b̄ adds back ½
+            centred = unclipped - len(replies) / 2 + self._count_rng.normal(0.0, self.clipped_count_stddev)
+            noisy = centred / self.num_clients + 0.5
+            self.current_clip_norm = geometric_update(
+                clip, noisy, self.adaptive.target_clipped_quantile, self.adaptive.clip_norm_lr
+            )
         logging.getLogger(__name__).info(
             "round %d: client-level DP, ε = %.4g at δ = %g for a whole client over %d rounds (%s)",
             server_round, self._privacy.epsilon, self.delta, self.rounds, self._privacy.accountant,
