@@ -227,7 +227,12 @@ def test_each_mode_gives_the_recorded_model_and_epsilon(case, monkeypatch):
     assert float(np.linalg.norm(flat)) == pytest.approx(norm, rel=1e-5)
     assert result.metrics[-1]["test_loss"] == pytest.approx(loss, rel=1e-5)
     assert len(result.metrics) - 1 == rounds
-    assert [e.epsilon for e in result.ledger] == pytest.approx(eps, rel=1e-9)
+    got = [e.epsilon for e in result.ledger]
+    if settings["privacy"] == "record":  # since recorded: each client's PLD on a 1e-3 grid, an upper
+        # bound of the recorded (1e-4 grid) value, within 1e-4 of it
+        assert all(r <= g <= r * (1 + 1e-4) for g, r in zip(got, eps, strict=True)), (got, eps)
+    else:
+        assert got == pytest.approx(eps, rel=1e-9)
     e = result.ledger[0]
     assert (e.mode, e.protects, e.subject, e.steps) == (settings["privacy"], *first)
 
