@@ -31,6 +31,7 @@ import numpy as np
 from scipy import fft as sfft
 
 from dpmf.mechanisms._fft import fftconvolve
+from dpmf.mechanisms.shift_basis import ShiftSeparable, shift_separable
 
 __all__ = ["prefix_row_norms_sq"]
 
@@ -136,8 +137,45 @@ def _cross_terms(g: np.ndarray, w: np.ndarray) -> np.ndarray:
     return out
 
 
+def _row_norms_separable(g: np.ndarray, form: ShiftSeparable) -> np.ndarray:
+    """‖B_i‖² when w_{m+a} = Σ_r φ_r(m)ψ_r(a) (``shift_basis``): entry (i, j) of B is
+    Σ_{k≤i−j} w_{j+k}g_k = Σ_r φ_r(j)·Ψ_r(i−j) with Ψ_r(L) = Σ_{k≤L} ψ_r(k)g_k, so
+
+        ‖B_i‖² = Σ_{r,r'} Σ_{j≤i} (φ_rφ_{r'})(j)·(Ψ_rΨ_{r'})(i−j),
+
+    R(R+1)/2 causal convolutions summed in the Fourier domain: R(R+1) + 1 real FFTs,
+    O(R²·n log n) time, O(n) memory. A sum of squares formed directly (no running sum of
+    increments), so the round-off is relative to the row norms themselves."""
+    n, p = form.n, g.shape[0]
+    size = sfft.next_fast_len(2 * n - 1, real=True)
+    terms = list(form.terms(p))
+    Psi = []
+    for _, psi in terms:
+        col = np.empty(n)
+        col[:p] = np.cumsum(psi * g)
+        col[p:] = col[p - 1]
+        Psi.append(col)
+    acc = None
+    R = len(terms)
+    for r in range(R):
+        for s in range(r, R):
+            prod = sfft.rfft(terms[r][0] * terms[s][0], size) * sfft.rfft(Psi[r] * Psi[s], size)
+            if s != r:
+                prod *= 2.0
+            if acc is None:
+                acc = prod
+            else:
+                acc += prod
+            del prod
+    return sfft.irfft(acc, size)[:n]
+
+
 def prefix_row_norms_sq(w, g) -> np.ndarray:
-    """‖B_i‖² for B = A₁·diag(w)·Toep(g) (n×n), shape (n,), O(n log² n) (module docstring).
+    """‖B_i‖² for B = A₁·diag(w)·Toep(g) (n×n), shape (n,) (module docstring).
+
+    Cost: O(n log n) when w is shift-separable (a polynomial of degree ≤ 4 or a cosine in the
+    step, ``shift_basis``; the learning-rate schedules but exponential decay's, which has its
+    own path, and inverse_power/fractional powers) or g is short; O(n log² n) otherwise.
 
     Args:
         w: the column scale of A₁ (learning-rate multipliers times C⁻¹'s row scale), shape (n,).
@@ -147,6 +185,9 @@ def prefix_row_norms_sq(w, g) -> np.ndarray:
     g = np.asarray(g, dtype=np.float64)
     n = w.shape[0]
     g = g[:n]
+    form = shift_separable(w)
+    if form is not None:
+        return _row_norms_separable(g, form)
     y = _cross_terms(g, w)
     diag = np.zeros(n)
     diag[: g.shape[0]] = g * g
