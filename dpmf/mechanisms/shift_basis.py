@@ -52,6 +52,34 @@ class ShiftSeparable:
         """R, the number of terms."""
         return len(self.coeffs)
 
+    def psi(self, r: int, d: np.ndarray) -> np.ndarray:
+        """ψ_r(d) for integer offsets d (float64 array), shape of d."""
+        alpha = d * (1.0 / (self.n - 1))
+        if self.kind == "polynomial":
+            return alpha**r
+        return (np.ones_like(alpha), np.cos(np.pi * alpha), np.sin(np.pi * alpha))[r]
+
+    def phi_coefficients(self) -> np.ndarray:
+        """φ_r in the family's basis, shape (R, K): monomials τ^k (k ≤ Q, real) for a
+        polynomial, e^{imπτ} (m = −1, 0, 1, complex) for a cosine."""
+        c = self.coeffs
+        if self.kind == "polynomial":
+            deg = len(c) - 1
+            out = np.zeros((deg + 1, deg + 1))
+            for q in range(deg + 1):
+                for j in range(q, deg + 1):
+                    out[q, j - q] = c[j] * comb(j, q)
+            return out
+        a, b = c[1], c[2]
+        return np.array(
+            [
+                [0.0, c[0], 0.0],
+                [(a + 1j * b) / 2, 0.0, (a - 1j * b) / 2],
+                [(b - 1j * a) / 2, 0.0, (b + 1j * a) / 2],
+            ],
+            dtype=np.complex128,
+        )
+
     def terms(self, p: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Yield (φ_r of shape (n,), ψ_r of shape (p,)), r = 0..R−1, one pair at a time."""
         n = self.n
