@@ -56,6 +56,7 @@ from dpmf.mechanisms.toeplitz import (
     band,
     binomial_series,
     sqrt_coefficients,
+    toeplitz_inverse_root,
     toeplitz_roots,
 )
 from dpmf.mechanisms.triangular import sqrtm_lower_triangular
@@ -239,7 +240,7 @@ def _bsr(name: str, lr: bool):
 def _bisr(name: str, lr: bool):
     def build(workload: Workload, p: int) -> Factorization:
         p = min(p, workload.n)
-        noise = ScaledToeplitz(band(toeplitz_roots(_banded_base(workload, lr))[1], p))
+        noise = ScaledToeplitz(band(toeplitz_inverse_root(_banded_base(workload, lr)), p))
         return Factorization(name, p, workload, noise.inverse(), noise)
 
     return build

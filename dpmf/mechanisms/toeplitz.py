@@ -33,7 +33,9 @@ __all__ = [
     "band",
     "is_nonincreasing_nonnegative",
     "geometric_ratio",
+    "arithmetic_step",
     "toeplitz_roots",
+    "toeplitz_inverse_root",
 ]
 
 _DIRECT_MAX = 8192
@@ -224,12 +226,72 @@ def geometric_ratio(w) -> float | None:
     return float(np.exp(log_rho))
 
 
+def arithmetic_step(w) -> float | None:
+    """δ ≤ 0 when w_i = w_0 + δ·i to 1e-13·max|w| for every i (a linear decay), else None
+    (n < 3: None). O(n)."""
+    w = np.asarray(w, dtype=np.float64)
+    n = w.shape[0]
+    if n < 3 or w[0] <= 0:
+        return None
+    delta = float(w[-1] - w[0]) / (n - 1)
+    if delta > 0:
+        return None
+    scale = float(np.max(np.abs(w)))
+    tol = 1e-13 * scale
+    chunk = 1 << 20
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        fit = w[0] + delta * np.arange(lo, hi, dtype=np.float64)
+        if np.max(np.abs(fit - w[lo:hi])) > tol:
+            return None
+    return delta
+
+
+def _arithmetic_roots(c0: float, delta: float, n: int, want_root: bool):
+    """Roots of Σ_j (c_0 + δj)x^j = c_0(1 − ρx)/(1 − x)², ρ = 1 − δ/c_0 ≥ 1:
+
+        c^{−1/2} = c_0^{−1/2}·(1 − x)·(1 − ρx)^{−1/2},
+        c^{1/2}  = c_0^{1/2}·(1 − ρx)·(1 − ρx)^{−1/2}/(1 − x),
+
+    with b = (1 − ρx)^{−1/2} = (ρ^j r_j) (``binomial_series``, positive), y_j = b_j − b_{j−1}
+    written as b_{j−1}·(−(δ/c_0)j − ρ/2)/j (no difference of close numbers), and the root from
+    the running sum B of b: s_j = b_j + (δ/c_0)·B_{j−1}. O(n)."""
+    eta = delta / c0  # ≤ 0, |η| < 1/(n − 1) for a positive c
+    rho = 1.0 - eta
+    b = binomial_series(-0.5, n, rho)
+    j = np.arange(1, n, dtype=np.float64)
+    y = np.empty(n)
+    y[0] = 1.0
+    y[1:] = b[:-1] * ((-eta) * j - rho / 2.0) / j
+    y /= np.sqrt(c0)
+    if not want_root:
+        return None, y
+    s = b.copy()
+    s[1:] += eta * np.cumsum(b[:-1])
+    return s * np.sqrt(c0), y
+
+
+def _structured_roots(c: np.ndarray, want_root: bool):
+    """Closed-form roots for geometric or arithmetic c, else None."""
+    n = c.shape[0]
+    if geometric_ratio(c) is not None:
+        root = float(np.sqrt(c[0]))
+        powers = np.exp(np.arange(n) * (float(np.log(c[-1] / c[0])) / (n - 1)))  # ρ^j
+        s = root * binomial_series(-0.5, n) * powers if want_root else None
+        return s, binomial_series(0.5, n) * powers / root
+    delta = arithmetic_step(c)
+    if delta is not None and delta * (n - 1) > -c[0]:  # stays positive: 1 ≤ ρ < 1 + 1/(n − 1)
+        return _arithmetic_roots(float(c[0]), delta, n, want_root)
+    return None
+
+
 def toeplitz_roots(c) -> tuple[np.ndarray, np.ndarray]:
     """(s, y) with Toep(s) = Toep(c)^{1/2} and Toep(y) = Toep(c)^{−1/2}, shapes (n,).
 
     For geometric c (c_j = c_0ρ^j, an exponential learning-rate decay) in closed form:
-    s_j = √c_0·ρ^j·r_j, y_j = ρ^j·binom(1/2)_j/√c_0 (``binomial_series``), O(n); otherwise y
-    by Newton iteration and s = c·y, O(n log n).
+    s_j = √c_0·ρ^j·r_j, y_j = ρ^j·binom(1/2)_j/√c_0 (``binomial_series``), O(n); for
+    arithmetic c (c_j = c_0 + δj, δ ≤ 0, a linear decay) from c(x) = c_0(1 − ρx)/(1 − x)²
+    (``_arithmetic_roots``), O(n); otherwise y by Newton iteration and s = c·y, O(n log n).
 
     Raises:
         ValueError: c empty, non-finite, or c[0] ≤ 0.
@@ -238,9 +300,22 @@ def toeplitz_roots(c) -> tuple[np.ndarray, np.ndarray]:
     if c[0] <= 0:
         raise ValueError(f"c is invalid: c[0]={c[0]!r} must be > 0 for a real square root")
     n = c.shape[0]
-    if geometric_ratio(c) is not None:
-        root = float(np.sqrt(c[0]))
-        powers = np.exp(np.arange(n) * (float(np.log(c[-1] / c[0])) / (n - 1)))  # ρ^j
-        return root * binomial_series(-0.5, n) * powers, binomial_series(0.5, n) * powers / root
+    fast = _structured_roots(c, True)
+    if fast is not None:
+        return fast
     y = inverse_sqrt_coefficients(c)
     return toeplitz_product(c, y, n), y
+
+
+def toeplitz_inverse_root(c) -> np.ndarray:
+    """y with Toep(y) = Toep(c)^{−1/2}, shape (n,): ``toeplitz_roots(c)[1]`` without the root
+    (one series product fewer).
+
+    Raises:
+        ValueError: c empty, non-finite, or c[0] ≤ 0.
+    """
+    c = check_vector("c", c)
+    if c[0] <= 0:
+        raise ValueError(f"c is invalid: c[0]={c[0]!r} must be > 0 for a real square root")
+    fast = _structured_roots(c, False)
+    return fast[1] if fast is not None else inverse_sqrt_coefficients(c)
