@@ -192,18 +192,16 @@ def _row_norms_separable(g: np.ndarray, form: ShiftSeparable) -> np.ndarray:
     psi_carry = np.zeros(R)
     level_carry = np.zeros(K)  # polynomial: the running sum of each Horner level
     mod_carry = np.zeros(K, dtype=np.complex128)  # cosine: Σ e^{−imπτ_d}F_m(d) so far
-    h = float(n - 1)
     for lo in range(0, n, _STREAM):
         hi = min(n, lo + _STREAM)
         m = hi - lo
-        d = np.arange(lo, hi, dtype=np.float64)
         Psi = np.empty((R, m))
         if lo < p:
             gc = np.zeros(m)
             top = min(hi, p)
             gc[: top - lo] = g[lo:top]
             for r in range(R):
-                Psi[r] = np.cumsum(form.psi(r, d) * gc)
+                Psi[r] = np.cumsum(form.psi(r, lo, hi) * gc)
                 Psi[r] += psi_carry[r]
                 psi_carry[r] = Psi[r, -1]
         else:
@@ -226,8 +224,10 @@ def _row_norms_separable(g: np.ndarray, form: ShiftSeparable) -> np.ndarray:
             F = A.T @ prods  # (3, m) complex: F_0 (real), F_1, F_2
             acc = np.cumsum(F[0].real) + mod_carry[0].real
             mod_carry[0] = acc[-1]
+            cos_t, sin_t = form.trig(lo, hi)
+            first = cos_t - 1j * sin_t  # e^{−iπτ_d}
             for mm in (1, 2):
-                phase = np.exp((-1j * mm * np.pi / h) * d)
+                phase = first if mm == 1 else first * first
                 cs = np.cumsum(phase * F[mm]) + mod_carry[mm]
                 mod_carry[mm] = cs[-1]
                 acc += 2.0 * (np.conj(phase) * cs).real

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from math import comb
 
 import numpy as np
@@ -52,12 +53,26 @@ class ShiftSeparable:
         """R, the number of terms."""
         return len(self.coeffs)
 
-    def psi(self, r: int, d: np.ndarray) -> np.ndarray:
-        """ψ_r(d) for integer offsets d (float64 array), shape of d."""
-        alpha = d * (1.0 / (self.n - 1))
+    @cached_property
+    def _trig(self) -> tuple[np.ndarray, np.ndarray]:
+        """cos πτ_k and sin πτ_k for k = 0..n−1 (cosine family only), computed once."""
+        tau = np.arange(self.n, dtype=np.float64) * (1.0 / (self.n - 1))
+        return np.cos(np.pi * tau), np.sin(np.pi * tau)
+
+    def trig(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """(cos πτ_k, sin πτ_k) for k = lo..hi−1, 0 ≤ lo ≤ hi ≤ n (views of one table)."""
+        cos_t, sin_t = self._trig
+        return cos_t[lo:hi], sin_t[lo:hi]
+
+    def psi(self, r: int, lo: int, hi: int, sign: float = 1.0) -> np.ndarray:
+        """ψ_r(sign·d) for d = lo..hi−1 (sign = ±1), shape (hi − lo,)."""
         if self.kind == "polynomial":
+            alpha = np.arange(lo, hi, dtype=np.float64) * (sign / (self.n - 1))
             return alpha**r
-        return (np.ones_like(alpha), np.cos(np.pi * alpha), np.sin(np.pi * alpha))[r]
+        if r == 0:
+            return np.ones(hi - lo)
+        cos_t, sin_t = self.trig(lo, hi)
+        return cos_t.copy() if r == 1 else sign * sin_t
 
     def phi_coefficients(self) -> np.ndarray:
         """φ_r in the family's basis, shape (R, K): monomials τ^k (k ≤ Q, real) for a
@@ -80,27 +95,44 @@ class ShiftSeparable:
             dtype=np.complex128,
         )
 
-    def terms(self, p: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Yield (φ_r of shape (n,), ψ_r of shape (p,)), r = 0..R−1, one pair at a time."""
-        n = self.n
-        h = 1.0 / (n - 1) if n > 1 else 0.0
-        tau = np.arange(n, dtype=np.float64) * h
-        alpha = np.arange(p, dtype=np.float64) * h
+    def phi(self, r: int, lo: int, hi: int) -> np.ndarray:
+        """φ_r(k) for k = lo..hi−1, shape (hi − lo,)."""
         c = self.coeffs
         if self.kind == "polynomial":
+            tau = np.arange(lo, hi, dtype=np.float64) * (1.0 / (self.n - 1))
             deg = len(c) - 1
-            for q in range(deg + 1):
-                # w^{(q)}(τ)/q! = Σ_{j≥q} c_j·binom(j, q)·τ^{j−q}, by Horner
-                phi = np.full(n, c[deg] * comb(deg, q))
-                for j in range(deg - 1, q - 1, -1):
-                    phi *= tau
-                    phi += c[j] * comb(j, q)
-                yield phi, alpha**q
-            return
-        cos_t, sin_t = np.cos(np.pi * tau), np.sin(np.pi * tau)
-        yield np.full(n, c[0]), np.ones(p)
-        yield c[1] * cos_t + c[2] * sin_t, np.cos(np.pi * alpha)
-        yield c[2] * cos_t - c[1] * sin_t, np.sin(np.pi * alpha)
+            # w^{(r)}(τ)/r! = Σ_{j≥r} c_j·binom(j, r)·τ^{j−r}, by Horner
+            out = np.full(tau.shape, c[deg] * comb(deg, r))
+            for j in range(deg - 1, r - 1, -1):
+                out *= tau
+                out += c[j] * comb(j, r)
+            return out
+        if r == 0:
+            return np.full(hi - lo, c[0])
+        cos_t, sin_t = self.trig(lo, hi)
+        return c[1] * cos_t + c[2] * sin_t if r == 1 else c[2] * cos_t - c[1] * sin_t
+
+    def terms(self, p: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield (φ_r of shape (n,), ψ_r of shape (p,)), r = 0..R−1, one pair at a time."""
+        for r in range(self.rank):
+            yield self.phi(r, 0, self.n), self.psi(r, 0, p)
+
+    def product(self, a) -> np.ndarray:
+        """The first m coefficients of w·a (``Toep(w)·Toep(a)``'s first column) for a of shape
+        (m,), m ≤ n: (w·a)_k = Σ_{d≤k} w_{k−d}a_d = Σ_r φ_r(k)·Σ_{d≤k} ψ_r(−d)a_d (the
+        separable form at a negative shift), R running sums, O(m·R).
+
+        Raises:
+            ValueError: m > n.
+        """
+        a = np.asarray(a, dtype=np.float64)
+        m = a.shape[0]
+        if m > self.n:
+            raise ValueError(f"a has {m} coefficients: must be at most n={self.n}")
+        out = np.zeros(m)
+        for r in range(self.rank):
+            out += self.phi(r, 0, m) * np.cumsum(self.psi(r, 0, m, -1.0) * a)
+        return out
 
 
 def _bases(kind: str, degree: int) -> Callable[[np.ndarray], np.ndarray]:

@@ -23,6 +23,7 @@ from scipy import fft as _sfft
 
 from dpmf._validation import check_int, check_real, check_vector
 from dpmf.mechanisms._fft import fftconvolve, lfilter
+from dpmf.mechanisms.shift_basis import ShiftSeparable, shift_separable
 
 __all__ = [
     "binomial_series",
@@ -141,10 +142,12 @@ def _low_product(a: np.ndarray, b: np.ndarray, m: int) -> np.ndarray:
     return _sfft.irfft(_sfft.rfft(a, size) * _sfft.rfft(b, size), size)[:m]
 
 
-def inverse_sqrt_coefficients(c) -> np.ndarray:
+def inverse_sqrt_coefficients(c, structure: ShiftSeparable | None = None) -> np.ndarray:
     """Coefficients y with ``Toep(y) = Toep(c)^{−1/2}`` (y_0 = c_0^{−1/2} > 0), shape (n,).
 
-    Newton iteration y ← y − y·(c·y² − 1)/2.
+    Newton iteration y ← y − y·(c·y² − 1)/2. With ``structure`` (the shift-separable form of c,
+    ``shift_basis``) the products c·y² are R running sums instead of FFTs (two real FFTs per
+    step fewer: about half the work).
 
     Raises:
         ValueError: c empty, non-finite, or c[0] ≤ 0.
@@ -166,7 +169,12 @@ def inverse_sqrt_coefficients(c) -> np.ndarray:
             size = _sfft.next_fast_len(2 * k - 1, real=True)
             Y = _sfft.rfft(y[:k], size)
             y2 = _sfft.irfft(Y * Y, size)[: min(m, 2 * k - 1)]  # y², exact (no wrap)
-            e = _middle_product(c[:m], y2, k, m)  # c·y² = 1 + O(x^k): its terms k..m−1
+            if structure is None:
+                e = _middle_product(c[:m], y2, k, m)  # c·y² = 1 + O(x^k): its terms k..m−1
+            else:
+                padded = np.zeros(m)
+                padded[: y2.shape[0]] = y2[:m]
+                e = structure.product(padded)[k:m]
             if m - k == k:  # reuse ŷ: the correction y·e has the same length
                 corr = _sfft.irfft(Y * _sfft.rfft(e, size), size)[: m - k]
             else:
@@ -282,6 +290,10 @@ def _structured_roots(c: np.ndarray, want_root: bool):
     delta = arithmetic_step(c)
     if delta is not None and delta * (n - 1) > -c[0]:  # stays positive: 1 ≤ ρ < 1 + 1/(n − 1)
         return _arithmetic_roots(float(c[0]), delta, n, want_root)
+    form = shift_separable(c) if n > _DIRECT_MAX else None
+    if form is not None:  # polynomial or cosine: Newton with O(n·R) products by c
+        y = inverse_sqrt_coefficients(c, form)
+        return (form.product(y) if want_root else None), y
     return None
 
 
@@ -291,7 +303,8 @@ def toeplitz_roots(c) -> tuple[np.ndarray, np.ndarray]:
     For geometric c (c_j = c_0ρ^j, an exponential learning-rate decay) in closed form:
     s_j = √c_0·ρ^j·r_j, y_j = ρ^j·binom(1/2)_j/√c_0 (``binomial_series``), O(n); for
     arithmetic c (c_j = c_0 + δj, δ ≤ 0, a linear decay) from c(x) = c_0(1 − ρx)/(1 − x)²
-    (``_arithmetic_roots``), O(n); otherwise y by Newton iteration and s = c·y, O(n log n).
+    (``_arithmetic_roots``), O(n); otherwise y by Newton iteration and s = c·y, O(n log n),
+    the products by c as running sums when c is shift-separable (polynomial, cosine).
 
     Raises:
         ValueError: c empty, non-finite, or c[0] ≤ 0.
