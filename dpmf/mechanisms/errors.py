@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dpmf.mechanisms._fft import fftconvolve
+from dpmf.mechanisms._fft import fftconvolve, lfilter
 from dpmf.mechanisms.bounds import lower_bound
 from dpmf.mechanisms.factorizations import Factorization
 from dpmf.mechanisms.participation import Participation
@@ -102,6 +102,9 @@ def _prefix_rows(w: np.ndarray, g: np.ndarray, v: np.ndarray) -> np.ndarray:
         gk = np.zeros(n)
         gk[:p] = g * rho ** np.arange(p)
         b2 = (w[0] * np.cumsum(gk)) ** 2  # first column of A₁·Toep(ρ^k g_k), squared
+        if rho <= 1.0 and np.all(v == v[0]):
+            # Σ_j b2_{i−j}·v²ρ^{2j}: the one-pole recurrence z_i = ρ²z_{i−1} + b2_i, O(n)
+            return abs(v[0]) * np.sqrt(np.maximum(lfilter([1.0], [1.0, -rho * rho], b2), 0.0))
         u2 = (v * rho ** np.arange(n)) ** 2
         return np.sqrt(np.maximum(fftconvolve(b2, u2)[:n], 0.0))
     if np.all(v == v[0]):
