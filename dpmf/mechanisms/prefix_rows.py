@@ -137,7 +137,7 @@ def _cross_terms(g: np.ndarray, w: np.ndarray) -> np.ndarray:
     return out
 
 
-_STREAM = 1 << 14  # entries per chunk of the streamed recurrences (running sums carried over)
+_STREAM = 1 << 15  # entries per chunk of the streamed recurrences (running sums carried over)
 
 
 def _stirling_factorial(top: int) -> np.ndarray:
@@ -206,7 +206,9 @@ def _row_norms_separable(g: np.ndarray, form: ShiftSeparable) -> np.ndarray:
                 psi_carry[r] = Psi[r, -1]
         else:
             Psi[:] = psi_carry[:, None]
-        prods = np.stack([Psi[r] * Psi[s_] for r, s_ in pairs])
+        prods = np.empty((len(pairs), m))
+        for i, (r, s_) in enumerate(pairs):
+            np.multiply(Psi[r], Psi[s_], out=prods[i])
         if poly:
             F = A.T @ prods  # (K, m): F_k = Σ_pairs A[pair, k]·Ψ_rΨ_{r'}
             G = F[K - 1]

@@ -141,14 +141,23 @@ def _bases(kind: str, degree: int) -> Callable[[np.ndarray], np.ndarray]:
     return lambda tau: np.stack([np.ones_like(tau), np.cos(np.pi * tau), np.sin(np.pi * tau)], axis=1)
 
 
-def _max_residual(w: np.ndarray, basis, coeffs: np.ndarray) -> float:
+def _max_residual(w: np.ndarray, form: ShiftSeparable) -> float:
+    """max_l |w_l − Σ_q c_q·b_q(τ_l)| in chunks (Horner for a polynomial; the form's cosine table)."""
     n = w.shape[0]
-    h = 1.0 / (n - 1)
+    c = form.coeffs
     worst = 0.0
     for lo in range(0, n, _CHUNK):
         hi = min(n, lo + _CHUNK)
-        tau = np.arange(lo, hi, dtype=np.float64) * h
-        worst = max(worst, float(np.max(np.abs(basis(tau) @ coeffs - w[lo:hi]))))
+        if form.kind == "polynomial":
+            tau = np.arange(lo, hi, dtype=np.float64) * (1.0 / (n - 1))
+            fit = np.full(hi - lo, c[-1])
+            for q in c[-2::-1]:
+                fit *= tau
+                fit += q
+        else:
+            cos_t, sin_t = form.trig(lo, hi)
+            fit = c[0] + c[1] * cos_t + c[2] * sin_t
+        worst = max(worst, float(np.max(np.abs(fit - w[lo:hi]))))
     return worst
 
 
@@ -174,7 +183,9 @@ def shift_separable(w, *, rtol: float = 1e-13) -> ShiftSeparable | None:
         coeffs = np.linalg.lstsq(basis(tau_s), w[idx], rcond=None)[0]
         if np.max(np.abs(basis(tau_s) @ coeffs - w[idx])) > rtol * scale:
             continue
-        res = _max_residual(w, basis, coeffs) / scale
+        form = ShiftSeparable(kind, n, tuple(float(x) for x in coeffs), 0.0)
+        res = _max_residual(w, form) / scale
         if res <= rtol:
-            return ShiftSeparable(kind, n, tuple(float(x) for x in coeffs), res)
+            object.__setattr__(form, "max_residual", res)
+            return form
     return None

@@ -228,6 +228,9 @@ def geometric_ratio(w) -> float | None:
     if n < 3 or w[0] == 0 or np.any(w / w[0] <= 0):
         return None
     log_rho = float(np.log(w[-1] / w[0])) / (n - 1)
+    probe = np.unique(np.linspace(0, n - 1, 65).astype(np.int64))  # a cheap refusal first
+    if np.max(np.abs(w[0] * np.exp(probe * log_rho) - w[probe]) / np.abs(w[probe])) > 1e-13:
+        return None
     fit = w[0] * np.exp(np.arange(n) * log_rho)
     if np.max(np.abs(fit - w) / np.abs(w)) > 1e-13:
         return None
@@ -246,6 +249,9 @@ def arithmetic_step(w) -> float | None:
         return None
     scale = float(np.max(np.abs(w)))
     tol = 1e-13 * scale
+    probe = np.unique(np.linspace(0, n - 1, 65).astype(np.int64))  # a cheap refusal first
+    if np.max(np.abs(w[0] + delta * probe - w[probe])) > tol:
+        return None
     chunk = 1 << 20
     for lo in range(0, n, chunk):
         hi = min(n, lo + chunk)
