@@ -53,7 +53,6 @@ from dpmf.mechanisms.streaming import (
 )
 from dpmf.mechanisms.structured import DenseLowerTriangular, LowerTriangular, ScaledToeplitz
 from dpmf.mechanisms.toeplitz import (
-    band,
     binomial_series,
     sqrt_coefficients,
     toeplitz_inverse_root,
@@ -228,10 +227,18 @@ def _banded_base(workload: Workload, lr: bool) -> np.ndarray:
     return workload.toeplitz_coeffs if workload.is_toeplitz else np.asarray(workload.coeffs)
 
 
+def _padded(head: np.ndarray, n: int) -> np.ndarray:
+    out = np.zeros(n)
+    out[: head.shape[0]] = head
+    return out
+
+
 def _bsr(name: str, lr: bool):
     def build(workload: Workload, p: int) -> Factorization:
         p = min(p, workload.n)  # more bands than steps: all of them (the label says how many)
-        C = ScaledToeplitz(band(toeplitz_roots(_banded_base(workload, lr))[0], p))
+        # the first p coefficients of T^{1/2} depend only on T's first p: O(p log p), not O(n log n)
+        head = toeplitz_roots(_banded_base(workload, lr)[:p])[0]
+        C = ScaledToeplitz(_padded(head, workload.n))
         return Factorization(name, p, workload, C)
 
     return build
@@ -240,7 +247,8 @@ def _bsr(name: str, lr: bool):
 def _bisr(name: str, lr: bool):
     def build(workload: Workload, p: int) -> Factorization:
         p = min(p, workload.n)
-        noise = ScaledToeplitz(band(toeplitz_inverse_root(_banded_base(workload, lr)), p))
+        head = toeplitz_inverse_root(_banded_base(workload, lr)[:p])
+        noise = ScaledToeplitz(_padded(head, workload.n))
         return Factorization(name, p, workload, noise.inverse(), noise)
 
     return build
