@@ -12,7 +12,9 @@ is ``ScaledToeplitz`` and A = Toep(a)·diag(d):
 * B Toeplitz up to a column scale (d·(row scale of C⁻¹) constant): O(n log n) by cumulative
   sums or one convolution;
 * A = a₀·A₁·diag(d) (learning-rate workloads) with any Toeplitz C⁻¹ = Toep(g) (no column
-  scale): O(n log² n) by divide and conquer over the pairs of coefficients (``prefix_rows``);
+  scale): O(n) for an exponential d (B Toeplitz up to a column scale: a one-pole recurrence),
+  O(n·R²) streamed recurrences for a polynomial or cosine d (``prefix_rows`` with
+  ``shift_basis``), O(n log² n) by divide and conquer over the pairs of coefficients otherwise;
   with a column scale, row i of B is row i−1 plus d_i times a reversed copy of C⁻¹'s
   coefficients, O(n²) time and O(n) memory;
 * otherwise (momentum workloads with a schedule, dense strategies) B is formed densely.
@@ -39,9 +41,9 @@ __all__ = ["b_row_norms", "max_se", "mean_se", "Evaluation", "evaluate"]
 def b_row_norms(factorization: Factorization) -> np.ndarray:
     """ℓ2 norms of the rows of B = A·C⁻¹, shape (n,), float64.
 
-    Cost: O(n log n) when B is Toeplitz up to scaling, O(n log² n) for learning-rate workloads
-    A₁·diag(χ) with a Toeplitz C⁻¹ (O(n²) time and O(n) memory when C⁻¹ has a column scale);
-    O(n³) (dense) otherwise.
+    Cost: O(n log n) when B is Toeplitz up to scaling; O(n) to O(n log² n) for learning-rate
+    workloads A₁·diag(χ) with a Toeplitz C⁻¹, by the schedule's structure (module docstring;
+    O(n²) time and O(n) memory when C⁻¹ has a column scale); O(n³) (dense) otherwise.
     """
     f = factorization
     G = f.C_inverse

@@ -1,4 +1,8 @@
-"""Row norms of B = A₁·diag(w)·Toep(g) in O(n log² n): learning-rate workloads at any n.
+"""Row norms of B = A₁·diag(w)·Toep(g): learning-rate workloads at any n.
+
+When w has a shift-separable form (``shift_basis``: polynomial and cosine schedules) the row
+norms are direct sums of squares computed by streamed recurrences, O(n·R²)
+(``_row_norms_separable``). Otherwise, O(n log² n), as follows.
 
 Row i of B is x_iᵀ·Toep(g) with x_i = w ⊙ 1_{≤i}, so with M = Toep(g)·Toep(g)ᵀ
 
