@@ -54,7 +54,6 @@ from dpmf.mechanisms.streaming import (
 from dpmf.mechanisms.structured import DenseLowerTriangular, LowerTriangular, ScaledToeplitz
 from dpmf.mechanisms.toeplitz import (
     binomial_series,
-    sqrt_coefficients,
     toeplitz_inverse_root,
     toeplitz_roots,
 )
@@ -199,10 +198,9 @@ DENSE_SQRT_MAX_STEPS = 8192
 
 
 def _sqrt(workload: Workload, p) -> Factorization:
-    if workload.is_toeplitz:
-        return Factorization(
-            "sqrt", None, workload, ScaledToeplitz(sqrt_coefficients(workload.toeplitz_coeffs))
-        )
+    if workload.is_toeplitz:  # both roots at once (closed forms or structured Newton when they apply)
+        root, inv_root = toeplitz_roots(workload.toeplitz_coeffs)
+        return Factorization("sqrt", None, workload, ScaledToeplitz(root), ScaledToeplitz(inv_root))
     n = workload.n
     if n > DENSE_SQRT_MAX_STEPS:
         raise ValueError(
