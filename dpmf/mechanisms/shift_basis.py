@@ -8,8 +8,10 @@ sin πτ (cosine) lies in a space of functions that is closed under shifts, so
 
 with a handful of terms R: for a polynomial of degree Q the Taylor expansion
 φ_q(m) = w^{(q)}(τ_m)/q!, ψ_q(a) = α_a^q (R = Q + 1); for c₀ + c₁cos πτ + c₂sin πτ the
-addition theorems (R = 3). ``prefix_rows`` turns such a form into R convolutions instead of a
-divide and conquer over all pairs of coefficients.
+addition theorems (R = 3). ``prefix_rows`` turns such a form into one streamed pass of running
+sums (the row norms of A₁·diag(w)·Toep(g), O(n·R²)) instead of a divide and conquer over all
+pairs of coefficients, and ``toeplitz`` multiplies series by w in O(n·R) (``product``) inside
+its Newton iterations.
 
 The form is found from the values alone: the coefficients are fitted on a few points and
 accepted only when the fit reproduces every entry of w to ``rtol``·max|w| (the schedules of
