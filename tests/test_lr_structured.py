@@ -111,7 +111,7 @@ def test_arithmetic_step_refuses_other_shapes():
     assert arithmetic_step(Schedule("linear", 0.1).values(100) + 1e-9 * np.sin(np.arange(100))) is None
 
 
-@pytest.mark.parametrize("name", ["linear", "cosine", "polynomial", "inverse_power"])
+@pytest.mark.parametrize("name", ["exponential", "linear", "cosine", "polynomial", "inverse_power"])
 @pytest.mark.parametrize("spec", ["lr_aware", "lr_bsr:16", "lr_bisr:16"])
 def test_evaluation_against_dense_brute_force(name, spec):
     """MaxSE and MeanSE of the structured paths against B = A·C⁻¹ and C formed densely."""
