@@ -12,7 +12,9 @@ is ``ScaledToeplitz`` and A = Toep(a)·diag(d):
 * B Toeplitz up to a column scale (d·(row scale of C⁻¹) constant): O(n log n) by cumulative
   sums or one convolution;
 * A = a₀·A₁·diag(d) (learning-rate workloads) with any Toeplitz C⁻¹ = Toep(g) (no column
-  scale): O(n log² n) by divide and conquer over the pairs of coefficients (``prefix_rows``);
+  scale): O(n) for an exponential d (B Toeplitz up to a column scale: a one-pole recurrence),
+  O(n·R²) streamed recurrences for a polynomial or cosine d (``prefix_rows`` with
+  ``shift_basis``), O(n log² n) by divide and conquer over the pairs of coefficients otherwise;
   with a column scale, row i of B is row i−1 plus d_i times a reversed copy of C⁻¹'s
   coefficients, O(n²) time and O(n) memory;
 * otherwise (momentum workloads with a schedule, dense strategies) B is formed densely.
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dpmf.mechanisms._fft import fftconvolve
+from dpmf.mechanisms._fft import fftconvolve, lfilter
 from dpmf.mechanisms.bounds import lower_bound
 from dpmf.mechanisms.factorizations import Factorization
 from dpmf.mechanisms.participation import Participation
@@ -39,9 +41,9 @@ __all__ = ["b_row_norms", "max_se", "mean_se", "Evaluation", "evaluate"]
 def b_row_norms(factorization: Factorization) -> np.ndarray:
     """ℓ2 norms of the rows of B = A·C⁻¹, shape (n,), float64.
 
-    Cost: O(n log n) when B is Toeplitz up to scaling, O(n log² n) for learning-rate workloads
-    A₁·diag(χ) with a Toeplitz C⁻¹ (O(n²) time and O(n) memory when C⁻¹ has a column scale);
-    O(n³) (dense) otherwise.
+    Cost: O(n log n) when B is Toeplitz up to scaling; O(n) to O(n log² n) for learning-rate
+    workloads A₁·diag(χ) with a Toeplitz C⁻¹, by the schedule's structure (module docstring;
+    O(n²) time and O(n) memory when C⁻¹ has a column scale); O(n³) (dense) otherwise.
     """
     f = factorization
     G = f.C_inverse
@@ -102,6 +104,9 @@ def _prefix_rows(w: np.ndarray, g: np.ndarray, v: np.ndarray) -> np.ndarray:
         gk = np.zeros(n)
         gk[:p] = g * rho ** np.arange(p)
         b2 = (w[0] * np.cumsum(gk)) ** 2  # first column of A₁·Toep(ρ^k g_k), squared
+        if rho <= 1.0 and np.all(v == v[0]):
+            # Σ_j b2_{i−j}·v²ρ^{2j}: the one-pole recurrence z_i = ρ²z_{i−1} + b2_i, O(n)
+            return abs(v[0]) * np.sqrt(np.maximum(lfilter([1.0], [1.0, -rho * rho], b2), 0.0))
         u2 = (v * rho ** np.arange(n)) ** 2
         return np.sqrt(np.maximum(fftconvolve(b2, u2)[:n], 0.0))
     if np.all(v == v[0]):

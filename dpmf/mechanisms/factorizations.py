@@ -53,9 +53,8 @@ from dpmf.mechanisms.streaming import (
 )
 from dpmf.mechanisms.structured import DenseLowerTriangular, LowerTriangular, ScaledToeplitz
 from dpmf.mechanisms.toeplitz import (
-    band,
     binomial_series,
-    sqrt_coefficients,
+    toeplitz_inverse_root,
     toeplitz_roots,
 )
 from dpmf.mechanisms.triangular import sqrtm_lower_triangular
@@ -199,10 +198,9 @@ DENSE_SQRT_MAX_STEPS = 8192
 
 
 def _sqrt(workload: Workload, p) -> Factorization:
-    if workload.is_toeplitz:
-        return Factorization(
-            "sqrt", None, workload, ScaledToeplitz(sqrt_coefficients(workload.toeplitz_coeffs))
-        )
+    if workload.is_toeplitz:  # both roots at once (closed forms or structured Newton when they apply)
+        root, inv_root = toeplitz_roots(workload.toeplitz_coeffs)
+        return Factorization("sqrt", None, workload, ScaledToeplitz(root), ScaledToeplitz(inv_root))
     n = workload.n
     if n > DENSE_SQRT_MAX_STEPS:
         raise ValueError(
@@ -227,10 +225,18 @@ def _banded_base(workload: Workload, lr: bool) -> np.ndarray:
     return workload.toeplitz_coeffs if workload.is_toeplitz else np.asarray(workload.coeffs)
 
 
+def _padded(head: np.ndarray, n: int) -> np.ndarray:
+    out = np.zeros(n)
+    out[: head.shape[0]] = head
+    return out
+
+
 def _bsr(name: str, lr: bool):
     def build(workload: Workload, p: int) -> Factorization:
         p = min(p, workload.n)  # more bands than steps: all of them (the label says how many)
-        C = ScaledToeplitz(band(toeplitz_roots(_banded_base(workload, lr))[0], p))
+        # the first p coefficients of T^{1/2} depend only on T's first p: O(p log p), not O(n log n)
+        head = toeplitz_roots(_banded_base(workload, lr)[:p])[0]
+        C = ScaledToeplitz(_padded(head, workload.n))
         return Factorization(name, p, workload, C)
 
     return build
@@ -239,7 +245,8 @@ def _bsr(name: str, lr: bool):
 def _bisr(name: str, lr: bool):
     def build(workload: Workload, p: int) -> Factorization:
         p = min(p, workload.n)
-        noise = ScaledToeplitz(band(toeplitz_roots(_banded_base(workload, lr))[1], p))
+        head = toeplitz_inverse_root(_banded_base(workload, lr)[:p])
+        noise = ScaledToeplitz(_padded(head, workload.n))
         return Factorization(name, p, workload, noise.inverse(), noise)
 
     return build

@@ -1,4 +1,8 @@
-"""Row norms of B = A₁·diag(w)·Toep(g) in O(n log² n): learning-rate workloads at any n.
+"""Row norms of B = A₁·diag(w)·Toep(g): learning-rate workloads at any n.
+
+When w has a shift-separable form (``shift_basis``: polynomial and cosine schedules) the row
+norms are direct sums of squares computed by streamed recurrences, O(n·R²)
+(``_row_norms_separable``). Otherwise, O(n log² n), as follows.
 
 Row i of B is x_iᵀ·Toep(g) with x_i = w ⊙ 1_{≤i}, so with M = Toep(g)·Toep(g)ᵀ
 
@@ -31,6 +35,7 @@ import numpy as np
 from scipy import fft as sfft
 
 from dpmf.mechanisms._fft import fftconvolve
+from dpmf.mechanisms.shift_basis import ShiftSeparable, shift_separable
 
 __all__ = ["prefix_row_norms_sq"]
 
@@ -136,8 +141,112 @@ def _cross_terms(g: np.ndarray, w: np.ndarray) -> np.ndarray:
     return out
 
 
+_STREAM = 1 << 15  # entries per chunk of the streamed recurrences (running sums carried over)
+
+
+def _stirling_factorial(top: int) -> np.ndarray:
+    """U[s, k] = S(s, k)·k! (Stirling numbers of the second kind): j^s = Σ_k U[s, k]·binom(j, k)."""
+    U = np.zeros((top + 1, top + 1))
+    U[0, 0] = 1.0
+    for s_ in range(1, top + 1):
+        for k in range(1, s_ + 1):
+            U[s_, k] = k * (U[s_ - 1, k] + U[s_ - 1, k - 1])
+    return U
+
+
+def _pair_weights(form: ShiftSeparable) -> tuple[list[tuple[int, int]], np.ndarray]:
+    """The pairs r ≤ r' and the coefficients of 2^{[r≠r']}·φ_rφ_{r'} in the kernel basis:
+    binom(j, k), k = 0..2Q, for a polynomial (real); e^{imπτ_j}, m = 0, 1, 2 for a cosine
+    (complex; m < 0 are the conjugates). Shape (pairs, K)."""
+    P = form.phi_coefficients()
+    R = P.shape[0]
+    pairs = [(r, s_) for r in range(R) for s_ in range(r, R)]
+    rows = []
+    for r, s_ in pairs:
+        prod = np.convolve(P[r], P[s_]) * (1.0 if r == s_ else 2.0)
+        if form.kind == "polynomial":
+            top = prod.shape[0] - 1
+            h = float(form.n - 1)
+            U = _stirling_factorial(top)
+            mono = prod * h ** -np.arange(top + 1, dtype=np.float64)  # coefficients of j^s
+            rows.append(mono @ U)
+        else:
+            rows.append(prod[2:])  # m = 0, 1, 2 of m = −2..2
+    return pairs, np.array(rows)
+
+
+def _row_norms_separable(g: np.ndarray, form: ShiftSeparable) -> np.ndarray:
+    """‖B_i‖² when w_{m+a} = Σ_r φ_r(m)ψ_r(a) (``shift_basis``): entry (i, j) of B is
+    Σ_{k≤i−j} w_{j+k}g_k = Σ_r φ_r(j)·Ψ_r(i−j) with Ψ_r(L) = Σ_{k≤L} ψ_r(k)g_k, so
+
+        ‖B_i‖² = Σ_{r,r'} Σ_{j≤i} (φ_rφ_{r'})(j)·(Ψ_rΨ_{r'})(i−j).
+
+    The products φ_rφ_{r'} lie in a basis whose convolutions are recurrences: binom(j, k)
+    (generating function x^k/(1−x)^{k+1}: k + 1 running sums, nested by Horner's rule) for a
+    polynomial schedule, e^{imπτ_j} (Σ_j e^{imπτ_j}F(i−j) = e^{imπτ_i}·Σ_{d≤i} e^{−imπτ_d}F(d))
+    for a cosine. One pass over n in chunks with the running sums carried: O(n·R²) time,
+    O(n) memory. A sum of squares formed directly (no running sum of increments that cancel),
+    so its round-off is relative to the row norms themselves."""
+    n, p = form.n, g.shape[0]
+    pairs, A = _pair_weights(form)
+    R = form.rank
+    K = A.shape[1]
+    poly = form.kind == "polynomial"
+    out = np.empty(n)
+    psi_carry = np.zeros(R)
+    level_carry = np.zeros(K)  # polynomial: the running sum of each Horner level
+    mod_carry = np.zeros(K, dtype=np.complex128)  # cosine: Σ e^{−imπτ_d}F_m(d) so far
+    for lo in range(0, n, _STREAM):
+        hi = min(n, lo + _STREAM)
+        m = hi - lo
+        Psi = np.empty((R, m))
+        if lo < p:
+            gc = np.zeros(m)
+            top = min(hi, p)
+            gc[: top - lo] = g[lo:top]
+            for r in range(R):
+                Psi[r] = np.cumsum(form.psi(r, lo, hi) * gc)
+                Psi[r] += psi_carry[r]
+                psi_carry[r] = Psi[r, -1]
+        else:
+            Psi[:] = psi_carry[:, None]
+        prods = np.empty((len(pairs), m))
+        for i, (r, s_) in enumerate(pairs):
+            np.multiply(Psi[r], Psi[s_], out=prods[i])
+        if poly:
+            F = A.T @ prods  # (K, m): F_k = Σ_pairs A[pair, k]·Ψ_rΨ_{r'}
+            G = F[K - 1]
+            for k in range(K - 2, -1, -1):  # G ← F_k + (x/(1−x))·G
+                cs = np.cumsum(G)
+                ex = np.empty(m)
+                ex[0] = level_carry[k]
+                ex[1:] = cs[:-1] + level_carry[k]
+                level_carry[k] += cs[-1]
+                G = F[k] + ex
+            cs = np.cumsum(G) + level_carry[K - 1]
+            level_carry[K - 1] = cs[-1]
+            out[lo:hi] = cs
+        else:
+            F = A.T @ prods  # (3, m) complex: F_0 (real), F_1, F_2
+            acc = np.cumsum(F[0].real) + mod_carry[0].real
+            mod_carry[0] = acc[-1]
+            cos_t, sin_t = form.trig(lo, hi)
+            first = cos_t - 1j * sin_t  # e^{−iπτ_d}
+            for mm in (1, 2):
+                phase = first if mm == 1 else first * first
+                cs = np.cumsum(phase * F[mm]) + mod_carry[mm]
+                mod_carry[mm] = cs[-1]
+                acc += 2.0 * (np.conj(phase) * cs).real
+            out[lo:hi] = acc
+    return out
+
+
 def prefix_row_norms_sq(w, g) -> np.ndarray:
-    """‖B_i‖² for B = A₁·diag(w)·Toep(g) (n×n), shape (n,), O(n log² n) (module docstring).
+    """‖B_i‖² for B = A₁·diag(w)·Toep(g) (n×n), shape (n,) (module docstring).
+
+    Cost: O(n log n) when w is shift-separable (a polynomial of degree ≤ 4 or a cosine in the
+    step, ``shift_basis``; the learning-rate schedules but exponential decay's, which has its
+    own path, and inverse_power/fractional powers) or g is short; O(n log² n) otherwise.
 
     Args:
         w: the column scale of A₁ (learning-rate multipliers times C⁻¹'s row scale), shape (n,).
@@ -147,6 +256,9 @@ def prefix_row_norms_sq(w, g) -> np.ndarray:
     g = np.asarray(g, dtype=np.float64)
     n = w.shape[0]
     g = g[:n]
+    form = shift_separable(w)
+    if form is not None:
+        return _row_norms_separable(g, form)
     y = _cross_terms(g, w)
     diag = np.zeros(n)
     diag[: g.shape[0]] = g * g

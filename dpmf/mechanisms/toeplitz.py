@@ -23,6 +23,7 @@ from scipy import fft as _sfft
 
 from dpmf._validation import check_int, check_real, check_vector
 from dpmf.mechanisms._fft import fftconvolve, lfilter
+from dpmf.mechanisms.shift_basis import ShiftSeparable, shift_separable
 
 __all__ = [
     "binomial_series",
@@ -33,7 +34,9 @@ __all__ = [
     "band",
     "is_nonincreasing_nonnegative",
     "geometric_ratio",
+    "arithmetic_step",
     "toeplitz_roots",
+    "toeplitz_inverse_root",
 ]
 
 _DIRECT_MAX = 8192
@@ -139,10 +142,12 @@ def _low_product(a: np.ndarray, b: np.ndarray, m: int) -> np.ndarray:
     return _sfft.irfft(_sfft.rfft(a, size) * _sfft.rfft(b, size), size)[:m]
 
 
-def inverse_sqrt_coefficients(c) -> np.ndarray:
+def inverse_sqrt_coefficients(c, structure: ShiftSeparable | None = None) -> np.ndarray:
     """Coefficients y with ``Toep(y) = Toep(c)^{−1/2}`` (y_0 = c_0^{−1/2} > 0), shape (n,).
 
-    Newton iteration y ← y − y·(c·y² − 1)/2.
+    Newton iteration y ← y − y·(c·y² − 1)/2. With ``structure`` (the shift-separable form of c,
+    ``shift_basis``) the products c·y² are R running sums instead of FFTs (two real FFTs per
+    step fewer: about half the work).
 
     Raises:
         ValueError: c empty, non-finite, or c[0] ≤ 0.
@@ -164,7 +169,12 @@ def inverse_sqrt_coefficients(c) -> np.ndarray:
             size = _sfft.next_fast_len(2 * k - 1, real=True)
             Y = _sfft.rfft(y[:k], size)
             y2 = _sfft.irfft(Y * Y, size)[: min(m, 2 * k - 1)]  # y², exact (no wrap)
-            e = _middle_product(c[:m], y2, k, m)  # c·y² = 1 + O(x^k): its terms k..m−1
+            if structure is None:
+                e = _middle_product(c[:m], y2, k, m)  # c·y² = 1 + O(x^k): its terms k..m−1
+            else:
+                padded = np.zeros(m)
+                padded[: y2.shape[0]] = y2[:m]
+                e = structure.product(padded)[k:m]
             if m - k == k:  # reuse ŷ: the correction y·e has the same length
                 corr = _sfft.irfft(Y * _sfft.rfft(e, size), size)[: m - k]
             else:
@@ -218,18 +228,89 @@ def geometric_ratio(w) -> float | None:
     if n < 3 or w[0] == 0 or np.any(w / w[0] <= 0):
         return None
     log_rho = float(np.log(w[-1] / w[0])) / (n - 1)
+    probe = np.unique(np.linspace(0, n - 1, 65).astype(np.int64))  # a cheap refusal first
+    if np.max(np.abs(w[0] * np.exp(probe * log_rho) - w[probe]) / np.abs(w[probe])) > 1e-13:
+        return None
     fit = w[0] * np.exp(np.arange(n) * log_rho)
     if np.max(np.abs(fit - w) / np.abs(w)) > 1e-13:
         return None
     return float(np.exp(log_rho))
 
 
+def arithmetic_step(w) -> float | None:
+    """δ ≤ 0 when w_i = w_0 + δ·i to 1e-13·max|w| for every i (a linear decay), else None
+    (n < 3: None). O(n)."""
+    w = np.asarray(w, dtype=np.float64)
+    n = w.shape[0]
+    if n < 3 or w[0] <= 0:
+        return None
+    delta = float(w[-1] - w[0]) / (n - 1)
+    if delta > 0:
+        return None
+    scale = float(np.max(np.abs(w)))
+    tol = 1e-13 * scale
+    probe = np.unique(np.linspace(0, n - 1, 65).astype(np.int64))  # a cheap refusal first
+    if np.max(np.abs(w[0] + delta * probe - w[probe])) > tol:
+        return None
+    chunk = 1 << 20
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        fit = w[0] + delta * np.arange(lo, hi, dtype=np.float64)
+        if np.max(np.abs(fit - w[lo:hi])) > tol:
+            return None
+    return delta
+
+
+def _arithmetic_roots(c0: float, delta: float, n: int, want_root: bool):
+    """Roots of Σ_j (c_0 + δj)x^j = c_0(1 − ρx)/(1 − x)², ρ = 1 − δ/c_0 ≥ 1:
+
+        c^{−1/2} = c_0^{−1/2}·(1 − x)·(1 − ρx)^{−1/2},
+        c^{1/2}  = c_0^{1/2}·(1 − ρx)·(1 − ρx)^{−1/2}/(1 − x),
+
+    with b = (1 − ρx)^{−1/2} = (ρ^j r_j) (``binomial_series``, positive), y_j = b_j − b_{j−1}
+    written as b_{j−1}·(−(δ/c_0)j − ρ/2)/j (no difference of close numbers), and the root from
+    the running sum B of b: s_j = b_j + (δ/c_0)·B_{j−1}. O(n)."""
+    eta = delta / c0  # ≤ 0, |η| < 1/(n − 1) for a positive c
+    rho = 1.0 - eta
+    b = binomial_series(-0.5, n, rho)
+    j = np.arange(1, n, dtype=np.float64)
+    y = np.empty(n)
+    y[0] = 1.0
+    y[1:] = b[:-1] * ((-eta) * j - rho / 2.0) / j
+    y /= np.sqrt(c0)
+    if not want_root:
+        return None, y
+    s = b.copy()
+    s[1:] += eta * np.cumsum(b[:-1])
+    return s * np.sqrt(c0), y
+
+
+def _structured_roots(c: np.ndarray, want_root: bool):
+    """Closed-form roots for geometric or arithmetic c, else None."""
+    n = c.shape[0]
+    if geometric_ratio(c) is not None:
+        root = float(np.sqrt(c[0]))
+        powers = np.exp(np.arange(n) * (float(np.log(c[-1] / c[0])) / (n - 1)))  # ρ^j
+        s = root * binomial_series(-0.5, n) * powers if want_root else None
+        return s, binomial_series(0.5, n) * powers / root
+    delta = arithmetic_step(c)
+    if delta is not None and delta * (n - 1) > -c[0]:  # stays positive: 1 ≤ ρ < 1 + 1/(n − 1)
+        return _arithmetic_roots(float(c[0]), delta, n, want_root)
+    form = shift_separable(c) if n > _DIRECT_MAX else None
+    if form is not None:  # polynomial or cosine: Newton with O(n·R) products by c
+        y = inverse_sqrt_coefficients(c, form)
+        return (form.product(y) if want_root else None), y
+    return None
+
+
 def toeplitz_roots(c) -> tuple[np.ndarray, np.ndarray]:
     """(s, y) with Toep(s) = Toep(c)^{1/2} and Toep(y) = Toep(c)^{−1/2}, shapes (n,).
 
     For geometric c (c_j = c_0ρ^j, an exponential learning-rate decay) in closed form:
-    s_j = √c_0·ρ^j·r_j, y_j = ρ^j·binom(1/2)_j/√c_0 (``binomial_series``), O(n); otherwise y
-    by Newton iteration and s = c·y, O(n log n).
+    s_j = √c_0·ρ^j·r_j, y_j = ρ^j·binom(1/2)_j/√c_0 (``binomial_series``), O(n); for
+    arithmetic c (c_j = c_0 + δj, δ ≤ 0, a linear decay) from c(x) = c_0(1 − ρx)/(1 − x)²
+    (``_arithmetic_roots``), O(n); otherwise y by Newton iteration and s = c·y, O(n log n),
+    the products by c as running sums when c is shift-separable (polynomial, cosine).
 
     Raises:
         ValueError: c empty, non-finite, or c[0] ≤ 0.
@@ -238,9 +319,22 @@ def toeplitz_roots(c) -> tuple[np.ndarray, np.ndarray]:
     if c[0] <= 0:
         raise ValueError(f"c is invalid: c[0]={c[0]!r} must be > 0 for a real square root")
     n = c.shape[0]
-    if geometric_ratio(c) is not None:
-        root = float(np.sqrt(c[0]))
-        powers = np.exp(np.arange(n) * (float(np.log(c[-1] / c[0])) / (n - 1)))  # ρ^j
-        return root * binomial_series(-0.5, n) * powers, binomial_series(0.5, n) * powers / root
+    fast = _structured_roots(c, True)
+    if fast is not None:
+        return fast
     y = inverse_sqrt_coefficients(c)
     return toeplitz_product(c, y, n), y
+
+
+def toeplitz_inverse_root(c) -> np.ndarray:
+    """y with Toep(y) = Toep(c)^{−1/2}, shape (n,): ``toeplitz_roots(c)[1]`` without the root
+    (one series product fewer).
+
+    Raises:
+        ValueError: c empty, non-finite, or c[0] ≤ 0.
+    """
+    c = check_vector("c", c)
+    if c[0] <= 0:
+        raise ValueError(f"c is invalid: c[0]={c[0]!r} must be > 0 for a real square root")
+    fast = _structured_roots(c, False)
+    return fast[1] if fast is not None else inverse_sqrt_coefficients(c)
