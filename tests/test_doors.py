@@ -3,8 +3,9 @@
 A **door** is a way a user starts a private run: ``dpmf train`` (the CLI and ``dpmf.train.train``
 behind it), ``make_private`` (the user's own loop) in one process and over two simulated ranks
 (``process_group=``), ``torchrun … dpmf train --distributed`` (two gloo processes),
-``dpmf fl`` in its three privacy modes and ``dpmf audit`` (the run of ``dpmf train`` with canaries). ``DOORS`` holds one object per door; each implements
-every method of ``Door`` (one per case), and the tests below are ``DOORS × CASES``. A new entry
+``dpmf fl`` in its three privacy modes and ``dpmf audit`` (the run of ``dpmf train`` with
+canaries). ``DOORS`` holds one object per door; each implements every method of ``Door`` (one
+per case), and the tests below are ``DOORS × CASES``. A new entry
 point without a door fails ``test_every_entry_point_is_a_door`` (CLI commands and public
 functions are classified, door or not), and a door that leaves a case out cannot be built
 (``Door`` is abstract). The cases:
