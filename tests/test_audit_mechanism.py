@@ -256,3 +256,39 @@ def test_claim_threshold_maximises_the_expected_bound_and_keeps_the_level():
     assert st.binom.sf(flags - 1, 100, 0.05) >= 0.05
     with pytest.raises(ValueError, match="mu"):
         claim_threshold(0.0, n, n, delta=delta)
+
+
+def test_repeats_are_more_canaries_of_the_same_mechanism():
+    # k canaries per example and draw: k times the trials, each "out" N(0, 1) and "in" N(μ, 1)
+    p = _plan("bsr:4").with_noise(1.5)
+    one_in, one_out, _ = M.mechanism_scores(p, runs=10, seed=3)
+    ins, outs, mu = M.mechanism_scores(p, runs=10, seed=3, repeats=6)
+    assert ins.size + outs.size == 6 * (one_in.size + one_out.size)
+    assert mu == pytest.approx(1 / 1.5, rel=1e-9)
+    assert np.std(outs) == pytest.approx(1.0, abs=0.02) and np.mean(outs) == pytest.approx(0.0, abs=0.03)
+    assert np.mean(ins) == pytest.approx(mu, abs=0.03) and np.std(ins) == pytest.approx(1.0, abs=0.02)
+    with pytest.raises(ValueError, match="repeats=0 is invalid"):
+        M.mechanism_scores(p, runs=1, repeats=0)
+
+
+def test_claim_threshold_audit_is_clopper_pearson_at_the_claims_threshold():
+    from dpmf.audit import estimators as E
+
+    plan = _plan("identity").calibrate(4.0, DELTA)
+    res = M.audit_mechanism(
+        plan, delta=DELTA, runs=20, method="clopper-pearson", threshold="claim", seed=4, repeats=2
+    )
+    ins, outs = res.in_scores, res.out_scores
+    tau = M.claim_threshold(res.mu_claimed, ins.size, outs.size, delta=DELTA)
+    want = E.epsilon_clopper_pearson(ins, outs, delta=DELTA, threshold_strategy=E.Explicit(tau))
+    assert res.epsilon_lower_bound == want
+    # by hand at τ: log((TPR_lb − δ)/FPR_ub), one-sided Clopper–Pearson at α/2 each
+    tp, fp = int((ins >= tau).sum()), int((outs >= tau).sum())
+    tpr_lb = scipy.stats.beta.ppf(0.025, tp, ins.size - tp + 1)
+    fpr_ub = scipy.stats.beta.ppf(0.975, fp + 1, outs.size - fp)
+    assert want == pytest.approx(max(0.0, np.log((tpr_lb - DELTA) / fpr_ub)), rel=1e-9)
+    for kw in (dict(method="gdp"), dict(method="clopper-pearson", score="empirical"), dict(method="x")):
+        with pytest.raises(ValueError, match="invalid"):
+            M.audit_mechanism(plan, delta=DELTA, runs=1, threshold="claim", **kw)
+    with pytest.raises(ValueError, match="threshold='best' is invalid"):
+        M.audit_mechanism(plan, delta=DELTA, runs=1, method="clopper-pearson", threshold="best")
