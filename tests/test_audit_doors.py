@@ -284,7 +284,7 @@ def test_canary_client_audit_refuses_other_modes_before_any_work(kw, word):
         audit_fl_clients(_fl(0, **kw), canaries=200, log=lambda *a: None)
 
 
-def _bound(res, method):
+def _fl_bound(res, method):
     s, inc = res["scores"], res["included"]
     return R.estimate(method, s[inc], s[~inc], delta=res["claimed"]["delta"], significance=0.05)
 
@@ -304,14 +304,14 @@ def test_canary_clients_through_a_server_optimizer(strategy, monkeypatch):
         res = _fl_audit(seed, strategy=strategy)
         assert res["claimed"]["epsilon"] == pytest.approx(4.9833, abs=1e-3)
         for method in ("one-run", "one-run-fdp", "gdp"):
-            assert _bound(res, method) <= res["claimed"]["epsilon"], (seed, method)
+            assert _fl_bound(res, method) <= res["claimed"]["epsilon"], (seed, method)
         assert res["auroc"] > 0.7  # μ = √5/2: AUROC Φ(μ/√2) = 0.785
     assert FedAvg.aggregate_train is aggregate  # the hooks are removed
     real = local.ClientLevelNoise.next
     monkeypatch.setattr(local.ClientLevelNoise, "next", lambda self: real(self) / 2)
     for seed in range(2):
         res = _fl_audit(seed, strategy=strategy)
-        assert _bound(res, "gdp") > res["claimed"]["epsilon"], seed
+        assert _fl_bound(res, "gdp") > res["claimed"]["epsilon"], seed
 
 
 # -- dpmf fl, aggregator mode: canary records in the server's DP-SGD ------------------------------
@@ -347,7 +347,7 @@ def test_canary_aggregator_records_correct_runs_stay_below_the_claim():
         assert res["claimed"]["epsilon"] == pytest.approx(claimed, rel=1e-9)
         assert res["canaries"]["count"] == 200
         for method in ("one-run", "one-run-fdp", "clopper-pearson", "gdp"):
-            assert _bound(res, method) <= claimed, (seed, method)
+            assert _fl_bound(res, method) <= claimed, (seed, method)
         assert res["auroc"] > 0.75
     assert local.AggregatorDPSGD.__name__ == "AggregatorDPSGD"  # the hooks are removed
 
@@ -358,7 +358,7 @@ def test_canary_aggregator_records_catch_the_server_noise_at_half_its_sigma(monk
     for seed in range(2):
         res = _fl_aggregator(seed, 1.5)
         assert res["claimed"]["epsilon"] == pytest.approx(6.57, abs=0.01)  # ≤ 8
-        assert _bound(res, "gdp") > res["claimed"]["epsilon"], seed
+        assert _fl_bound(res, "gdp") > res["claimed"]["epsilon"], seed
 
 
 def test_canary_aggregator_scores_are_the_mechanisms():
