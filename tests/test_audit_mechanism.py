@@ -292,3 +292,25 @@ def test_claim_threshold_audit_is_clopper_pearson_at_the_claims_threshold():
             M.audit_mechanism(plan, delta=DELTA, runs=1, threshold="claim", **kw)
     with pytest.raises(ValueError, match="threshold='best' is invalid"):
         M.audit_mechanism(plan, delta=DELTA, runs=1, method="clopper-pearson", threshold="best")
+
+
+@pytest.mark.parametrize("epsilon", [1.0, 4.0])
+def test_clopper_pearson_at_the_claims_threshold_reaches_0_8_with_3e7_canaries(epsilon):
+    # the counts at the claim's threshold are binomial: over 2000 draws of them (each side
+    # 1.5·10⁷ canaries, the scores N(0, 1) and N(μ, 1) of a claim met exactly, as in
+    # test_scores_are_unit_gaussians_shifted_by_the_claimed_mu), the bound stays ≥ 0.8·ε;
+    # with 10⁷ canaries it falls below in 4–8 % of the draws (the few "out" canaries above τ)
+    from scipy.stats import beta, norm
+
+    plan = _plan("identity").calibrate(epsilon, DELTA)
+    mu = 1 / plan.noise_multiplier
+    rng = np.random.default_rng(0)
+    low = {}
+    for n in (5_000_000, 15_000_000):
+        tau = M.claim_threshold(mu, n, n, delta=DELTA)
+        tp = rng.binomial(n, norm.sf(tau - mu), 2000)
+        fp = rng.binomial(n, norm.sf(tau), 2000)
+        bound = np.log((beta.ppf(0.025, tp, n - tp + 1) - DELTA) / beta.ppf(0.975, fp + 1, n - fp))
+        assert np.mean(bound > epsilon) <= 0.05  # the test's level: the claim holds exactly
+        low[n] = float(np.mean(bound < 0.8 * epsilon))
+    assert low[15_000_000] < 0.005 and 0.01 < low[5_000_000] < 0.15, low
