@@ -198,6 +198,12 @@ def audit_fl_clients(
     }
     with _canary_hooks(state):
         result = run_federated(config, compliance=compliance, data=data, log=log)
+    if "noise" not in state or not state.get("sums"):
+        raise RuntimeError(
+            "the run's client noise was not built by dpmf.federated.local.ClientLevelNoise (or no mean "
+            "was aggregated by Flower's FedAvg.aggregate_train): the audit could not inject or read "
+            "its canaries"
+        )
     noise, R = state["noise"], state["rounds"]
     sums = np.stack(state["sums"])  # (R, d): the noisy sums of clipped updates
     if sums.shape[0] != R:
@@ -417,6 +423,11 @@ def audit_fl_aggregator(
     }
     with _aggregator_hooks(state):
         result = run_federated(config, compliance=compliance, data=data, log=log)
+    if "dp" not in state:
+        raise RuntimeError(
+            "the server's DP-SGD was not built by dpmf.federated.local.AggregatorDPSGD: the audit could "
+            "not inject its canaries"
+        )
     dp, n = state["dp"], state["real"]
     pv = dp.step.privatizer
     plan = pv.plan
