@@ -5,9 +5,10 @@
 Doors: ``dpmf audit`` (the ``dpmf train`` run) with DP-SGD/Poisson and bsr:4/cyclic Poisson,
 ``make_private`` in a user's loop (``dpmf.audit.private_audit``; its torchrun run has the same
 scores to 1e-6, tests/test_audit_doors.py), ``dpmf fl`` client mode with canary clients and
-record mode with canary records in one client's run (``dpmf.audit.federated``). digits /
-breast-cancer, claimed ε ≈ 4 (record mode: 3), δ = 1e-5, α = 0.05, one-run estimator
-(Steinke et al. 2023). Prints the median and range over the seeds.
+record mode with canary records in one client's run, aggregator mode with canary records in the
+server's DP-SGD (``dpmf.audit.federated``). digits / breast-cancer, claimed ε ≈ 4 (record mode:
+3), δ = 1e-5, α = 0.05, one-run estimator (Steinke et al. 2023). Prints the median and range
+over the seeds.
 """
 
 from __future__ import annotations
@@ -29,7 +30,13 @@ EPS = 4.0
 def _train_door(seed, m, data, **kw):
     cfg = TrainConfig(dataset="digits", epsilon=EPS, seed=seed, device="cpu", **kw)
     r = run_audit(
-        cfg, f"/tmp/bench_audit_doors/{seed}", canaries=m, progress=False, log=lambda *a: None, data=data
+        cfg,
+        f"/tmp/bench_audit_doors/{seed}",
+        canaries=m,
+        progress=False,
+        log=lambda *a: None,
+        data=data,
+        overwrite=True,
     )
     return r["epsilon_lower_bound"], r["claimed"]["epsilon"]
 
@@ -65,7 +72,7 @@ def _make_private_door(seed, m, data):
     return r["epsilon_lower_bound"], r["claimed"]["epsilon"]
 
 
-def _fl_door(seed, m):
+def _fl_door(seed, m, strategy="fedavg"):
     from dpmf.audit.federated import audit_fl_clients
     from dpmf.federated.run import FLConfig
 
@@ -74,7 +81,7 @@ def _fl_door(seed, m):
         num_clients=8,
         rounds=20,
         privacy="client",
-        strategy="fedavg",
+        strategy=strategy,
         client_noise_multiplier=4.9,
         seed=seed,
         local_steps=2,
@@ -102,6 +109,26 @@ def _fl_record_door(seed, m):
     return r["epsilon_lower_bound"], r["claimed"]["epsilon"]
 
 
+def _fl_aggregator_door(seed, m):
+    from dpmf.audit.federated import audit_fl_aggregator
+    from dpmf.federated.compliance import NoiseMap
+    from dpmf.federated.run import FLConfig
+
+    # 40 server steps (4 participants × 10 rounds) at q = 220/(228 + m), σ = 1.5: ε ≈ 4.2 (m = 1000)
+    cfg = FLConfig(
+        num_clients=4,
+        rounds=10,
+        privacy="aggregator",
+        aggregator_fraction=0.5,
+        server_batch_size=220,
+        noise_map=NoiseMap(sigma_min=1.5, sigma_max=1.5),
+        hidden=128,
+        seed=seed,
+    )
+    r = audit_fl_aggregator(cfg, canaries=m, log=lambda *a: None)
+    return r["epsilon_lower_bound"], r["claimed"]["epsilon"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=3)
@@ -118,6 +145,10 @@ def main() -> None:
         ),
         "make_private (= torchrun), bsr:4, fixed order": lambda s: _make_private_door(s, args.canaries, data),
         "dpmf fl, client mode, canary clients": lambda s: _fl_door(s, args.canaries),
+        "dpmf fl, client mode, canary clients, FedAdam": lambda s: _fl_door(s, args.canaries, "fedadam"),
+        "dpmf fl, aggregator mode, canary aggregator records": lambda s: _fl_aggregator_door(
+            s, args.canaries
+        ),
         "dpmf fl, record mode, canary records (one client)": lambda s: _fl_record_door(s, args.canaries),
     }
     print("| door | claimed ε | lower bound (median, range) | bound / claimed | seconds per run |")

@@ -28,14 +28,17 @@ def _plan(strategy, scheme="fixed_order"):
     return PrivatePlan(1000, 100, epochs=4, scheme=scheme, strategy=strategy)
 
 
-def tightness(trials: int) -> None:
-    print(f"== tightness: fixed order, N=1000, B=100, 4 epochs (40 steps), delta={DELTA}, alpha=0.05")
+def tightness(trials: int, repeats: int = 10) -> None:
+    print(
+        f"== tightness: fixed order, N=1000, B=100, 4 epochs (40 steps), delta={DELTA}, alpha=0.05, "
+        f"{repeats} canaries per example and draw"
+    )
     for strategy in ("identity", "bsr:4"):
         for eps in (1.0, 4.0):
             plan = _plan(strategy).calibrate(eps, DELTA)
-            runs = max(1, trials // (1000 if strategy == "identity" else 700))
+            runs = max(1, trials // ((1000 if strategy == "identity" else 700) * repeats))
             t0 = time.perf_counter()
-            ins, outs, mu = M.mechanism_scores(plan, runs=runs, seed=11)
+            ins, outs, mu = M.mechanism_scores(plan, runs=runs, seed=11, repeats=repeats)
             gdp = M.E.epsilon_from_gdp(ins, outs, delta=DELTA)
             cp = M.E.epsilon_clopper_pearson(ins, outs, delta=DELTA)
             tau = M.claim_threshold(mu, ins.size, outs.size, delta=DELTA)  # from the claim only
@@ -138,13 +141,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=1_000_000)
     p.add_argument("--seeds", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=10, help="canaries per example and sampler draw")
     p.add_argument("--bug-runs", type=int, default=40)
     p.add_argument(
         "--no-bins", action="store_true", help="skip balls-in-bins (its Monte Carlo accounting takes ~20 s)"
     )
     p.add_argument("--tightness-only", action="store_true", help="only part (1)")
     a = p.parse_args()
-    tightness(a.trials)
+    tightness(a.trials, a.repeats)
     if a.tightness_only:
         return
     bugs(a.bug_runs)

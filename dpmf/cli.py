@@ -1268,13 +1268,16 @@ def _run_audit(args) -> int:
         raise UsageError(
             f"{flag} is invalid for dpmf audit: an audit is one uninterrupted process; drop {flag}"
         )
-    from dpmf.audit.runner import check_audit_args, run_audit
+    from dpmf.audit.runner import check_audit_args, check_audit_out, run_audit
 
     check_audit_args(args.canaries, args.canary, args.method, args.significance)
     config = _train_config(args)
+    _check_train_flags(args, config)
+    try:
+        check_audit_out(args.out, overwrite=args.overwrite)
+    except ValueError as exc:
+        raise UsageError(str(exc).replace("out_dir=", "--out ", 1)) from None
     if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError(f"--threads={args.threads} is invalid: must be >= 1")
         from dpmf.optim.threads import limit_threads
 
         limit_threads(args.threads)
@@ -1286,6 +1289,7 @@ def _run_audit(args) -> int:
         method=args.method,
         significance=args.significance,
         progress=not args.no_progress,
+        overwrite=args.overwrite,
     )
     return 0
 

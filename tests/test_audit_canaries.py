@@ -195,3 +195,25 @@ def test_runner_scores_cyclic_poisson_canaries_over_their_group(tmp_path):
     assert res["plan"]["scheme"].startswith("cyclic_poisson")
     assert res["auroc"] > 0.6
     assert 0 <= res["epsilon_lower_bound"] <= res["claimed"]["epsilon"]
+
+
+def test_cli_audit_refuses_an_earlier_audit_without_overwrite(tmp_path, capsys):
+    flags = ["audit", "--dataset", "digits", "--epochs", "1", "--batch-size", "256"]
+    flags += ["--noise-multiplier", "1", "--canaries", "20", "--no-progress", "--seed", "3"]
+    assert main([*flags, "--out", str(tmp_path)]) == 0
+    first = (tmp_path / "audit.json").read_bytes()
+    capsys.readouterr()
+    # a second audit into the same folder: one line, exit 2, before any work; the first stays
+    assert main([*flags, "--seed", "4", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "audit.json" in err and "--overwrite" in err
+    assert (tmp_path / "audit.json").read_bytes() == first
+    assert main([*flags, "--seed", "4", "--out", str(tmp_path), "--overwrite"]) == 0
+    assert (tmp_path / "audit.json").read_bytes() != first
+    # --out a file: one line, exit 2; the library refuses the earlier audit as well
+    (tmp_path / "file").write_text("x")
+    capsys.readouterr()
+    assert main([*flags, "--out", str(tmp_path / "file")]) == 2
+    assert "file" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="earlier audit"):
+        run_audit(_config(), str(tmp_path), canaries=20, progress=False, log=lambda *a: None)

@@ -270,13 +270,123 @@ def test_canary_clients_with_correlated_noise_are_whitened():
 
 
 @pytest.mark.parametrize(
-    "kw, word", [(dict(privacy="aggregator"), "privacy"), (dict(strategy="fedprox"), "strategy")]
+    "kw, word",
+    [
+        (dict(privacy="aggregator"), "privacy"),
+        (dict(strategy="fedmedian"), "strategy"),
+        (dict(client_sampling="poisson", clients_per_round=2), "client_sampling"),
+    ],
 )
 def test_canary_client_audit_refuses_other_modes_before_any_work(kw, word):
     from dpmf.audit.federated import audit_fl_clients
 
     with pytest.raises(ValueError, match=word):
         audit_fl_clients(_fl(0, **kw), canaries=200, log=lambda *a: None)
+
+
+def _fl_bound(res, method):
+    s, inc = res["scores"], res["included"]
+    return R.estimate(method, s[inc], s[~inc], delta=res["claimed"]["delta"], significance=0.05)
+
+
+@pytest.mark.parametrize("strategy", ["fedadam", "fedyogi"])
+def test_canary_clients_through_a_server_optimizer(strategy, monkeypatch):
+    # the server optimizer acts on the noisy mean (post-processing); the canaries are scored on
+    # that mean. Correct runs stay below the claim; the client noise at half its σ_c is caught
+    # by the GDP fit of the canaries (μ doubles: ε ≈ 10.7 against the claimed 4.98), which the
+    # one-run bound, capped by 200 canaries, cannot reach
+    from flwr.serverapp.strategy import FedAvg
+
+    from dpmf.federated import local
+
+    aggregate = FedAvg.aggregate_train
+    for seed in range(3):
+        res = _fl_audit(seed, strategy=strategy)
+        assert res["claimed"]["epsilon"] == pytest.approx(4.9833, abs=1e-3)
+        for method in ("one-run", "one-run-fdp", "gdp"):
+            assert _fl_bound(res, method) <= res["claimed"]["epsilon"], (seed, method)
+        assert res["auroc"] > 0.7  # μ = √5/2: AUROC Φ(μ/√2) = 0.785
+    assert FedAvg.aggregate_train is aggregate  # the hooks are removed
+    real = local.ClientLevelNoise.next
+    monkeypatch.setattr(local.ClientLevelNoise, "next", lambda self: real(self) / 2)
+    for seed in range(2):
+        res = _fl_audit(seed, strategy=strategy)
+        assert _fl_bound(res, "gdp") > res["claimed"]["epsilon"], seed
+
+
+# -- dpmf fl, aggregator mode: canary records in the server's DP-SGD ------------------------------
+
+
+def _fl_aggregator(seed, sigma, canaries=200, **kw):
+    from dpmf.audit.federated import audit_fl_aggregator
+    from dpmf.federated.compliance import NoiseMap
+    from dpmf.federated.run import FLConfig
+
+    base = dict(
+        num_clients=4,
+        rounds=3,
+        privacy="aggregator",
+        seed=seed,
+        hidden=128,
+        aggregator_fraction=0.5,  # 228 aggregator records
+        server_batch_size=220,  # q = 220/(228 + 200)
+        noise_map=NoiseMap(sigma_min=sigma, sigma_max=sigma),
+    )
+    base.update(kw)
+    return audit_fl_aggregator(FLConfig(**base), canaries=canaries, log=lambda *a: None)
+
+
+def test_canary_aggregator_records_correct_runs_stay_below_the_claim():
+    from dpmf.federated import local
+    from dpmf.federated.local import aggregator_privacy
+
+    for seed in range(4):
+        res = _fl_aggregator(seed, 1.5)
+        # 12 server steps (4 participants × 3 rounds), Poisson at q = 220/428, σ = 1.5
+        claimed = aggregator_privacy([1.5] * 12, sampling_rate=220 / 428, delta=1e-5).epsilon
+        assert res["claimed"]["epsilon"] == pytest.approx(claimed, rel=1e-9)
+        assert res["canaries"]["count"] == 200
+        for method in ("one-run", "one-run-fdp", "clopper-pearson", "gdp"):
+            assert _fl_bound(res, method) <= claimed, (seed, method)
+        assert res["auroc"] > 0.75
+    assert local.AggregatorDPSGD.__name__ == "AggregatorDPSGD"  # the hooks are removed
+
+
+def test_canary_aggregator_records_catch_the_server_noise_at_half_its_sigma(monkeypatch):
+    real = Privatizer.noise_std
+    monkeypatch.setattr(Privatizer, "noise_std", property(lambda self: real.fget(self) / 2))
+    for seed in range(2):
+        res = _fl_aggregator(seed, 1.5)
+        assert res["claimed"]["epsilon"] == pytest.approx(6.57, abs=0.01)  # ≤ 8
+        assert _fl_bound(res, "gdp") > res["claimed"]["epsilon"], seed
+
+
+def test_canary_aggregator_scores_are_the_mechanisms():
+    # the other records' clipped sum is subtracted and the directions are orthonormal, so an
+    # "out" canary's score is the Poisson likelihood ratio of pure noise: its mean is that of
+    # the mechanism audit's out-canaries on the same plan
+    from dpmf.audit import mechanism as M
+    from dpmf.plan.plan import PrivatePlan
+
+    res = _fl_aggregator(5, 1.5)
+    plan = PrivatePlan(428, 220, steps=12, scheme="poisson").with_noise(1.5)
+    ins, outs, _ = M.mechanism_scores(plan, runs=40, seed=1, canaries="all", score="likelihood")
+    got = res["scores"][~res["included"]]
+    assert abs(got.mean() - outs.mean()) < 4 * outs.std() / np.sqrt(got.size)
+    assert got.std() == pytest.approx(outs.std(), rel=0.25)
+
+
+@pytest.mark.parametrize(
+    "kw, word", [(dict(privacy="record"), "privacy"), (dict(server_noise=False), "server_noise")]
+)
+def test_canary_aggregator_audit_refuses_before_any_work(kw, word):
+    from dpmf.audit.federated import audit_fl_aggregator
+    from dpmf.federated.run import FLConfig
+
+    base = dict(num_clients=4, rounds=3, privacy="aggregator", seed=0)
+    base.update(kw)
+    with pytest.raises(ValueError, match=word):
+        audit_fl_aggregator(FLConfig(**base), canaries=200, log=lambda *a: None)
 
 
 # -- dpmf fl, record mode: canary records in one client's private run -----------------------------

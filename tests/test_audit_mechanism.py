@@ -256,3 +256,61 @@ def test_claim_threshold_maximises_the_expected_bound_and_keeps_the_level():
     assert st.binom.sf(flags - 1, 100, 0.05) >= 0.05
     with pytest.raises(ValueError, match="mu"):
         claim_threshold(0.0, n, n, delta=delta)
+
+
+def test_repeats_are_more_canaries_of_the_same_mechanism():
+    # k canaries per example and draw: k times the trials, each "out" N(0, 1) and "in" N(μ, 1)
+    p = _plan("bsr:4").with_noise(1.5)
+    one_in, one_out, _ = M.mechanism_scores(p, runs=10, seed=3)
+    ins, outs, mu = M.mechanism_scores(p, runs=10, seed=3, repeats=6)
+    assert ins.size + outs.size == 6 * (one_in.size + one_out.size)
+    assert mu == pytest.approx(1 / 1.5, rel=1e-9)
+    assert np.std(outs) == pytest.approx(1.0, abs=0.02) and np.mean(outs) == pytest.approx(0.0, abs=0.03)
+    assert np.mean(ins) == pytest.approx(mu, abs=0.03) and np.std(ins) == pytest.approx(1.0, abs=0.02)
+    with pytest.raises(ValueError, match="repeats=0 is invalid"):
+        M.mechanism_scores(p, runs=1, repeats=0)
+
+
+def test_claim_threshold_audit_is_clopper_pearson_at_the_claims_threshold():
+    from dpmf.audit import estimators as E
+
+    plan = _plan("identity").calibrate(4.0, DELTA)
+    res = M.audit_mechanism(
+        plan, delta=DELTA, runs=20, method="clopper-pearson", threshold="claim", seed=4, repeats=2
+    )
+    ins, outs = res.in_scores, res.out_scores
+    tau = M.claim_threshold(res.mu_claimed, ins.size, outs.size, delta=DELTA)
+    want = E.epsilon_clopper_pearson(ins, outs, delta=DELTA, threshold_strategy=E.Explicit(tau))
+    assert res.epsilon_lower_bound == want
+    # by hand at τ: log((TPR_lb − δ)/FPR_ub), one-sided Clopper–Pearson at α/2 each
+    tp, fp = int((ins >= tau).sum()), int((outs >= tau).sum())
+    tpr_lb = scipy.stats.beta.ppf(0.025, tp, ins.size - tp + 1)
+    fpr_ub = scipy.stats.beta.ppf(0.975, fp + 1, outs.size - fp)
+    assert want == pytest.approx(max(0.0, np.log((tpr_lb - DELTA) / fpr_ub)), rel=1e-9)
+    for kw in (dict(method="gdp"), dict(method="clopper-pearson", score="empirical"), dict(method="x")):
+        with pytest.raises(ValueError, match="invalid"):
+            M.audit_mechanism(plan, delta=DELTA, runs=1, threshold="claim", **kw)
+    with pytest.raises(ValueError, match="threshold='best' is invalid"):
+        M.audit_mechanism(plan, delta=DELTA, runs=1, method="clopper-pearson", threshold="best")
+
+
+@pytest.mark.parametrize("epsilon", [1.0, 4.0])
+def test_clopper_pearson_at_the_claims_threshold_reaches_0_8_with_3e7_canaries(epsilon):
+    # the counts at the claim's threshold are binomial: over 2000 draws of them (each side
+    # 1.5·10⁷ canaries, the scores N(0, 1) and N(μ, 1) of a claim met exactly, as in
+    # test_scores_are_unit_gaussians_shifted_by_the_claimed_mu), the bound stays ≥ 0.8·ε;
+    # with 10⁷ canaries it falls below in 4–8 % of the draws (the few "out" canaries above τ)
+    from scipy.stats import beta, norm
+
+    plan = _plan("identity").calibrate(epsilon, DELTA)
+    mu = 1 / plan.noise_multiplier
+    rng = np.random.default_rng(0)
+    low = {}
+    for n in (5_000_000, 15_000_000):
+        tau = M.claim_threshold(mu, n, n, delta=DELTA)
+        tp = rng.binomial(n, norm.sf(tau - mu), 2000)
+        fp = rng.binomial(n, norm.sf(tau), 2000)
+        bound = np.log((beta.ppf(0.025, tp, n - tp + 1) - DELTA) / beta.ppf(0.975, fp + 1, n - fp))
+        assert np.mean(bound > epsilon) <= 0.05  # the test's level: the claim holds exactly
+        low[n] = float(np.mean(bound < 0.8 * epsilon))
+    assert low[15_000_000] < 0.005 and 0.01 < low[5_000_000] < 0.15, low

@@ -6,6 +6,9 @@
 * ``canaries``: canaries in training (torch): white-box gradient canaries injected into the
   clipped sum, black-box mislabeled input canaries.
 * ``runner``: ``dpmf audit``: a training run with canaries → scores → bound, ``audit.json``.
+* ``private_audit``: white-box canaries in a ``make_private`` run (one process or torchrun).
+* ``federated``: canaries in ``dpmf fl``: canary clients (client mode, any mean strategy),
+  canary records in a client's run (record mode) and in the server's DP-SGD (aggregator mode).
 """
 
 from dpmf.audit.estimators import (

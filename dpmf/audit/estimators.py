@@ -614,12 +614,15 @@ def gdp_mu_lower_bound(in_scores, out_scores, *, significance: float = 0.05, one
 def _with_strategy(in_scores, out_scores, strategy, audit_all, alpha: float) -> float:
     """ε̂ of ``audit_all(counts, α, τ or None) -> (ε, τ)`` under a threshold strategy."""
     strategy = _strategy(strategy)
-    c = _counts(in_scores, out_scores)
     if isinstance(strategy, Explicit):
         t = strategy.threshold
         if not isinstance(t, numbers.Real) or math.isnan(t):
             raise ValueError(f"threshold={t!r} is invalid: must be a real number (not NaN)")
+        # one threshold: the counts at τ only (no ROC hull to build)
+        ins, outs = _scores("in_scores", in_scores), _scores("out_scores", out_scores)
+        c = _Counts(ins, outs, np.array([np.inf]), np.array([ins.size]), np.array([outs.size]))
         return float(audit_all(c, alpha, float(t))[0])
+    c = _counts(in_scores, out_scores)
     if isinstance(strategy, Split):
         rng = np.random.default_rng(strategy.seed)
 

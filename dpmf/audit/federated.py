@@ -1,31 +1,52 @@
-"""Canaries in ``dpmf fl``: canary clients in client mode, canary records in record mode.
+"""Canaries in ``dpmf fl``: canary clients in client mode, canary records in record mode,
+canary aggregator records in aggregator mode.
 
 ``audit_fl_records`` (record mode): white-box canary records in the first participant's
 private run (its data gets m canary slots; its private step is that of
 ``dpmf.audit.private_audit``), scored from every local step's noisy gradient against that
-client's record-level ε. Aggregator mode has no canaries here.
+client's record-level ε.
+
+``audit_fl_aggregator`` (aggregator mode): white-box canary records in the server's DP-SGD
+over its aggregator dataset. The aggregator dataset gets m canary slots (records N..N+m−1, so
+the server's plan, Poisson sampler at q = B/(N + m) and accounting — the ledger's aggregator
+ε — are those of N + m records); its private step removes the slot rows and adds u_j (‖u_j‖ = ζ)
+to the clipped sum at the steps slot j is drawn if canary j is "in" (``dpmf.audit.private_audit``'s
+step). The auditor sees every server step's noisy gradient; the score is the Poisson likelihood
+ratio Σ_t log(1 − q + q·e^{a_t}), a_t = ζ·y_t/s_t² − ζ²/(2s_t²), with y_t the release's
+projection on u_j/ζ and s_t = σ_t·ζ the step's noise (σ_t varies with the participants'
+compliance, ``dpmf.federated.local.AggregatorDPSGD``).
 
 ``audit_fl_clients`` (client mode), a one-run ε lower bound for client-level DP:
 
-Client mode releases, each round r, the FedAvg mean of the K participants' clipped updates plus
-one Gaussian vector: θ_r − θ_{r−1} = (Σ_k clip_ζ(Δ_k) + σ_c·ζ·sens·(C⁻¹Z)_r)/K
-(``dpmf.federated.local.ClientLevelNoise``; every client in every round). A canary client j
-is a client whose update is a fixed direction u_j of norm ζ (the clip norm: a worst-case
-update the clipping lets through) in every round, "in" with probability ½. The "in" canaries'
-updates join the sum of clipped updates before the noise, and the divisor stays the public K
-(the canary clients join no other part of the run: no data, no training), so the release is
-that of the same mechanism on K + |in| clients, whose ε (the ledger's client entry) does not
-depend on the number of clients.
+Client mode releases, each round r, the mean of the K participants' clipped updates plus one
+Gaussian vector: m_r = θ_{r−1} + (Σ_k clip_ζ(Δ_k) + σ_c·ζ·sens·(C⁻¹Z)_r)/K
+(``dpmf.federated.local.ClientLevelNoise``; every client in every round), which the strategy
+turns into the next model: FedAvg and FedProx take θ_r = m_r, FedAdam and FedYogi apply their
+server optimizer to m_r − θ_{r−1} (post-processing). A canary client j is a client whose update
+is a fixed direction u_j of norm ζ (the clip norm: a worst-case update the clipping lets
+through) in every round, "in" with probability ½. The "in" canaries' updates join the sum of
+clipped updates before the noise, and the divisor stays the public K (the canary clients join
+no other part of the run: no data, no training), so the release is that of the same mechanism
+on K + |in| clients, whose ε (the ledger's client entry) does not depend on the number of
+clients.
 
-The auditor sees every round's global model: S_r = K·(θ_r − θ_{r−1}) is the noisy sum, y_rj =
-⟨S_r, u_j⟩/ζ its projection, and score_j = ⟨P1, y_j⟩/√(1ᵀP1), P = CᵀC/(σ_cζ·sens)² (the
-whitened sum of the projections over the R rounds; for independent noise the sum divided by
-σ_c·ζ·√R). Only FedAvg releases the mean itself, so only ``strategy="fedavg"`` is audited.
+The auditor sees every round's noisy mean (white box: the aggregate the strategy receives, read
+where Flower's ``FedAvg.aggregate_train`` — which FedProx, FedAdam and FedYogi call for their
+mean — computes it; for FedAvg it is the released model itself): S_r = K·(m_r − θ_{r−1}) is the
+noisy sum, y_rj = ⟨S_r, u_j⟩/ζ its projection, and score_j = ⟨P1, y_j⟩/√(1ᵀP1),
+P = CᵀC/(σ_cζ·sens)² (the whitened sum of the projections over the R rounds; for independent
+noise the sum divided by σ_c·ζ·√R). A median (FedMedian) is not a mean and is refused.
 
-The canaries are injected for the duration of ``audit_fl_clients`` by a subclass of
-``ClientLevelNoise`` (its ``next`` adds the "in" canaries' sum to the round's noise vector,
-which ``dpmf fl`` adds to the sum before dividing by K) and the rounds' models are read where
-the server evaluates them; ``dpmf fl`` itself has no canary option.
+The canaries are injected for the duration of the audit by subclasses of the run's components
+(``ClientLevelNoise``: its ``next`` adds the "in" canaries' sum to the round's noise vector,
+which ``dpmf fl`` adds to the sum before dividing by K; ``AggregatorDPSGD``: canary slots and
+the audited private step; ``PrivateLocalRun``: the same in a client's run); ``dpmf fl`` itself
+has no canary option.
+
+Methods: ``one-run`` and ``one-run-fdp`` are valid for the m canaries of one run. ``gdp`` and
+``clopper-pearson`` treat the canaries as independent trials (the canaries share the run): a
+heuristic for one run, which detects a noise scale off by a factor 2 where the one-run bound,
+capped by m, cannot (``tests/test_audit_doors.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +57,7 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["audit_fl_clients", "audit_fl_records"]
+__all__ = ["audit_fl_aggregator", "audit_fl_clients", "audit_fl_records"]
 
 
 def _audit_result(scores, included, claimed, delta, method, sig, kind) -> dict:
@@ -64,7 +85,7 @@ def _audit_result(scores, included, claimed, delta, method, sig, kind) -> dict:
 
 @contextlib.contextmanager
 def _canary_hooks(state: dict):
-    from dpmf.federated import local, run
+    from dpmf.federated import local
 
     base = local.ClientLevelNoise
 
@@ -77,28 +98,41 @@ def _canary_hooks(state: dict):
             dim, m = int(kwargs["dim"]), state["count"]
             g = np.random.default_rng(state["directions_seed"])
             u = g.standard_normal((m, dim))
+            if m <= dim:  # orthonormal: each canary's projection holds no other canary
+                u = np.linalg.qr(u.T)[0].T
             self.canaries = u / np.linalg.norm(u, axis=1, keepdims=True) * self.clip_norm
             self.canary_sum = self.canaries[state["included"]].sum(axis=0)
 
         def next(self):
             return super().next() + self.canary_sum
 
-    evaluate = run._Server._evaluate
+    from flwr.serverapp.strategy import FedAvg
 
-    def recording_evaluate(self, weights):
-        state.setdefault("models", []).append(
-            np.concatenate([np.asarray(v, dtype=np.float64).reshape(-1) for v in weights.values()])
-        )
-        state["participants"] = len(self.idx)
-        return evaluate(self, weights)
+    configure, aggregate = FedAvg.configure_train, FedAvg.aggregate_train
+
+    def recording_configure(self, server_round, arrays, config, grid):
+        state["base"] = _flat(arrays)  # θ_{r−1}, the global model sent this round
+        return configure(self, server_round, arrays, config, grid)
+
+    def recording_aggregate(self, server_round, replies):
+        replies = list(replies)
+        agg, metrics = aggregate(self, server_round, replies)
+        if agg is not None:  # the noisy mean m_r of the privatized replies
+            state.setdefault("sums", []).append(len(replies) * (_flat(agg) - state["base"]))
+        return agg, metrics
 
     local.ClientLevelNoise = CanaryClientNoise
-    run._Server._evaluate = recording_evaluate
+    FedAvg.configure_train, FedAvg.aggregate_train = recording_configure, recording_aggregate
     try:
         yield
     finally:
         local.ClientLevelNoise = base
-        run._Server._evaluate = evaluate
+        FedAvg.configure_train, FedAvg.aggregate_train = configure, aggregate
+
+
+def _flat(arrays) -> np.ndarray:
+    """A Flower ``ArrayRecord``'s arrays as one float64 vector (in the record's order)."""
+    return np.concatenate([np.asarray(a.numpy(), dtype=np.float64).reshape(-1) for a in arrays.values()])
 
 
 def audit_fl_clients(
@@ -114,7 +148,9 @@ def audit_fl_clients(
     """Run ``dpmf fl`` in client mode with ``canaries`` canary clients and audit it.
 
     Args:
-        config: a ``dpmf.federated.FLConfig`` with ``privacy="client"``, ``strategy="fedavg"``.
+        config: a ``dpmf.federated.FLConfig`` with ``privacy="client"``, a strategy whose
+            aggregate is a mean (fedavg, fedprox, fedadam, fedyogi) and every client in every
+            round (``client_sampling="all"``).
         canaries: m ≥ 10 canary clients (each "in" with probability ½).
         method, significance: the estimator (``dpmf.audit.runner.METHODS``) and α.
         compliance, data, log: as ``run_federated``.
@@ -124,8 +160,8 @@ def audit_fl_clients(
         ``auroc``, ``scores`` (shape (m,)), ``included`` (shape (m,), boolean).
 
     Raises:
-        ValueError: another privacy mode or strategy, canaries < 10, a bad method or
-            significance (before any work).
+        ValueError: another privacy mode, a median strategy, client sampling, canaries < 10, a
+            bad method or significance (before any work).
 
     Source: Steinke, Nasr & Jagielski (NeurIPS 2023) §6, with client-level canaries as in
     Andrew et al., "One-shot Empirical Privacy Estimation for Federated Learning" (ICLR 2024).
@@ -140,10 +176,17 @@ def audit_fl_clients(
         raise TypeError(f"config={config!r} is invalid: must be a dpmf.federated.FLConfig")
     if config.privacy != "client":
         raise ValueError(f"privacy={config.privacy!r} is invalid for the canary-client audit: use client")
-    if config.strategy != "fedavg":
+    from dpmf.federated.strategies import MEAN_STRATEGIES
+
+    if config.strategy not in MEAN_STRATEGIES:
         raise ValueError(
-            f"strategy={config.strategy!r} is invalid for the canary-client audit: only fedavg releases "
-            "the mean of the updates; use fedavg"
+            f"strategy={config.strategy!r} is invalid for the canary-client audit: its aggregate is not "
+            f"a mean of the updates; use one of {', '.join(MEAN_STRATEGIES)}"
+        )
+    if config.client_sampling != "all":
+        raise ValueError(
+            f"client_sampling={config.client_sampling!r} is invalid for the canary-client audit: it "
+            "audits every client in every round; use all"
         )
     m, _, method, sig = check_audit_args(canaries, "white-box", method, significance)
     # the audit's own draws: from the given seed, else fresh (they are not the run's secret key)
@@ -155,9 +198,16 @@ def audit_fl_clients(
     }
     with _canary_hooks(state):
         result = run_federated(config, compliance=compliance, data=data, log=log)
-    noise, K, R = state["noise"], state["participants"], state["rounds"]
-    models = np.stack(state["models"])  # round 0 … R
-    sums = K * np.diff(models, axis=0)  # (R, d): the noisy sums of clipped updates
+    if "noise" not in state or not state.get("sums"):
+        raise RuntimeError(
+            "the run's client noise was not built by dpmf.federated.local.ClientLevelNoise (or no mean "
+            "was aggregated by Flower's FedAvg.aggregate_train): the audit could not inject or read "
+            "its canaries"
+        )
+    noise, R = state["noise"], state["rounds"]
+    sums = np.stack(state["sums"])  # (R, d): the noisy sums of clipped updates
+    if sums.shape[0] != R:
+        raise RuntimeError(f"the audit saw {sums.shape[0]} aggregates of {R} rounds: it cannot score them")
     y = sums @ (noise.canaries / noise.clip_norm).T  # (R, m)
     spec = state["factorization"]
     C = factorize(prefix_sum(R), spec if spec != "identity" else "identity").C.dense()
@@ -275,3 +325,123 @@ def audit_fl_records(
     P = precision_matrix(plan, plan.noise_std(pv.clip_norm))
     scores = likelihood_scores(plan, run.sampler, np.stack(pv.projections), possible, pv.clip_norm, P)
     return _audit_result(scores, state["included"], run.privacy.epsilon, config.delta, method, sig, "record")
+
+
+@contextlib.contextmanager
+def _aggregator_hooks(state: dict):
+    from dpmf.audit.private_audit import _audited_class
+    from dpmf.federated import local
+
+    base = local.AggregatorDPSGD
+
+    class CanaryAggregatorDPSGD(base):
+        def __init__(self, x, y, model, **kwargs):
+            m, n = state["count"], int(y.shape[0])
+            fill = np.arange(m) % n  # placeholder rows: the canary slots N … N + m − 1
+            super().__init__(np.concatenate([x, x[fill]]), np.concatenate([y, y[fill]]), model, **kwargs)
+            state["dp"], state["real"] = self, n
+            dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            g = np.random.default_rng(state["directions_seed"])
+            u = g.standard_normal((m, dim))
+            if m <= dim:  # orthonormal: each canary's projection holds no other canary
+                u = np.linalg.qr(u.T)[0].T
+            u = u / np.linalg.norm(u, axis=1, keepdims=True) * self.clip_norm
+            p0 = next(p for p in model.parameters() if p.requires_grad)
+            draws: dict = {}
+            sampler, draw = self.sampler, self.sampler.next
+
+            def recording_next():
+                t = int(sampler.step)
+                idx = draw()
+                draws[t] = np.asarray(idx, dtype=np.int64).copy()
+                return idx
+
+            sampler.next = recording_next
+            pv = self.step.privatizer
+            pv.__class__ = _audited_class(type(pv))
+            pv._canary_setup(torch.as_tensor(u, dtype=p0.dtype), state["included"], n, draws, 0, 1)
+
+    local.AggregatorDPSGD = CanaryAggregatorDPSGD
+    try:
+        yield
+    finally:
+        local.AggregatorDPSGD = base
+
+
+def audit_fl_aggregator(
+    config,
+    *,
+    canaries: int = 1000,
+    method: str = "one-run",
+    significance: float = 0.05,
+    compliance=None,
+    data=None,
+    log=print,
+) -> dict:
+    """Run ``dpmf fl`` in aggregator mode with ``canaries`` white-box canary records in the
+    server's DP-SGD over its aggregator dataset, and audit the aggregator ε (see the module).
+
+    Args:
+        config: a ``dpmf.federated.FLConfig`` with ``privacy="aggregator"`` and server noise.
+        canaries: m ≥ 10 canary records (each "in" with probability ½).
+        method, significance: the estimator (``dpmf.audit.runner.METHODS``) and α.
+        compliance, data, log: as ``run_federated``.
+
+    Returns:
+        dict: ``claimed`` (the ledger's aggregator ε, δ), ``epsilon_lower_bound``,
+        ``tightness``, ``auroc``, ``scores`` (shape (m,)), ``included`` (shape (m,), boolean).
+
+    Raises:
+        ValueError: another privacy mode, ``server_noise=False`` (ε = ∞: nothing to audit),
+            canaries < 10, a bad method or significance (before any work).
+
+    Source: Steinke, Nasr & Jagielski (NeurIPS 2023) §6 (white-box gradient canaries).
+    """
+    from dpmf import seeds
+    from dpmf.audit.mechanism import likelihood_scores
+    from dpmf.audit.runner import check_audit_args
+    from dpmf.federated.run import FLConfig, run_federated
+    from dpmf.plan.schemes import Poisson
+
+    if not isinstance(config, FLConfig):
+        raise TypeError(f"config={config!r} is invalid: must be a dpmf.federated.FLConfig")
+    if config.privacy != "aggregator":
+        raise ValueError(
+            f"privacy={config.privacy!r} is invalid for the canary-aggregator audit: use aggregator"
+        )
+    if not config.server_noise:
+        raise ValueError(
+            "server_noise=False is invalid for the canary-aggregator audit: the run claims no privacy "
+            "(ε = ∞); use server_noise=True"
+        )
+    m, _, method, sig = check_audit_args(canaries, "white-box", method, significance)
+    key = config.seed if config.seed is not None else seeds.SeedPolicy.of(None).key
+    state = {
+        "count": m,
+        "included": seeds.generator(key, "audit-included").random(m) < 0.5,
+        "directions_seed": seeds.derive_int(key, "audit-canaries", bits=63),
+    }
+    with _aggregator_hooks(state):
+        result = run_federated(config, compliance=compliance, data=data, log=log)
+    if "dp" not in state:
+        raise RuntimeError(
+            "the server's DP-SGD was not built by dpmf.federated.local.AggregatorDPSGD: the audit could "
+            "not inject its canaries"
+        )
+    dp, n = state["dp"], state["real"]
+    pv = dp.step.privatizer
+    plan = pv.plan
+    steps = len(pv.projections)
+    if plan.dataset_size != n + m or not isinstance(plan.scheme, Poisson) or steps > plan.steps:
+        raise RuntimeError("the aggregator's plan is not Poisson DP-SGD over its canary slots: unscorable")
+    if not np.allclose(plan.strategy.C.dense(), np.eye(plan.steps)):
+        raise RuntimeError("the aggregator's noise is correlated: the audit scores independent noise only")
+    std = np.array([plan.noise_multiplier_at(t) for t in range(steps)]) * pv.clip_norm * plan.sensitivity
+    P = np.diag(1.0 / std**2)
+    possible = np.ones((steps, m), dtype=bool)  # Poisson: the batches are secret
+    # the auditor knows the other records (white box): their clipped sum's projection is
+    # subtracted, leaving the canaries' contributions and the noise
+    residual = np.stack(pv.projections) - np.stack(pv.known_projections)
+    scores = likelihood_scores(plan, dp.sampler, residual, possible, pv.clip_norm, P)
+    entry = next(e for e in result.ledger if e.mode == "aggregator")
+    return _audit_result(scores, state["included"], entry.epsilon, entry.delta, method, sig, "aggregator")

@@ -216,6 +216,7 @@ def mechanism_scores(
     canaries: str = "worst",
     score: str = "strategy",
     noise: str = "numpy",
+    repeats: int = 1,
 ) -> tuple[np.ndarray, np.ndarray, float]:
     """Scores of ``runs``·N independent canaries through the plan's mechanism.
 
@@ -243,6 +244,10 @@ def mechanism_scores(
             amplification, the linear score when the batches are public).
         noise: ``numpy`` (C⁻¹Z by a triangular solve of the plan's C) or ``stream`` (dpmf's
             streaming generator of the private step, ``plan.noise``; needs torch).
+        repeats: k ≥ 1 canaries per kept example and draw: k coordinates of the release with
+            the example's participation, each with its own in/out bit and its own noise (the
+            trials stay independent given the public participation; k·R·N trials at the cost
+            of R sampler draws).
 
     Returns:
         (in_scores, out_scores, mu): the scores (in units of the noise) and
@@ -255,6 +260,7 @@ def mechanism_scores(
     """
     sigma = plan.require_noise_multiplier()
     runs = check_int("runs", runs, minimum=1)
+    repeats = check_int("repeats", repeats, minimum=1)
     zeta = check_real("clip_norm", clip_norm, low=0.0, low_inclusive=False)
     raw = (
         zeta if canary_norm is None else check_real("canary_norm", canary_norm, low=0.0, low_inclusive=False)
@@ -285,13 +291,14 @@ def mechanism_scores(
         keep = np.flatnonzero(q > 0)
         if canaries == "worst":
             keep = np.flatnonzero(q >= q.max() * (1 - 1e-9))
-        bits = rng.random(keep.size) < 0.5
-        g = part[:, keep] * (bits[None, :] * contribution)  # clipped canary sums, (n, k)
-        noisy = g + std * draw(plan.strategy, n, keep.size, rng)
+        keep_all = np.tile(keep, repeats)  # the kept examples, each ``repeats`` times
+        bits = rng.random(keep_all.size) < 0.5
+        g = part[:, keep_all] * (bits[None, :] * contribution)  # clipped canary sums, (n, k)
+        noisy = g + std * draw(plan.strategy, n, keep_all.size, rng)
         if score == "likelihood":
-            s = likelihood_scores(plan, sampler, noisy, possible[:, keep] > 0, contribution, P)
+            s = likelihood_scores(plan, sampler, noisy, possible[:, keep_all] > 0, contribution, P)
         else:
-            s = np.einsum("tk,tk->k", Pv[:, keep], noisy) / np.sqrt(q[keep])
+            s = np.einsum("tk,tk->k", Pv[:, keep_all], noisy) / np.sqrt(q[keep_all])
         ins.append(s[bits])
         outs.append(s[~bits])
         wn = np.linalg.norm(C.matmul(possible[:, keep] * part[:, keep]), axis=0)
@@ -326,16 +333,23 @@ def audit_mechanism(
     score: str = "strategy",
     noise: str = "numpy",
     claimed_epsilon: float | None = None,
+    repeats: int = 1,
+    threshold: str = "all",
 ) -> MechanismAudit:
     """Audit the plan's mechanism: ε̂ from ``mechanism_scores`` against the accounted ε.
 
     Args:
         plan: a ``PrivatePlan`` with its σ (e.g. ``plan.calibrate(ε, δ)``).
         delta: δ of the claim.
-        runs, seed, clip_norm, canary_norm, canaries, score, noise: as ``mechanism_scores``.
+        runs, seed, clip_norm, canary_norm, canaries, score, noise, repeats: as
+            ``mechanism_scores``.
         method: one of ``METHODS`` (``gdp``: the many-run GDP bound; the trials are independent).
         significance: α.
         claimed_epsilon: the claim to compare with; default ``plan.account(delta=delta)``.
+        threshold: ``clopper-pearson`` only: ``all`` (every threshold, Bonferroni) or ``claim``
+            (the one threshold ``claim_threshold`` fixes from the claimed μ and the numbers of
+            canaries before any score is seen: no correction; needs the linear score of
+            public batches, ``score="strategy"``).
 
     Returns:
         A ``MechanismAudit``.
@@ -348,6 +362,13 @@ def audit_mechanism(
         raise ValueError(f"method={method!r} is invalid: must be one of {', '.join(METHODS)}")
     check_real("delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
     check_real("significance", significance, low=0.0, high=0.5, low_inclusive=False, high_inclusive=False)
+    if threshold not in ("all", "claim"):
+        raise ValueError(f"threshold={threshold!r} is invalid: must be 'all' or 'claim'")
+    if threshold == "claim" and (method != "clopper-pearson" or score != "strategy"):
+        raise ValueError(
+            f"threshold='claim' is invalid with method={method!r}, score={score!r}: it fixes a "
+            "Clopper–Pearson threshold for the linear score; use method='clopper-pearson', score='strategy'"
+        )
     if claimed_epsilon is None:
         claimed_epsilon = float(plan.account(delta=delta).epsilon)
     ins, outs, mu = mechanism_scores(
@@ -359,8 +380,16 @@ def audit_mechanism(
         canaries=canaries,
         score=score,
         noise=noise,
+        repeats=repeats,
     )
-    eps = _estimate(method, ins, outs, delta, significance)
+    if threshold == "claim":
+        # μ of the kept canaries under the plan's σ and s (public: no score is used)
+        tau = claim_threshold(mu, ins.size, outs.size, delta=delta, significance=significance)
+        eps = E.epsilon_clopper_pearson(
+            ins, outs, delta=delta, significance=significance, threshold_strategy=E.Explicit(tau)
+        )
+    else:
+        eps = _estimate(method, ins, outs, delta, significance)
     return MechanismAudit(
         claimed_epsilon=float(claimed_epsilon),
         delta=float(delta),

@@ -82,6 +82,9 @@ class _CanaryStep:
         self._rank, self._world = rank, world
         self.step_canaries = np.zeros(0, dtype=np.int64)
         self.projections: list[np.ndarray] = []
+        # one process: each step's clipped sum of the real examples projected likewise, before
+        # the canaries and the noise (what an auditor who knows the other examples subtracts)
+        self.known_projections: list[np.ndarray] = []
         self.canary_steps: dict[int, np.ndarray] = {}  # step → the canary slots drawn
 
     def privatize(self, inputs, targets, *, example_ids=None, points=None, handed_out=None):
@@ -123,6 +126,9 @@ class _CanaryStep:
     def _release(self, params, sums):
         idx = np.asarray(self.step_canaries, dtype=np.int64)
         comm = getattr(self, "collectives", None)
+        if comm is None:
+            flat = torch.cat([g.reshape(-1) for g in sums]).to(self._unit.dtype)
+            self.known_projections.append((self._unit @ flat).double().cpu().numpy())
         if idx.size and (comm is None or comm.rank == 0):  # once on the global clipped sum
             added = self.canaries[torch.from_numpy(idx)].sum(dim=0)
             offset = 0

@@ -45,6 +45,29 @@ def check_audit_args(canaries, kind, method, significance) -> tuple[int, str, st
     return m, kind, method, sig
 
 
+OUTPUTS = ("audit.json", "audit.png")
+
+
+def check_audit_out(out_dir: str, *, overwrite: bool) -> None:
+    """Refuse, before any work, an ``out_dir`` that is a file (or lies under one) or that holds
+    an earlier audit (``audit.json`` or ``audit.png``) unless ``overwrite``.
+
+    Raises:
+        ValueError: one line naming ``out_dir``, what it holds and the fix.
+    """
+    from dpmf._io import check_out_dir
+
+    check_out_dir(out_dir, name="out_dir")
+    if overwrite:
+        return
+    found = [n for n in OUTPUTS if os.path.exists(os.path.join(out_dir, n))]
+    if found:
+        raise ValueError(
+            f"out_dir={out_dir!r} is invalid: it holds an earlier audit ({', '.join(found)}); pass "
+            "--overwrite (overwrite=True) to replace it or choose another --out"
+        )
+
+
 def estimate(method: str, ins, outs, *, delta: float, significance: float) -> float:
     """ε̂ of ``method`` (one of ``METHODS``) on the scores."""
     from dpmf.audit import estimators as E
@@ -69,6 +92,7 @@ def run_audit(
     progress: bool = True,
     log=print,
     data=None,
+    overwrite: bool = False,
 ) -> dict:
     """Train ``config`` once with ``canaries`` canaries and audit it.
 
@@ -82,13 +106,16 @@ def run_audit(
         progress: a progress bar over the steps.
         log: where to print the summary.
         data: a ``dpmf.train.Dataset`` instead of loading ``config.dataset``.
+        overwrite: replace an earlier audit's ``audit.json``/``audit.png`` in ``out_dir``
+            (without it such a folder is refused before any work).
 
     Returns:
         The dict written to ``audit.json``.
 
     Raises:
         ValueError / TypeError: bad arguments (before any work), as ``dpmf train``; the DiSK
-            filter (its look-ahead is not supported here).
+            filter (its look-ahead is not supported here); ``out_dir`` a file, or holding an
+            earlier audit without ``overwrite``.
     """
     import torch
     import torch.nn.functional as F
@@ -113,6 +140,7 @@ def run_audit(
         raise ValueError(
             "filter='disk' is invalid for dpmf audit: its look-ahead is not supported; use none or doppler"
         )
+    check_audit_out(out_dir, overwrite=overwrite)
     start = time.perf_counter()
     device = resolve_device(config.device)
     if data is None:
@@ -120,7 +148,10 @@ def run_audit(
     N = len(data)
     config, plan = plan_for(config, N + m, progress=False, log=log)
     privacy = plan.privacy
-    seed = config.seed if config.seed is not None else draw_seed()
+    policy = seeds.SeedPolicy.of(config.seed)  # a given seed: reproducible and predictable
+    if policy.notice:
+        log(policy.notice)
+    seed = policy.key
     audit_rng = seeds.generator(seed, "audit-included")
     included = audit_rng.random(m) < 0.5
 
@@ -169,21 +200,25 @@ def run_audit(
         from tqdm.auto import tqdm
 
         steps = tqdm(steps, desc=f"audit ({kind}, {m} canaries)", unit="step", leave=False)
+    drawn = privatizer.draw_from(sampler)  # as dpmf train: only the drawn batch, once
     for t in steps:
-        batch = sampler.next()
+        drawn_at, batch = drawn.draw()
         participation[t, batch] = True
         real = batch[batch < N]
         canary = batch[batch >= N] - N
         canary_in = canary[included[canary]]
         x, y = data.train_x[torch.from_numpy(real)], data.train_y[torch.from_numpy(real)]
+        ids = real
         if kind == "white-box":
             privatizer.step_canaries = canary_in
         elif canary_in.size:
             x = torch.cat([x, cx[torch.from_numpy(canary_in)]])
             y = torch.cat([y, cy[torch.from_numpy(canary_in)]])
+            ids = np.concatenate([real, N + canary_in])  # an "in" input canary is example N + j
+        drawn.record(drawn_at, ids=ids, n=int(ids.shape[0]))  # what privatize must receive
         for group, lr in zip(optimizer.param_groups, base, strict=True):
             group["lr"] = lr * float(chi[t])
-        privatizer.privatize(x.to(device), y.to(device))
+        privatizer.privatize(x.to(device), y.to(device), example_ids=torch.from_numpy(ids))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
