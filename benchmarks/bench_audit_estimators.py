@@ -1,8 +1,8 @@
 """Compare dpmf.audit.estimators with jax-privacy's CanaryScoreAuditor on the same scores.
 
-Run with a Python that has jax-privacy (2.0.0) and dpmf on the path, e.g.
+jax-privacy 2.0.0 comes with the ``bench`` extra (installed by ``make test``'s set-up):
 
-    PYTHONPATH=. /path/to/venv-with-jax-privacy/bin/python benchmarks/bench_audit_estimators.py
+    .venv/bin/python benchmarks/bench_audit_estimators.py
 
 Prints, for each estimator and score set, both values and their relative difference (target
 ≤ 1e-6), and with ``--record`` the dpmf values as a Python dict (the references of

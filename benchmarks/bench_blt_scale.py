@@ -3,7 +3,8 @@
 For every n the script optimizes a BLT with d buffers for MaxSE under single participation
 with ``dpmf.mechanisms.optimize_blt`` (in this process) and with jax-privacy's
 ``buffered_toeplitz.optimize(n=n, error="max", min_buffers=d, max_buffers=d)`` (in a child
-process of the Python that has jax-privacy, ``--jax-python``), and prints for both the wall
+process, ``--jax-python``: by default this Python, where the ``bench`` extra installs
+jax-privacy 2.0.0), and prints for both the wall
 time and sens²·MaxSE², each evaluated by dpmf: the exact O(n) evaluation
 (``dpmf.mechanisms.evaluate``) up to n = 10⁶, the closed forms beyond. Targets: dpmf's time ≤
 jax-privacy's and dpmf's loss ≤ jax-privacy's within 1e-6 relative; dpmf under 30 s per n.
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--n", default="10000,100000,1000000,10000000")
     p.add_argument("--buffers", type=int, default=4)
-    p.add_argument("--jax-python", default=os.environ.get("JAX_PYTHON", "/work/jaxvenv/bin/python"))
+    p.add_argument("--jax-python", default=os.environ.get("JAX_PYTHON", sys.executable))
     p.add_argument("--no-jax", action="store_true")
     args = p.parse_args(argv)
     d = args.buffers
