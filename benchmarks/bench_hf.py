@@ -13,7 +13,9 @@ sequence's non-padding tokens, then the mean over the batch) and AdamW:
   skipped; the fastest working one is the baseline;
 - ``non-private``: ``loss.backward()`` and the optimizer step.
 
-Times are medians over interleaved rounds (each method once per round, so a load on a shared
+Every step ends with ``zero_grad(set_to_none=True)``, so that no method carries gradients (or
+Opacus its per-example gradients) from one step into the next: what a step holds at its peak
+is counted in its peak. Times are medians over interleaved rounds (each method once per round, so a load on a shared
 machine hits all alike), with one torch thread by default. Peak memory is measured per method in
 a fresh process: the increase of the peak resident set size (VmHWM, reset through
 ``/proc/self/clear_refs``) over the process after setup and one warm-up step, through 2 steps,
@@ -124,9 +126,9 @@ def setup(method, args, batch):
     if method == "non-private":
 
         def step():
-            opt.zero_grad(set_to_none=True)
             loss(model(**x), y).backward()
             opt.step()
+            opt.zero_grad(set_to_none=True)
 
         return step
     if method.startswith("dpmf"):
@@ -184,9 +186,9 @@ def setup(method, args, batch):
         criterion = out[2]
 
     def step():
-        popt.zero_grad(set_to_none=True)
         criterion(module(**x), y).backward()
         popt.step()
+        popt.zero_grad(set_to_none=True)  # also drops the per-example gradients
 
     return step
 
