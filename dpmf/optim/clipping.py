@@ -545,6 +545,8 @@ def _ghost_micro_batch(model, loss_fn, x, y, clip_norm, names, plan, method, aut
                 f"torch.func path ({detail}); clipping='auto' would use it for the whole model",
                 stacklevel=4,
             )
+    if bool(torch.isfinite(res.norms).all()):
+        return (res.norms, []), res.grads
     bad = [n for n in names if not bool(torch.isfinite(res.sq_by_param[n]).all())]
     return (res.norms, bad), res.grads
 

@@ -69,6 +69,7 @@ order of the input's dim 0.
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Callable
@@ -452,6 +453,15 @@ def per_example_losses(loss_fn, out, targets) -> torch.Tensor:
     return vmap(lambda o, t: loss_fn(_unsqueeze(o), _unsqueeze(t)))(out, targets)
 
 
+def _total_sum(values) -> torch.Tensor:
+    """Σ over the entries of several tensors (one ``sum`` per tensor, no stacking)."""
+    out = None
+    for v in values:
+        s = v.sum()
+        out = s if out is None else out + s
+    return out
+
+
 def _unsqueeze(tree):
     if isinstance(tree, torch.Tensor):
         return tree.unsqueeze(0)
@@ -491,7 +501,8 @@ class _Handler:
         if not self.attrs:
             return {}
         out = self._sq(self.dtype)
-        finite = len(out) == 0 or bool(torch.isfinite(torch.stack([v.double() for v in out.values()])).all())
+        # one check for all: a sum of squared norms (≥ 0, no cancellation) is finite iff each is
+        finite = not out or math.isfinite(float(_total_sum(out.values())))
         if not finite and self.dtype != torch.float64:
             self.dtype = torch.float64
             out = self._sq(self.dtype)  # overflow of a finite gradient's square
@@ -790,7 +801,7 @@ def ghost_clipped_sum(
                 if not bool(torch.isfinite(part).all()):
                     part = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64)
                 sq[n] = part.double() ** 2
-            norms = torch.sqrt(sum(sq[n] for n in names))
+            norms = torch.sqrt(torch.stack([sq[n] for n in names]).sum(0))
             result_grads = {}
             if not bool(torch.isfinite(norms).all()):
                 return GhostResult({}, norms, sq, fallback)

@@ -225,15 +225,21 @@ class LinearHandler(ClippingHandler):
 
     def sq_norms(self, module, calls, attrs, dtype):
         out, state = {}, {}
-        shapes = [self.dims(module, c) for c in calls]
-        t, d, p = sum(s[0] for s in shapes), shapes[0][1], shapes[0][2]
+        if len(calls) == 1:
+            t, d, p = self.dims(module, calls[0])
+        else:
+            shapes = [self.dims(module, c) for c in calls]
+            t, d, p = sum(s[0] for s in shapes), shapes[0][1], shapes[0][2]
         # the mixed rule: ghost when its flops T²(d+p) are below those of instantiating, T·p·d
         ghost = t == 1 or t * (d + p) < p * d
         if "weight" in attrs:
             if ghost:
                 parts = [self.form(module, c) for c in calls]
-                a = torch.cat([a.to(dtype) for a, _ in parts], dim=2)
-                g = torch.cat([g.to(dtype) for _, g in parts], dim=2)
+                if len(parts) == 1:
+                    a, g = parts[0][0].to(dtype), parts[0][1].to(dtype)
+                else:
+                    a = torch.cat([a.to(dtype) for a, _ in parts], dim=2)
+                    g = torch.cat([g.to(dtype) for _, g in parts], dim=2)
                 out["weight"] = _gram_sq(a, g)
                 state["weight"] = ("ghost", a, g)
             else:
