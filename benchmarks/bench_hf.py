@@ -15,9 +15,9 @@ sequence's non-padding tokens, then the mean over the batch) and AdamW:
 
 Every step ends with ``zero_grad(set_to_none=True)``, so that no method carries gradients (or
 Opacus its per-example gradients) from one step into the next: what a step holds at its peak
-is counted in its peak. Times are medians over interleaved rounds (each method once per round, so a load on a shared
-machine hits all alike), with one torch thread by default. Peak memory is measured per method in
-a fresh process: the increase of the peak resident set size (VmHWM, reset through
+is counted in its peak. Times are medians over interleaved rounds (each method once per round,
+so a load on a shared machine hits all alike), with one torch thread by default. Peak memory
+is measured per method in a fresh process: the increase of the peak resident set size (VmHWM, reset through
 ``/proc/self/clear_refs``) over the process after setup and one warm-up step, through 2 steps,
 with glibc's malloc returning every block of 64 KiB or more to the system when freed
 (``MALLOC_MMAP_THRESHOLD_``), so that the resident set follows the live tensors (Linux only).

@@ -83,6 +83,7 @@ from torch.overrides import TorchFunctionMode
 
 from dpmf.optim.choices import CLIPPING_MODES
 from dpmf.optim.ghost_layers import ClippingHandler, _sq, clipping_handler
+from dpmf.optim.ghost_tied import TiedEmbeddingLinear, tied_embedding_linear
 
 __all__ = ["CLIPPING_MODES", "GhostResult", "ghost_clipped_sum", "ghost_layer_kinds"]
 
@@ -129,7 +130,7 @@ class _Capture(torch.autograd.Function):
             call.grad = h if call.grad is None else call.grad + h
             if call.arrived is not None:
                 call.arrived(call)
-        return g, g.new_zeros(()), None
+        return g, None, None  # the anchor only marks the nodes to run; it needs no value
 
 
 class _CaptureCopy(_Capture):
@@ -507,7 +508,7 @@ class _Handler:
             self.dtype = torch.float64
             out = self._sq(self.dtype)  # overflow of a finite gradient's square
         names = {a: q for q, a in layer.params}
-        return {names[a]: v.double() for a, v in out.items()}
+        return {names[a]: v if v.dtype == torch.float64 else v.double() for a, v in out.items()}
 
     def _sq(self, dtype):
         h, m = self.layer.handler, self.layer.module
@@ -762,6 +763,7 @@ def ghost_clipped_sum(
             handlers, sq = [], {}
             fallback = {}
             tied_per: dict[str, torch.Tensor] = {}
+            paired = _tied_pairs(engine, dtype)  # embedding + output layer: no instantiation
             for layer in engine.layers:
                 if layer.fallback is not None:
                     fallback[layer.name or "<model>"] = layer.fallback
@@ -781,9 +783,11 @@ def ghost_clipped_sum(
                 sq.update(h.sq_norms())
                 handlers.append(h)
                 for q, a in layer.params:
-                    if q in engine.tied:  # the sum of the uses' per-example gradients
+                    if q in engine.tied and q not in paired:  # the sum of the uses' gradients
                         g = h.per_example(a)
                         tied_per[q] = g if q not in tied_per else tied_per[q] + g
+            for q, t in paired.items():
+                sq[q] = t.sq_norms()
             for q, g in tied_per.items():
                 part = torch.linalg.vector_norm(g.reshape(b, -1), dim=1)
                 if not bool(torch.isfinite(part).all()):
@@ -810,6 +814,8 @@ def ghost_clipped_sum(
                 result_grads[n] = torch.tensordot(factors.to(g.dtype), g, dims=1)
             for q, g in tied_per.items():
                 result_grads[q] = torch.tensordot(factors.to(g.dtype), g, dims=1).to(named[q].dtype)
+            for q, t in paired.items():
+                result_grads[q] = t.clipped_sum(factors).to(named[q].dtype)
             for h in handlers:
                 # torch.func gradients (possibly with their own dropout masks) are summed from
                 # the same vectors whose norms were taken, in both methods
@@ -830,6 +836,25 @@ def ghost_clipped_sum(
                             result_grads[n] = g if n not in result_grads else result_grads[n] + g
                             k += 1
     return GhostResult(result_grads, norms, sq, fallback)
+
+
+def _tied_pairs(engine, dtype) -> dict[str, TiedEmbeddingLinear]:
+    """Tied parameter name → its closed form, for each weight shared by exactly one embedding
+    and one linear layer whose uses were both recorded (``dpmf.optim.ghost_tied``)."""
+    out = {}
+    for q, holders in engine.tied.items():
+        if any(layer.fallback for layer in holders):
+            continue
+        attr = {id(layer): a for layer in holders for qq, a in layer.params if qq == q}
+        pair = tied_embedding_linear(holders, lambda layer: attr[id(layer)])  # noqa: B023
+        if pair is None:
+            continue
+        emb, lin = pair
+        emb_calls = [c for c in emb.calls if c.grad is not None]
+        lin_calls = [c for c in lin.calls if c.grad is not None]
+        if emb_calls and lin_calls:  # else one use is not reached: the general rule
+            out[q] = TiedEmbeddingLinear(emb.module, emb_calls, lin.module, lin_calls, dtype)
+    return out
 
 
 class _null:

@@ -53,6 +53,11 @@ def _sq(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.linalg.vector_norm(x, dim=dim).double().square()
 
 
+def _as(x: torch.Tensor, dtype) -> torch.Tensor:
+    """``x`` in ``dtype`` (itself when it already is: no dispatch)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def _total(parts):
     """The sum of an iterable of tensors without a leading 0 + (a copy of the first)."""
     out = None
@@ -193,7 +198,7 @@ class LinearHandler(ClippingHandler):
     def dims(self, module, call) -> tuple[int, int, int]:
         """(T, d, p): tokens per example, inputs and outputs (per group)."""
         g = call.grad
-        return g[0].numel() // g.shape[-1], module.in_features, module.out_features
+        return g.numel() // (g.shape[0] * g.shape[-1]), module.in_features, module.out_features
 
     def form(self, module, call):
         """(A, G) as (b, groups, T, d), (b, groups, T, p)."""
@@ -203,7 +208,7 @@ class LinearHandler(ClippingHandler):
 
     def weight_per_example(self, module, call, dtype):
         """G_iᵀA_i, (b, *weight.shape), by one batched GEMM."""
-        x, g = call.inputs[0].to(dtype), call.grad.to(dtype)
+        x, g = _as(call.inputs[0], dtype), _as(call.grad, dtype)
         b = x.shape[0]
         return torch.bmm(g.reshape(b, -1, g.shape[-1]).transpose(1, 2), x.reshape(b, -1, x.shape[-1]))
 
@@ -272,10 +277,10 @@ class Conv1DHandler(LinearHandler):
 
     def dims(self, module, call):
         g = call.grad
-        return g[0].numel() // g.shape[-1], module.weight.shape[0], module.weight.shape[1]
+        return g.numel() // (g.shape[0] * g.shape[-1]), module.weight.shape[0], module.weight.shape[1]
 
     def weight_per_example(self, module, call, dtype):
-        x, g = call.inputs[0].to(dtype), call.grad.to(dtype)
+        x, g = _as(call.inputs[0], dtype), _as(call.grad, dtype)
         b = x.shape[0]
         return torch.bmm(x.reshape(b, -1, x.shape[-1]).transpose(1, 2), g.reshape(b, -1, g.shape[-1]))
 

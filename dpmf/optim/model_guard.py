@@ -77,7 +77,9 @@ class ModelStructure:
                 if p is None or id(p) in seen:
                     continue
                 seen.add(id(p))
-                params.append((f"{prefix}.{k}" if prefix else k, id(p), tuple(p.shape), bool(p.requires_grad)))
+                params.append(
+                    (f"{prefix}.{k}" if prefix else k, id(p), tuple(p.shape), bool(p.requires_grad))
+                )
         return tuple(params), tuple(modules)
 
     def bind(self, optimizer) -> None:
