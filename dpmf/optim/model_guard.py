@@ -164,7 +164,13 @@ def state_versions(model: nn.Module) -> list:
     out = [(n, p, p._version, p.data_ptr(), None) for n, p in params]
     with torch.no_grad():
         out += [(n, b, b._version, b.data_ptr(), b.clone()) for n, b in buffers]
-        sums = [p.sum(dtype=torch.float64) for _, p in params if p.dtype.is_floating_point]
+        once: dict[int, torch.Tensor] = {}  # a tied tensor listed under several names: one sum
+        sums = []
+        for _, p in params:
+            if p.dtype.is_floating_point:
+                if id(p) not in once:
+                    once[id(p)] = p.sum(dtype=torch.float64)
+                sums.append(once[id(p)])
         out.append(("", None, 0, 0, torch.stack(sums) if sums else None))
     return out
 
@@ -185,6 +191,8 @@ def _same_content(a, b) -> bool:
         return a is None and b is None
     if a.shape != b.shape or a.device != b.device:
         return False
+    if torch.equal(a, b):
+        return True
     return bool(((a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else (a == b)).all())
 
 
