@@ -32,8 +32,10 @@ norms; c_i = min(1, ζ/‖g_i‖). Then, in one of two ways:
 
 Which layers have closed forms is the clipping-layer registry (``dpmf.optim.ghost_layers``:
 module type → handler; ``register_clipping_layer`` adds one). A parameter shared by several
-registered layers (tied input/output embeddings) gets the sum of its uses' per-example
-gradients, instantiated by their handlers. Every other module with trainable parameters takes
+registered layers gets the sum of its uses' per-example gradients, instantiated by their
+handlers — except a weight tied between one embedding and one linear output layer (GPT-2's
+input and output embeddings), whose norm and sum have a closed form with the cross term of
+the two uses (``dpmf.optim.ghost_tied``). Every other module with trainable parameters takes
 its per-example gradients from ``torch.func``: a module called with one tensor (examples along
 dim 0) and returning one tensor gets ``vmap(grad(·))`` of that module alone, against its
 recorded input and output gradient; anything else — a parameter used outside its own module's

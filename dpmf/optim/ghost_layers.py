@@ -29,7 +29,9 @@ A handler implements ``per_example`` (instantiated per-example gradients; the de
 sums are taken from them) or, for a cheaper closed form, ``sq_norms`` and ``clipped_sum``.
 Every handler that can also instantiate its per-example gradients supports tied parameters
 (one parameter used by several registered layers, e.g. GPT-2's input and output embeddings):
-the per-example gradient of such a parameter is the sum of its uses, instantiated.
+the per-example gradient of such a parameter is the sum of its uses, instantiated (a weight
+tied between one ``nn.Embedding`` and one ``nn.Linear`` has its own closed form instead,
+``dpmf.optim.ghost_tied``).
 """
 
 from __future__ import annotations
