@@ -289,11 +289,12 @@ def _get(module: nn.Module, dotted: str) -> torch.Tensor:
 class _Engine:
     """Hooks on every module owning trainable parameters, for one clipped sum."""
 
-    def __init__(self, model: nn.Module, names: list[str]):
+    def __init__(self, model: nn.Module, names: list[str], named: dict | None = None):
         self.model = model
         self.trainable = set(names)
         self.layers: list[_Layer] = []
-        canonical = {id(p): n for n, p in model.named_parameters()}  # a tied tensor: its first name
+        named = dict(model.named_parameters()) if named is None else named
+        canonical = {id(p): n for n, p in named.items()}  # a tied tensor: its first name
         by_param: dict[str, list[_Layer]] = {}
         for mname, m in model.named_modules():  # a shared module once: its uses are its calls
             own = [  # its own parameters, as named_parameters(recurse=False) without the generator
@@ -704,7 +705,7 @@ def ghost_clipped_sum(
     device = lead.device
     b = int(lead.shape[0])
     autocast_on = torch.is_autocast_enabled(device.type)
-    with torch.enable_grad(), _Engine(model, names) as engine:
+    with torch.enable_grad(), _Engine(model, names, named) as engine:
         if b > 1:
             bad = _probe(model, engine, inputs, plan)
             for layer in engine.layers:

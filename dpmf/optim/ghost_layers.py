@@ -50,8 +50,9 @@ __all__ = [
 ]
 
 
-def _sq(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Σ x² along ``dim`` as the square of one fused norm (no squared temporary)."""
+def _sq(x: torch.Tensor, dim) -> torch.Tensor:
+    """Σ x² along ``dim`` (an int or a tuple) as the square of one fused norm (no squared
+    temporary)."""
     return torch.linalg.vector_norm(x, dim=dim).double().square()
 
 
@@ -209,10 +210,14 @@ class LinearHandler(ClippingHandler):
         return x.reshape(b, 1, -1, x.shape[-1]), g.reshape(b, 1, -1, g.shape[-1])
 
     def weight_per_example(self, module, call, dtype):
-        """G_iᵀA_i, (b, *weight.shape), by one batched GEMM."""
+        """G_iᵀA_i, (b, *weight.shape), by one batched GEMM (with more outputs than inputs, the
+        transpose of A_iᵀG_i: the GEMM with the longer rows runs faster)."""
         x, g = _as(call.inputs[0], dtype), _as(call.grad, dtype)
         b = x.shape[0]
-        return torch.bmm(g.reshape(b, -1, g.shape[-1]).transpose(1, 2), x.reshape(b, -1, x.shape[-1]))
+        x, g = x.reshape(b, -1, x.shape[-1]), g.reshape(b, -1, g.shape[-1])
+        if g.shape[-1] > x.shape[-1]:
+            return torch.bmm(x.transpose(1, 2), g).transpose(1, 2)
+        return torch.bmm(g.transpose(1, 2), x)
 
     def bias_per_example(self, module, call, dtype):
         g = call.grad
@@ -251,7 +256,7 @@ class LinearHandler(ClippingHandler):
                 state["weight"] = ("ghost", a, g)
             else:
                 w = _total(self.weight_per_example(module, c, dtype) for c in calls)
-                out["weight"] = _sq(w.reshape(w.shape[0], -1), 1)
+                out["weight"] = _sq(w, tuple(range(1, w.dim())))  # no copy of a transposed view
                 state["weight"] = ("inst", w)
         if "bias" in attrs:
             gb = _total(self.bias_per_example(module, c, dtype) for c in calls)
@@ -268,7 +273,11 @@ class LinearHandler(ClippingHandler):
                 _, x, g = entry
                 out[a] = self.from_ghost(module, torch.einsum("bgtp,bgtd->gpd", g * c.view(-1, 1, 1, 1), x))
             else:
-                out[a] = torch.tensordot(c, entry[1], dims=1)
+                w = entry[1]
+                if w.dim() == 3 and not w.is_contiguous() and w.transpose(1, 2).is_contiguous():
+                    out[a] = torch.tensordot(c, w.transpose(1, 2), dims=1).t()  # no copy of w
+                else:
+                    out[a] = torch.tensordot(c, w, dims=1)
         return out
 
 
