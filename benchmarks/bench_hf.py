@@ -13,10 +13,14 @@ sequence's non-padding tokens, then the mean over the batch) and AdamW:
   skipped; the fastest working one is the baseline;
 - ``non-private``: ``loss.backward()`` and the optimizer step.
 
-Times are medians over interleaved rounds (each method once per round, so a load on a shared
-machine hits all alike), with one torch thread by default. Peak memory is measured per method in
-a fresh process: the increase of the peak resident set size (VmHWM, reset through
-``/proc/self/clear_refs``) over the process after setup and one warm-up step, through 2 steps,
+Every step ends with ``zero_grad(set_to_none=True)``, so that no method carries gradients (or
+Opacus its per-example gradients) from one step into the next: what a step holds at its peak
+is counted in its peak. Times are medians over interleaved rounds (each method once per round,
+in a shuffled order, so a load on a shared machine hits all alike), with one torch thread by
+default; the process's CPU time of each step is reported beside the wall time (on a loaded
+machine it varies less, since time spent waiting for a core is not in it). Peak memory is
+measured per method in a fresh process: the increase of the peak resident set size (VmHWM,
+reset through ``/proc/self/clear_refs``) over the process after setup and one warm-up step, through 2 steps,
 with glibc's malloc returning every block of 64 KiB or more to the system when freed
 (``MALLOC_MMAP_THRESHOLD_``), so that the resident set follows the live tensors (Linux only).
 
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -124,9 +129,9 @@ def setup(method, args, batch):
     if method == "non-private":
 
         def step():
-            opt.zero_grad(set_to_none=True)
             loss(model(**x), y).backward()
             opt.step()
+            opt.zero_grad(set_to_none=True)
 
         return step
     if method.startswith("dpmf"):
@@ -147,11 +152,22 @@ def setup(method, args, batch):
             seed=0,
         )
 
+        def drawn():  # backward takes only the plan's batches: drawn before the timed step
+            while True:
+                yield from private.data_loader
+
+        batches = drawn()
+        held = []
+
+        def prepare():
+            held[:] = [next(batches)]
+
         def step():
-            private.backward(batch, return_loss=False)
+            private.backward(held.pop(), return_loss=False)
             private.optimizer.step()
             private.optimizer.zero_grad(set_to_none=True)
 
+        step.prepare = prepare
         return step
     from opacus import PrivacyEngine
 
@@ -173,9 +189,9 @@ def setup(method, args, batch):
         criterion = out[2]
 
     def step():
-        popt.zero_grad(set_to_none=True)
         criterion(module(**x), y).backward()
         popt.step()
+        popt.zero_grad(set_to_none=True)  # also drops the per-example gradients
 
     return step
 
@@ -185,13 +201,22 @@ def memory_of(method, args) -> float:
     high-water mark is reset (``/proc/self/clear_refs``) before the steps."""
     batch = make_batch(args)
     step = setup(method, args, batch)
+    _prepare(step)
     step()  # warm-up: optimizer state, caches
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     before = _status_kb("VmRSS")
     for _ in range(2):
+        _prepare(step)
         step()
     return (_status_kb("VmHWM") - before) / 1024
+
+
+def _prepare(step) -> None:
+    """Untimed work before a step (dpmf: drawing the plan's batch from its data loader)."""
+    prepare = getattr(step, "prepare", None)
+    if prepare is not None:
+        prepare()
 
 
 def _status_kb(key: str) -> int:
@@ -240,17 +265,26 @@ def main(argv=None) -> int:
     for method in args.methods.split(","):
         try:
             fn = setup(method, args, batch)
+            _prepare(fn)
             fn()  # warm-up, and a check that the mode supports the model
             fns[method] = fn
         except Exception as exc:  # an unsupported model in that mode
             print(f"  {method} unavailable ({type(exc).__name__}: {str(exc).splitlines()[0][:90]})")
     times = {k: [] for k in fns}
+    cpu = {k: [] for k in fns}
+    order = random.Random(0)
     for _ in range(args.repeat):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
+        keys = list(fns)
+        order.shuffle(keys)  # no method always runs right after another
+        for k in keys:
+            fn = fns[k]
+            _prepare(fn)
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
             times[k].append(time.perf_counter() - t0)
+            cpu[k].append(time.process_time() - c0)
     med = {k: statistics.median(v) for k, v in times.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     mem = {}
     if not args.no_memory:
         for k in fns:
@@ -263,11 +297,13 @@ def main(argv=None) -> int:
                 mem[k] = float("nan")
     for k, v in med.items():
         extra = f", peak +{mem[k]:7.1f} MB" if k in mem else ""
-        print(f"  {k:<17} median {1000 * v:8.1f} ms{extra}")
+        print(f"  {k:<17} median {1000 * v:8.1f} ms (CPU {1000 * med_cpu[k]:7.1f} ms){extra}")
     opacus_done = [k for k in med if k.startswith("opacus")]
     if opacus_done:
         best = min(opacus_done, key=med.get)
         print(f"  time   dpmf / {best} = {med['dpmf'] / med[best]:.2f}")
+        best_cpu = min(opacus_done, key=med_cpu.get)
+        print(f"  CPU    dpmf / {best_cpu} = {med_cpu['dpmf'] / med_cpu[best_cpu]:.2f}")
         if mem:
             best_mem = min(opacus_done, key=lambda k: mem[k])
             print(f"  memory dpmf / {best_mem} = {mem['dpmf'] / mem[best_mem]:.2f}")

@@ -130,6 +130,41 @@ def test_lora_gpt2_per_example_gradients_equal_vmap():
     torch.testing.assert_close(flat(out.grads), flat(ref.grads), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("tokens", [8, 20])  # 20: the embedding's sparse norm (> 16 tokens)
+def test_tied_embeddings_are_clipped_without_per_example_gradients_equal_to_vmap(monkeypatch, tokens):
+    # GPT-2's input embedding is also its output layer: the per-example gradient is the sum of the
+    # lookup's scatter and the output projection, whose squared norm has a cross term
+    torch.manual_seed(1)
+    cfg = transformers.GPT2Config(
+        n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
+    cfg._attn_implementation = "eager"  # torch.func needs transformers' eager attention
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    for p in model.parameters():  # only the tied weight trains: its norm is the whole norm
+        p.requires_grad_(p is model.lm_head.weight)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, VOCAB, (4, tokens), generator=g)
+    ids[0, : tokens // 2] = 7  # repeated tokens in one example
+    mask = torch.ones_like(ids)
+    mask[1, tokens - 3 :] = 0
+    loss = causal_lm_loss()
+    x, y = loss.split({"input_ids": ids * mask, "attention_mask": mask, "labels": ids * mask})
+    ref = clipped_sum(model, loss, x, y, clip_norm=1.0, clipping="vmap")
+    zeta = float(ref.norms.median())
+    ref = clipped_sum(model, loss, x, y, clip_norm=zeta, clipping="vmap")
+
+    def instantiated(*args, **kwargs):
+        raise AssertionError("a (b, V, d) per-example embedding gradient was instantiated")
+
+    monkeypatch.setattr(dpmf.optim.ghost_layers.EmbeddingHandler, "per_example", instantiated)
+    for mode in ("bk", "ghost"):
+        out = clipped_sum(model, loss, x, y, clip_norm=zeta, clipping=mode)
+        torch.testing.assert_close(out.norms, ref.norms, rtol=1e-5, atol=0)
+        scale = float(flat(ref.grads).abs().max())
+        torch.testing.assert_close(flat(out.grads), flat(ref.grads), rtol=1e-5, atol=1e-5 * scale)
+
+
 def test_padding_never_changes_an_examples_clipped_gradient():
     model = gpt2(True)
     loss = causal_lm_loss()

@@ -395,9 +395,12 @@ def clipped_sum(
             else:
                 norms, grads = got
                 if not bool(torch.isfinite(norms[0]).all()):
-                    _raise_non_finite(norms[1], norms[0], start, step, example_ids)
+                    bad = [n for n in names if not bool(torch.isfinite(norms[1][n]).all())]
+                    _raise_non_finite(bad, norms[0], start, step, example_ids)
                 for k, n in enumerate(names):
-                    g = grads[n].to(named[k][1].dtype).reshape(named[k][1].shape)
+                    p, g = named[k][1], grads[n]
+                    if g.dtype != p.dtype or g.shape != p.shape:
+                        g = g.to(p.dtype).reshape(p.shape)
                     sums[k] = g.contiguous() if sums[k] is None else sums[k].add_(g)
                 all_norms.append(norms[0])
                 start = stop
@@ -447,7 +450,10 @@ def _leaves(tree) -> list[torch.Tensor]:
 
 
 def _slice(tree, start: int, stop: int):
-    """``tree`` with every tensor sliced to examples [start, stop) along dimension 0."""
+    """``tree`` with every tensor sliced to examples [start, stop) along dimension 0 (``tree``
+    itself when that is all of it)."""
+    if start == 0 and stop == int(_leaves(tree)[0].shape[0]):
+        return tree
     if isinstance(tree, torch.Tensor):
         return tree[start:stop]
     if isinstance(tree, dict):
@@ -515,7 +521,8 @@ def _signature(inputs, names, model):
 
 
 def _ghost_micro_batch(model, loss_fn, x, y, clip_norm, names, plan, method, auto):
-    """((norms, non-finite parameter names), grads) by ghost norms, or None (auto fallback)."""
+    """((norms, parameter name → per-example squared norms), grads) by ghost norms, or None
+    (auto fallback)."""
 
     def subset(wanted):
         return _vmap_gradients(model, loss_fn, x, y, plan, wanted)
@@ -545,8 +552,7 @@ def _ghost_micro_batch(model, loss_fn, x, y, clip_norm, names, plan, method, aut
                 f"torch.func path ({detail}); clipping='auto' would use it for the whole model",
                 stacklevel=4,
             )
-    bad = [n for n in names if not bool(torch.isfinite(res.sq_by_param[n]).all())]
-    return (res.norms, bad), res.grads
+    return (res.norms, res.sq_by_param), res.grads
 
 
 def _raise_non_finite(bad_params, norms, offset, step, example_ids):

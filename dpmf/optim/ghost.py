@@ -32,8 +32,10 @@ norms; c_i = min(1, ζ/‖g_i‖). Then, in one of two ways:
 
 Which layers have closed forms is the clipping-layer registry (``dpmf.optim.ghost_layers``:
 module type → handler; ``register_clipping_layer`` adds one). A parameter shared by several
-registered layers (tied input/output embeddings) gets the sum of its uses' per-example
-gradients, instantiated by their handlers. Every other module with trainable parameters takes
+registered layers gets the sum of its uses' per-example gradients, instantiated by their
+handlers — except a weight tied between one embedding and one linear output layer (GPT-2's
+input and output embeddings), whose norm and sum have a closed form with the cross term of
+the two uses (``dpmf.optim.ghost_tied``). Every other module with trainable parameters takes
 its per-example gradients from ``torch.func``: a module called with one tensor (examples along
 dim 0) and returning one tensor gets ``vmap(grad(·))`` of that module alone, against its
 recorded input and output gradient; anything else — a parameter used outside its own module's
@@ -69,6 +71,7 @@ order of the input's dim 0.
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Callable
@@ -82,6 +85,7 @@ from torch.overrides import TorchFunctionMode
 
 from dpmf.optim.choices import CLIPPING_MODES
 from dpmf.optim.ghost_layers import ClippingHandler, _sq, clipping_handler
+from dpmf.optim.ghost_tied import TiedEmbeddingLinear, tied_embedding_linear
 
 __all__ = ["CLIPPING_MODES", "GhostResult", "ghost_clipped_sum", "ghost_layer_kinds"]
 
@@ -128,7 +132,7 @@ class _Capture(torch.autograd.Function):
             call.grad = h if call.grad is None else call.grad + h
             if call.arrived is not None:
                 call.arrived(call)
-        return g, g.new_zeros(()), None
+        return g, None, None  # the anchor only marks the nodes to run; it needs no value
 
 
 class _CaptureCopy(_Capture):
@@ -285,11 +289,12 @@ def _get(module: nn.Module, dotted: str) -> torch.Tensor:
 class _Engine:
     """Hooks on every module owning trainable parameters, for one clipped sum."""
 
-    def __init__(self, model: nn.Module, names: list[str]):
+    def __init__(self, model: nn.Module, names: list[str], named: dict | None = None):
         self.model = model
         self.trainable = set(names)
         self.layers: list[_Layer] = []
-        canonical = {id(p): n for n, p in model.named_parameters()}  # a tied tensor: its first name
+        named = dict(model.named_parameters()) if named is None else named
+        canonical = {id(p): n for n, p in named.items()}  # a tied tensor: its first name
         by_param: dict[str, list[_Layer]] = {}
         for mname, m in model.named_modules():  # a shared module once: its uses are its calls
             own = [  # its own parameters, as named_parameters(recurse=False) without the generator
@@ -452,6 +457,15 @@ def per_example_losses(loss_fn, out, targets) -> torch.Tensor:
     return vmap(lambda o, t: loss_fn(_unsqueeze(o), _unsqueeze(t)))(out, targets)
 
 
+def _total_sum(values) -> torch.Tensor:
+    """Σ over the entries of several tensors (one ``sum`` per tensor, no stacking)."""
+    out = None
+    for v in values:
+        s = v.sum()
+        out = s if out is None else out + s
+    return out
+
+
 def _unsqueeze(tree):
     if isinstance(tree, torch.Tensor):
         return tree.unsqueeze(0)
@@ -491,12 +505,13 @@ class _Handler:
         if not self.attrs:
             return {}
         out = self._sq(self.dtype)
-        finite = len(out) == 0 or bool(torch.isfinite(torch.stack([v.double() for v in out.values()])).all())
+        # one check for all: a sum of squared norms (≥ 0, no cancellation) is finite iff each is
+        finite = not out or math.isfinite(float(_total_sum(out.values())))
         if not finite and self.dtype != torch.float64:
             self.dtype = torch.float64
             out = self._sq(self.dtype)  # overflow of a finite gradient's square
         names = {a: q for q, a in layer.params}
-        return {names[a]: v.double() for a, v in out.items()}
+        return {names[a]: v if v.dtype == torch.float64 else v.double() for a, v in out.items()}
 
     def _sq(self, dtype):
         h, m = self.layer.handler, self.layer.module
@@ -690,7 +705,7 @@ def ghost_clipped_sum(
     device = lead.device
     b = int(lead.shape[0])
     autocast_on = torch.is_autocast_enabled(device.type)
-    with torch.enable_grad(), _Engine(model, names) as engine:
+    with torch.enable_grad(), _Engine(model, names, named) as engine:
         if b > 1:
             bad = _probe(model, engine, inputs, plan)
             for layer in engine.layers:
@@ -751,6 +766,7 @@ def ghost_clipped_sum(
             handlers, sq = [], {}
             fallback = {}
             tied_per: dict[str, torch.Tensor] = {}
+            paired = _tied_pairs(engine, dtype)  # embedding + output layer: no instantiation
             for layer in engine.layers:
                 if layer.fallback is not None:
                     fallback[layer.name or "<model>"] = layer.fallback
@@ -770,9 +786,11 @@ def ghost_clipped_sum(
                 sq.update(h.sq_norms())
                 handlers.append(h)
                 for q, a in layer.params:
-                    if q in engine.tied:  # the sum of the uses' per-example gradients
+                    if q in engine.tied and q not in paired:  # the sum of the uses' gradients
                         g = h.per_example(a)
                         tied_per[q] = g if q not in tied_per else tied_per[q] + g
+            for q, t in paired.items():
+                sq[q] = t.sq_norms()
             for q, g in tied_per.items():
                 part = torch.linalg.vector_norm(g.reshape(b, -1), dim=1)
                 if not bool(torch.isfinite(part).all()):
@@ -790,7 +808,7 @@ def ghost_clipped_sum(
                 if not bool(torch.isfinite(part).all()):
                     part = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64)
                 sq[n] = part.double() ** 2
-            norms = torch.sqrt(sum(sq[n] for n in names))
+            norms = torch.sqrt(torch.stack([sq[n] for n in names]).sum(0))
             result_grads = {}
             if not bool(torch.isfinite(norms).all()):
                 return GhostResult({}, norms, sq, fallback)
@@ -799,6 +817,8 @@ def ghost_clipped_sum(
                 result_grads[n] = torch.tensordot(factors.to(g.dtype), g, dims=1)
             for q, g in tied_per.items():
                 result_grads[q] = torch.tensordot(factors.to(g.dtype), g, dims=1).to(named[q].dtype)
+            for q, t in paired.items():
+                result_grads[q] = t.clipped_sum(factors).to(named[q].dtype)
             for h in handlers:
                 # torch.func gradients (possibly with their own dropout masks) are summed from
                 # the same vectors whose norms were taken, in both methods
@@ -819,6 +839,25 @@ def ghost_clipped_sum(
                             result_grads[n] = g if n not in result_grads else result_grads[n] + g
                             k += 1
     return GhostResult(result_grads, norms, sq, fallback)
+
+
+def _tied_pairs(engine, dtype) -> dict[str, TiedEmbeddingLinear]:
+    """Tied parameter name → its closed form, for each weight shared by exactly one embedding
+    and one linear layer whose uses were both recorded (``dpmf.optim.ghost_tied``)."""
+    out = {}
+    for q, holders in engine.tied.items():
+        if any(layer.fallback for layer in holders):
+            continue
+        attr = {id(layer): a for layer in holders for qq, a in layer.params if qq == q}
+        pair = tied_embedding_linear(holders, lambda layer: attr[id(layer)])  # noqa: B023
+        if pair is None:
+            continue
+        emb, lin = pair
+        emb_calls = [c for c in emb.calls if c.grad is not None]
+        lin_calls = [c for c in lin.calls if c.grad is not None]
+        if emb_calls and lin_calls:  # else one use is not reached: the general rule
+            out[q] = TiedEmbeddingLinear(emb.module, emb_calls, lin.module, lin_calls, dtype)
+    return out
 
 
 class _null:

@@ -29,7 +29,9 @@ A handler implements ``per_example`` (instantiated per-example gradients; the de
 sums are taken from them) or, for a cheaper closed form, ``sq_norms`` and ``clipped_sum``.
 Every handler that can also instantiate its per-example gradients supports tied parameters
 (one parameter used by several registered layers, e.g. GPT-2's input and output embeddings):
-the per-example gradient of such a parameter is the sum of its uses, instantiated.
+the per-example gradient of such a parameter is the sum of its uses, instantiated (a weight
+tied between one ``nn.Embedding`` and one ``nn.Linear`` has its own closed form instead,
+``dpmf.optim.ghost_tied``).
 """
 
 from __future__ import annotations
@@ -48,9 +50,15 @@ __all__ = [
 ]
 
 
-def _sq(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Σ x² along ``dim`` as the square of one fused norm (no squared temporary)."""
+def _sq(x: torch.Tensor, dim) -> torch.Tensor:
+    """Σ x² along ``dim`` (an int or a tuple) as the square of one fused norm (no squared
+    temporary)."""
     return torch.linalg.vector_norm(x, dim=dim).double().square()
+
+
+def _as(x: torch.Tensor, dtype) -> torch.Tensor:
+    """``x`` in ``dtype`` (itself when it already is: no dispatch)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _total(parts):
@@ -193,7 +201,7 @@ class LinearHandler(ClippingHandler):
     def dims(self, module, call) -> tuple[int, int, int]:
         """(T, d, p): tokens per example, inputs and outputs (per group)."""
         g = call.grad
-        return g[0].numel() // g.shape[-1], module.in_features, module.out_features
+        return g.numel() // (g.shape[0] * g.shape[-1]), module.in_features, module.out_features
 
     def form(self, module, call):
         """(A, G) as (b, groups, T, d), (b, groups, T, p)."""
@@ -202,10 +210,14 @@ class LinearHandler(ClippingHandler):
         return x.reshape(b, 1, -1, x.shape[-1]), g.reshape(b, 1, -1, g.shape[-1])
 
     def weight_per_example(self, module, call, dtype):
-        """G_iᵀA_i, (b, *weight.shape), by one batched GEMM."""
-        x, g = call.inputs[0].to(dtype), call.grad.to(dtype)
+        """G_iᵀA_i, (b, *weight.shape), by one batched GEMM (with more outputs than inputs, the
+        transpose of A_iᵀG_i: the GEMM with the longer rows runs faster)."""
+        x, g = _as(call.inputs[0], dtype), _as(call.grad, dtype)
         b = x.shape[0]
-        return torch.bmm(g.reshape(b, -1, g.shape[-1]).transpose(1, 2), x.reshape(b, -1, x.shape[-1]))
+        x, g = x.reshape(b, -1, x.shape[-1]), g.reshape(b, -1, g.shape[-1])
+        if g.shape[-1] > x.shape[-1]:
+            return torch.bmm(x.transpose(1, 2), g).transpose(1, 2)
+        return torch.bmm(g.transpose(1, 2), x)
 
     def bias_per_example(self, module, call, dtype):
         g = call.grad
@@ -225,20 +237,26 @@ class LinearHandler(ClippingHandler):
 
     def sq_norms(self, module, calls, attrs, dtype):
         out, state = {}, {}
-        shapes = [self.dims(module, c) for c in calls]
-        t, d, p = sum(s[0] for s in shapes), shapes[0][1], shapes[0][2]
+        if len(calls) == 1:
+            t, d, p = self.dims(module, calls[0])
+        else:
+            shapes = [self.dims(module, c) for c in calls]
+            t, d, p = sum(s[0] for s in shapes), shapes[0][1], shapes[0][2]
         # the mixed rule: ghost when its flops T²(d+p) are below those of instantiating, T·p·d
         ghost = t == 1 or t * (d + p) < p * d
         if "weight" in attrs:
             if ghost:
                 parts = [self.form(module, c) for c in calls]
-                a = torch.cat([a.to(dtype) for a, _ in parts], dim=2)
-                g = torch.cat([g.to(dtype) for _, g in parts], dim=2)
+                if len(parts) == 1:
+                    a, g = parts[0][0].to(dtype), parts[0][1].to(dtype)
+                else:
+                    a = torch.cat([a.to(dtype) for a, _ in parts], dim=2)
+                    g = torch.cat([g.to(dtype) for _, g in parts], dim=2)
                 out["weight"] = _gram_sq(a, g)
                 state["weight"] = ("ghost", a, g)
             else:
                 w = _total(self.weight_per_example(module, c, dtype) for c in calls)
-                out["weight"] = _sq(w.reshape(w.shape[0], -1), 1)
+                out["weight"] = _sq(w, tuple(range(1, w.dim())))  # no copy of a transposed view
                 state["weight"] = ("inst", w)
         if "bias" in attrs:
             gb = _total(self.bias_per_example(module, c, dtype) for c in calls)
@@ -255,7 +273,11 @@ class LinearHandler(ClippingHandler):
                 _, x, g = entry
                 out[a] = self.from_ghost(module, torch.einsum("bgtp,bgtd->gpd", g * c.view(-1, 1, 1, 1), x))
             else:
-                out[a] = torch.tensordot(c, entry[1], dims=1)
+                w = entry[1]
+                if w.dim() == 3 and not w.is_contiguous() and w.transpose(1, 2).is_contiguous():
+                    out[a] = torch.tensordot(c, w.transpose(1, 2), dims=1).t()  # no copy of w
+                else:
+                    out[a] = torch.tensordot(c, w, dims=1)
         return out
 
 
@@ -266,10 +288,10 @@ class Conv1DHandler(LinearHandler):
 
     def dims(self, module, call):
         g = call.grad
-        return g[0].numel() // g.shape[-1], module.weight.shape[0], module.weight.shape[1]
+        return g.numel() // (g.shape[0] * g.shape[-1]), module.weight.shape[0], module.weight.shape[1]
 
     def weight_per_example(self, module, call, dtype):
-        x, g = call.inputs[0].to(dtype), call.grad.to(dtype)
+        x, g = _as(call.inputs[0], dtype), _as(call.grad, dtype)
         b = x.shape[0]
         return torch.bmm(x.reshape(b, -1, x.shape[-1]).transpose(1, 2), g.reshape(b, -1, g.shape[-1]))
 

@@ -63,15 +63,24 @@ class ModelStructure:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self._params = self._snapshot_params()
-        self._modules = tuple((n, id(m)) for n, m in model.named_modules())
+        self._params, self._modules = self._snapshot()
         self._optimizer = None
         self._groups: tuple = ()
 
-    def _snapshot_params(self) -> tuple:
-        return tuple(
-            (n, id(p), tuple(p.shape), bool(p.requires_grad)) for n, p in self.model.named_parameters()
-        )
+    def _snapshot(self) -> tuple[tuple, tuple]:
+        """((name, id, shape, requires_grad) of every parameter as ``named_parameters()`` lists
+        them, (name, id) of every submodule as ``named_modules()``) in one walk of the model."""
+        params, modules, seen = [], [], set()
+        for prefix, m in self.model.named_modules():
+            modules.append((prefix, id(m)))
+            for k, p in m._parameters.items():
+                if p is None or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                params.append(
+                    (f"{prefix}.{k}" if prefix else k, id(p), tuple(p.shape), bool(p.requires_grad))
+                )
+        return tuple(params), tuple(modules)
 
     def bind(self, optimizer) -> None:
         """Record ``optimizer``'s parameter groups too (checked by ``check``)."""
@@ -88,10 +97,9 @@ class ModelStructure:
             ModelChangedError: naming the first change (which parameter, frozen → trainable, a
                 new submodule or optimizer group) and the fix.
         """
-        params = self._snapshot_params()
+        params, modules = self._snapshot()
         if params != self._params:
             self._raise_params(params, when)
-        modules = tuple((n, id(m)) for n, m in self.model.named_modules())
         if modules != self._modules:
             old = dict(self._modules)
             new = dict(modules)
@@ -152,13 +160,30 @@ def state_versions(model: nn.Module) -> list:
     """(name, tensor, version, storage address, content) of every parameter and buffer of
     ``model``: the snapshot ``check_state_unchanged`` compares with. The content is a copy of a
     buffer, and a float64 sum of a parameter (writes through ``.data`` keep the version)."""
-    params = list(model.named_parameters(remove_duplicate=False))
-    buffers = list(model.named_buffers(remove_duplicate=False))
+    params, buffers = _named_tensors(model)
     out = [(n, p, p._version, p.data_ptr(), None) for n, p in params]
-    out += [(n, b, b._version, b.data_ptr(), b.detach().clone()) for n, b in buffers]
-    sums = [p.detach().sum(dtype=torch.float64) for _, p in params if p.is_floating_point()]
-    out.append(("", None, 0, 0, torch.stack(sums) if sums else None))
+    with torch.no_grad():
+        out += [(n, b, b._version, b.data_ptr(), b.clone()) for n, b in buffers]
+        once: dict[int, torch.Tensor] = {}  # a tied tensor listed under several names: one sum
+        sums = []
+        for _, p in params:
+            if p.dtype.is_floating_point:
+                if id(p) not in once:
+                    once[id(p)] = p.sum(dtype=torch.float64)
+                sums.append(once[id(p)])
+        out.append(("", None, 0, 0, torch.stack(sums) if sums else None))
     return out
+
+
+def _named_tensors(model: nn.Module) -> tuple[list, list]:
+    """``named_parameters(remove_duplicate=False)`` and ``named_buffers(remove_duplicate=False)``
+    in one walk of the model (the same names, tensors and order)."""
+    params, buffers = [], []
+    for prefix, m in model.named_modules(remove_duplicate=False):
+        pre = f"{prefix}." if prefix else ""
+        params += [(pre + k, p) for k, p in m._parameters.items() if p is not None]
+        buffers += [(pre + k, b) for k, b in m._buffers.items() if b is not None]
+    return params, buffers
 
 
 def _same_content(a, b) -> bool:
@@ -166,6 +191,8 @@ def _same_content(a, b) -> bool:
         return a is None and b is None
     if a.shape != b.shape or a.device != b.device:
         return False
+    if torch.equal(a, b):
+        return True
     return bool(((a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else (a == b)).all())
 
 
