@@ -9,6 +9,10 @@ import pytest
 
 pytest.importorskip("flwr")
 
+from flower_helpers import SHAPES, P  # noqa: E402
+from flower_helpers import client_app as _app  # noqa: E402
+from flower_helpers import fedavg as _strategy  # noqa: E402
+from flower_helpers import updates as _updates  # noqa: E402
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.serverapp import strategy as fs  # noqa: E402
@@ -18,39 +22,7 @@ from dpmf.federated.grid import LocalGrid, server_identity  # noqa: E402
 from dpmf.federated.local import ClientLevelNoise  # noqa: E402
 from dpmf.federated.wrappers import DELTA_KEY, EPSILON_KEY, CorrelatedClientDP  # noqa: E402
 
-P, R, SIGMA, ZETA = 3, 4, 1.5, 0.5
-SHAPES = {"w": (2, 3), "b": (3,)}
-
-
-def _updates(r):
-    """Client j's update in round r: norms 0.1, 1 and 5 (the last two are clipped to ζ)."""
-    out = []
-    for j, norm in enumerate((0.1, 1.0, 5.0)):
-        rng = np.random.default_rng([r, j])
-        u = {k: rng.normal(size=s) for k, s in SHAPES.items()}
-        n = math.sqrt(sum(float(np.sum(v * v)) for v in u.values()))
-        out.append({k: v * norm / n for k, v in u.items()})
-    return out
-
-
-def _app():
-    app = ClientApp()
-
-    @app.train()
-    def train(msg, context):
-        j = int(context.node_config["partition-id"])
-        r = int(msg.content["config"]["server-round"])
-        w = {k: a.numpy() for k, a in msg.content["arrays"].items()}
-        new = {k: (w[k] + _updates(r)[j][k]).astype(np.float32) for k in w}
-        content = RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in new.items()}),
-                              "metrics": MetricRecord({"num-examples": 10 * (j + 1)})})  # fmt: skip
-        return Message(content=content, reply_to=msg)
-
-    return app
-
-
-def _strategy():
-    return fs.FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=P, min_available_nodes=P)
+R, SIGMA, ZETA = 4, 1.5, 0.5
 
 
 def test_aggregate_is_fedavg_of_clipped_updates_plus_the_plans_noise():
