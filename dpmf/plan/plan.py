@@ -113,6 +113,30 @@ def _check_segments(plan) -> tuple:
     return segs
 
 
+def _check_privacy(plan) -> None:
+    """Refuse a ``privacy`` result measured for another run than ``plan`` (another σ, steps,
+    N, B, scheme, strategy or sampling rate): its ε would be reported for noise it did not
+    measure (e.g. ``dataclasses.replace(plan, noise_multiplier=…)`` keeps the old result)."""
+    res = plan.privacy
+    own = {
+        "noise_multiplier": plan.noise_multiplier,
+        "steps": plan.steps,
+        "dataset_size": plan.dataset_size,
+        "batch_size": plan.batch_size,
+        "scheme": plan.scheme.name,
+        "factorization": plan.label,
+        "sampling_rate": plan.sampling_rate,
+    }
+    for name, value in own.items():
+        measured = getattr(res, name, None)
+        if measured != value and not (name in ("dataset_size", "batch_size") and measured is None):
+            raise ValueError(
+                f"privacy is invalid: it was measured with {name}={measured!r} but the plan has "
+                f"{name}={value!r}; use plan.with_noise(σ) or plan.replace(...) (which drop it) and "
+                "account or calibrate the new plan"
+            )
+
+
 @dataclass(frozen=True, eq=False)
 class PrivatePlan:
     """One private training run's mechanism: data size, batches, steps, scheme, strategy, σ.
@@ -224,6 +248,8 @@ class PrivatePlan:
                 f"strategy={self.label!r} is invalid: its sensitivity under {self.scheme.name} is {s!r}; "
                 "it must be finite and > 0"
             )
+        if self.privacy is not None:
+            _check_privacy(self)
 
     # -- the run's numbers ----------------------------------------------------------------
 
@@ -481,7 +507,9 @@ class PrivatePlan:
 
     def sampler(self, seed: int):
         """The batch sampler of the plan's scheme (``dpmf.plan.samplers``), seeded by ``seed``."""
-        return self.scheme.sampler(self, check_int("seed", seed, minimum=0))
+        if seed is None:
+            raise TypeError("seed=None is invalid: must be an integer >= 0 (the run's key)")
+        return self.scheme.sampler(self, seeds.check_seed(seed))
 
     def noise(self, dim: int, seed: int, *, device=None, dtype=None, mode: str | None = None, keys=None):
         """The unit-scale correlated-noise stream (C⁻¹Z)_t for ``dim`` coordinates

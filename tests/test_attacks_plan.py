@@ -1,0 +1,75 @@
+"""A careless or hostile user of the plan API: nothing may make dpmf silently weaker than it
+reports (a stale ε, a secret in a message, a built-in silently replaced)."""
+
+import dataclasses
+
+import dp_accounting
+import pytest
+
+from dpmf.plan import PrivatePlan
+
+DELTA = 1e-5
+
+
+def _rdp_epsilon(sigma, q, steps):
+    """ε of DP-SGD by dp-accounting's RDP accountant (independent of dpmf)."""
+    acc = dp_accounting.rdp.RdpAccountant()
+    acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+    return acc.get_epsilon(DELTA)
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """A DP-SGD plan with σ = 1.2 and its RDP privacy result."""
+    plan = PrivatePlan(1000, 50, steps=20, clip_norm=1.0, accountant="rdp")
+    res = plan.account(1.2, delta=DELTA)
+    return plan.with_noise(1.2, privacy=res)
+
+
+def test_a_plan_keeps_the_privacy_result_of_its_own_sigma(measured):
+    # the correct path is unchanged: ε is dp-accounting's RDP ε at σ = 1.2, q = 0.05, n = 20
+    want = _rdp_epsilon(1.2, 0.05, 20)
+    assert measured.privacy.epsilon == pytest.approx(want, rel=1e-9)
+    assert measured.epsilon_after(20) is measured.privacy
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: dataclasses.replace(p, noise_multiplier=0.3),  # the old ε for a quarter of the noise
+        lambda p: p.with_noise(0.3, privacy=p.privacy),
+        lambda p: dataclasses.replace(p, dataset_size=100),  # q = 0.5 instead of 0.05
+        lambda p: dataclasses.replace(p, steps=40, epochs=None, strategy="identity"),
+        lambda p: dataclasses.replace(p, scheme="fixed_order"),
+    ],
+    ids=["replace-sigma", "with_noise-old-result", "replace-N", "replace-steps", "replace-scheme"],
+)
+def test_a_privacy_result_of_another_run_is_refused(measured, make):
+    # before: the plan reported ε ≈ 1.4 (σ = 1.2) while its noise was σ = 0.3 (ε in the tens)
+    with pytest.raises(ValueError, match=r"^privacy is invalid: it was measured with \w+="):
+        make(measured)
+
+
+SECRET = 98765432
+
+
+@pytest.mark.parametrize(
+    "bad, kind",
+    [(-SECRET, ValueError), (SECRET + 0.5, ValueError), (str(SECRET), TypeError), (float("nan"), ValueError)],
+    ids=["negative", "non-integral", "string", "nan"],
+)
+@pytest.mark.parametrize(
+    "use",
+    [
+        lambda s: PrivatePlan(1000, 50, steps=20, seed=s),
+        lambda s: PrivatePlan(1000, 50, steps=20).with_settings(seed=s),
+        lambda s: PrivatePlan(1000, 50, steps=20).sampler(s),
+        lambda s: __import__("dpmf.seeds").seeds.SeedPolicy.of(s),
+    ],
+    ids=["plan", "with_settings", "sampler", "SeedPolicy"],
+)
+def test_an_invalid_seed_is_refused_without_showing_it(bad, kind, use):
+    # a seed meant as secret (a typo, a string from the environment) must not reach the logs
+    with pytest.raises(kind, match=r"^seed \(value not shown: it is secret\) is invalid: got ") as info:
+        use(bad)
+    assert str(SECRET) not in str(info.value)
