@@ -124,3 +124,18 @@ def _refuse_and_replace(key, own, Unclipped, register_clipping_layer, clipped_su
         assert float(clipped_sum(model, loss, x, y, clip_norm=0.1, clipping="ghost").norms.max()) == 0.0
     finally:
         register_clipping_layer(nn.Linear, own, replace=True)
+
+
+def test_the_shared_privacy_ledger_never_names_a_given_noise_seed():
+    import json
+
+    from dpmf.train.ledger import privacy_ledger
+
+    # make_private/dpmf train sample the Monte Carlo accountant with the given seed (reproducible)
+    plan = PrivatePlan(64, 16, steps=4, scheme="balls_in_bins", clip_norm=1.0, seed=SECRET).with_noise(3.0)
+    res = plan.account(delta=1e-3, seed=SECRET)
+    assert res.seed == SECRET and str(SECRET) in res.method  # the run's own result keeps it
+    ledger = privacy_ledger(plan, res, steps_taken=4, clip_norm=1.0, seed_given=True)
+    text = json.dumps(ledger)
+    assert str(SECRET) not in text  # before: "…samples/direction, seed 98765432)" in privacy.json
+    assert ledger["epsilon"] == res.epsilon and "seed withheld" in ledger["method"]
