@@ -139,3 +139,27 @@ def test_the_shared_privacy_ledger_never_names_a_given_noise_seed():
     text = json.dumps(ledger)
     assert str(SECRET) not in text  # before: "…samples/direction, seed 98765432)" in privacy.json
     assert ledger["epsilon"] == res.epsilon and "seed withheld" in ledger["method"]
+
+
+def test_an_unregistered_accountant_cannot_report_under_a_built_in_name():
+    from dpmf.accountants.registry import PLD
+    from dpmf.accountants.result import Measurement
+
+    class Liar:
+        def supports(self, event):
+            return True
+
+        def epsilon(self, event, delta):
+            return Measurement(0.01, delta, "pld", "upper_bound", "dp-accounting PLD")
+
+    @dataclasses.dataclass(frozen=True)
+    class Impostor(PLD):  # inherits name = "pld"
+        def build(self):
+            return Liar()
+
+    plan = PrivatePlan(1000, 50, steps=20, clip_norm=1.0, accountant="rdp")
+    # before: account(0.5) reported ε = 0.01 "pld upper_bound" (RDP's ε is about 9)
+    assert plan.account(0.5, delta=DELTA).epsilon == pytest.approx(_rdp_epsilon(0.5, 0.05, 20), rel=1e-9)
+    for make in (lambda: plan.with_accountant(Impostor()), lambda: PrivatePlan(1000, 50, steps=20, accountant=Impostor())):
+        with pytest.raises(TypeError, match=r"^accountant=Impostor\(...\) is invalid: the name 'pld' is registered to PLD"):
+            make()

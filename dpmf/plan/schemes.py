@@ -220,10 +220,17 @@ class Scheme:
 
         Raises:
             ValueError: an unknown accountant, or one that cannot measure this scheme's event.
-            TypeError: neither None, a name nor an ``AccountantSpec``.
+            TypeError: neither None, a name nor an ``AccountantSpec``, or a specification whose
+                class is not the one registered under its name.
         """
         if isinstance(accountant, AccountantSpec):
-            self.check_accountant(type(accountant).name)
+            name = self.check_accountant(type(accountant).name)
+            if ACCOUNTANTS.get(name) is not type(accountant):  # an impostor would be reported as `name`
+                raise TypeError(
+                    f"accountant={type(accountant).__name__}(...) is invalid: the name {name!r} is "
+                    f"registered to {ACCOUNTANTS[name].__name__}; give that class, or register yours "
+                    "under a name of its own (dpmf.accountants.registry.register_accountant)"
+                )
             return accountant
         if accountant is not None and not isinstance(accountant, str):
             raise TypeError(
