@@ -163,3 +163,51 @@ def test_an_unregistered_accountant_cannot_report_under_a_built_in_name():
     for make in (lambda: plan.with_accountant(Impostor()), lambda: PrivatePlan(1000, 50, steps=20, accountant=Impostor())):
         with pytest.raises(TypeError, match=r"^accountant=Impostor\(...\) is invalid: the name 'pld' is registered to PLD"):
             make()
+
+
+@pytest.mark.parametrize(
+    "other, what",
+    [
+        (dict(dataset_size=100), "dataset_size is 100 and the plan's 1000"),  # rate 0.5, not 0.05
+        (dict(batch_size=500), "batch_size is 500 and the plan's 50"),
+        (dict(scheme="fixed_order"), "scheme is 'fixed_order' and the plan's 'poisson'"),
+    ],
+    ids=["N", "B", "scheme"],
+)
+def test_a_privatizer_refuses_batches_of_another_plans_sampler(other, what):
+    import torch
+    from torch import nn
+
+    from dpmf.optim.privatize import Privatizer
+
+    plan = PrivatePlan(1000, 50, steps=20, clip_norm=1.0).with_noise(1.0)
+    model = nn.Linear(3, 2)
+    priv = Privatizer(model, nn.functional.cross_entropy, plan=plan, noise=plan.noise(8, 1))
+    priv.draw_from(plan.sampler(1))  # its own: accepted
+    wrong = dataclasses.replace(plan, **other).sampler(1)
+    assert wrong.steps == plan.steps  # the only thing compared before
+    priv = Privatizer(model, nn.functional.cross_entropy, plan=plan, noise=plan.noise(8, 1))
+    with pytest.raises(ValueError, match=rf"^sampler is invalid: its {what} "):
+        priv.draw_from(wrong)
+    del torch
+
+
+def test_a_cyclic_poisson_privatizer_refuses_another_group_count():
+    from torch import nn
+
+    from dpmf.optim.privatize import Privatizer
+
+    plan = PrivatePlan(1000, 50, steps=20, scheme="cyclic_poisson", min_sep=2, clip_norm=1.0).with_noise(1.0)
+    wrong = PrivatePlan(1000, 50, steps=20, scheme="cyclic_poisson", min_sep=4).sampler(1)  # rate 0.2, not 0.1
+    priv = Privatizer(nn.Linear(3, 2), nn.functional.cross_entropy, plan=plan, noise=plan.noise(8, 1))
+    with pytest.raises(ValueError, match=r"^sampler is invalid: its groups is 4 and the plan's 2 "):
+        priv.draw_from(wrong)
+
+
+def test_a_cyclic_poisson_plan_with_min_sep_can_be_given_its_noise():
+    # before: with_noise/calibrate (dataclasses.replace) refused the plan's own min_sep
+    plan = PrivatePlan(1000, 50, steps=20, scheme="cyclic_poisson", min_sep=2).with_noise(1.0)
+    assert plan.min_sep == 2 and plan.sampling_rate == pytest.approx(0.1, rel=0, abs=1e-15)  # B·b'/N
+    with pytest.raises(ValueError, match=r"options \['min_sep'\] are invalid with a Scheme object"):
+        dataclasses.replace(plan, min_sep=4)  # another b' must go through plan.replace(min_sep=4)
+    assert plan.replace(min_sep=4).sampling_rate == pytest.approx(0.2, rel=0, abs=1e-15)

@@ -327,8 +327,8 @@ def get_scheme(scheme, **options) -> Scheme:
         ValueError: an unknown name, or options the scheme does not take.
         TypeError: neither a name nor a ``Scheme``.
     """
-    if isinstance(scheme, Scheme):
-        if any(v is not None for v in options.values()):
+    if isinstance(scheme, Scheme):  # options it already has (a plan rebuilt by replace) are fine
+        if any(v is not None and getattr(scheme, k, None) != v for k, v in options.items()):
             raise ValueError(f"options {sorted(options)} are invalid with a Scheme object: set them on it")
         return scheme
     if not isinstance(scheme, str):
