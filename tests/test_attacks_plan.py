@@ -211,3 +211,32 @@ def test_a_cyclic_poisson_plan_with_min_sep_can_be_given_its_noise():
     with pytest.raises(ValueError, match=r"options \['min_sep'\] are invalid with a Scheme object"):
         dataclasses.replace(plan, min_sep=4)  # another b' must go through plan.replace(min_sep=4)
     assert plan.replace(min_sep=4).sampling_rate == pytest.approx(0.2, rel=0, abs=1e-15)
+
+
+def test_a_factorization_named_identity_must_be_the_identity():
+    import numpy as np
+
+    from dpmf.mechanisms.factorizations import Factorization
+    from dpmf.mechanisms.structured import DenseLowerTriangular, ScaledToeplitz
+    from dpmf.workloads import prefix_sum
+
+    e = np.zeros(20)
+    e[0] = 10.0  # C = 10·I: the noise C⁻¹Z is a tenth of DP-SGD's, ε was reported as DP-SGD's at σ
+    for C in (ScaledToeplitz(e), DenseLowerTriangular(10.0 * np.eye(20)), ScaledToeplitz(np.eye(20)[0], np.full(20, 0.1))):
+        fake = Factorization("identity", None, prefix_sum(20), C)
+        with pytest.raises(ValueError, match=r"^strategy is invalid: a Factorization named 'identity' .* not the identity"):
+            PrivatePlan(1000, 50, steps=20, strategy=fake)
+    real = Factorization("identity", None, prefix_sum(20), ScaledToeplitz(np.eye(20)[0]))
+    assert PrivatePlan(1000, 50, steps=20, strategy=real).sensitivity == 1.0
+
+
+def test_an_unregistered_scheme_cannot_report_under_a_built_in_name():
+    from dpmf.plan.schemes import Poisson
+
+    @dataclasses.dataclass(frozen=True)
+    class Quieter(Poisson):  # inherits name = "poisson"; accounts 100× the noise it adds
+        def event(self, run, sigma):
+            return super().event(run, 100 * sigma)
+
+    with pytest.raises(TypeError, match=r"^scheme=Quieter\(...\) is invalid: the name 'poisson' is registered to Poisson"):
+        PrivatePlan(1000, 50, steps=20, scheme=Quieter())

@@ -113,6 +113,15 @@ def _check_segments(plan) -> tuple:
     return segs
 
 
+def _is_identity(C) -> bool:
+    """Whether the strategy matrix C is exactly the identity (the only C that DP-SGD's
+    accounting, which never looks at C, describes)."""
+    if isinstance(C, ScaledToeplitz):
+        unit = all(v is None or np.all(np.asarray(v) == 1.0) for v in (C.row_scale, C.col_scale))
+        return unit and C.coeffs[0] == 1.0 and not np.any(C.coeffs[1:])
+    return np.array_equal(C.dense(), np.eye(C.n))
+
+
 def _check_privacy(plan) -> None:
     """Refuse a ``privacy`` result measured for another run than ``plan`` (another σ, steps,
     N, B, scheme, strategy or sampling rate): its ε would be reported for noise it did not
@@ -229,6 +238,11 @@ class PrivatePlan:
             raise TypeError(
                 f"strategy={strategy!r} is invalid: must be a spec such as 'bsr:16' or a "
                 "dpmf.mechanisms.Factorization"
+            )
+        if strategy.name == "identity" and not _is_identity(strategy.C):
+            raise ValueError(
+                "strategy is invalid: a Factorization named 'identity' is accounted as DP-SGD (C = I) "
+                "but its C is not the identity; give it another name, or use strategy='identity'"
             )
         setf("strategy", strategy)
         setf("scheme", scheme)

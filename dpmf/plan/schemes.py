@@ -325,9 +325,16 @@ def get_scheme(scheme, **options) -> Scheme:
 
     Raises:
         ValueError: an unknown name, or options the scheme does not take.
-        TypeError: neither a name nor a ``Scheme``.
+        TypeError: neither a name nor a ``Scheme``, or a ``Scheme`` whose class is not the one
+            registered under its name.
     """
     if isinstance(scheme, Scheme):  # options it already has (a plan rebuilt by replace) are fine
+        if SCHEMES.get(scheme.name) is not type(scheme):  # an impostor would be reported as its name
+            raise TypeError(
+                f"scheme={type(scheme).__name__}(...) is invalid: the name {scheme.name!r} is registered "
+                f"to {getattr(SCHEMES.get(scheme.name), '__name__', None)}; give that class, or register "
+                "yours under a name of its own (dpmf.plan.register_scheme)"
+            )
         if any(v is not None and getattr(scheme, k, None) != v for k, v in options.items()):
             raise ValueError(f"options {sorted(options)} are invalid with a Scheme object: set them on it")
         return scheme
