@@ -240,3 +240,17 @@ def test_an_unregistered_scheme_cannot_report_under_a_built_in_name():
 
     with pytest.raises(TypeError, match=r"^scheme=Quieter\(...\) is invalid: the name 'poisson' is registered to Poisson"):
         PrivatePlan(1000, 50, steps=20, scheme=Quieter())
+
+
+def test_a_misspelled_accountant_setting_is_refused_without_its_value():
+    from dpmf.accountants.registry import MonteCarlo
+
+    plan = PrivatePlan(64, 16, steps=4, scheme="balls_in_bins", clip_norm=1.0)
+    for call in (
+        lambda: plan.with_accountant(MonteCarlo(), confidnce=None),  # before: silently kept 0.99
+        lambda: plan.calibrate(1.0, 1e-3, sead=SECRET),  # before: silently seed 0
+    ):
+        with pytest.raises(TypeError, match=r"^setting '(confidnce|sead)' is invalid: the accountant settings are ") as info:
+            call()
+        assert str(SECRET) not in str(info.value)
+    assert plan.with_accountant(confidence=0.95).accountant == MonteCarlo(confidence=0.95)

@@ -401,8 +401,9 @@ class PrivatePlan:
         (``accountant`` and Monte Carlo ``options`` as in ``account``)."""
         from dpmf.plan.accounting import accountant_of, calibrate
 
+        rtol = options.pop("rtol", 1e-3)
         spec = accountant_of(self, accountant, **options)
-        res = calibrate(self, epsilon=epsilon, delta=delta, accountant=spec, rtol=options.get("rtol", 1e-3))
+        res = calibrate(self, epsilon=epsilon, delta=delta, accountant=spec, rtol=rtol)
         return dataclasses.replace(self, noise_multiplier=res.noise_multiplier, privacy=res, accountant=spec)
 
     def epsilon_after(self, steps: int, *, delta: float | None = None, accountant=None, **options):
