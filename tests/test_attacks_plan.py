@@ -254,3 +254,18 @@ def test_a_misspelled_accountant_setting_is_refused_without_its_value():
             call()
         assert str(SECRET) not in str(info.value)
     assert plan.with_accountant(confidence=0.95).accountant == MonteCarlo(confidence=0.95)
+
+
+def test_a_privacy_result_of_the_same_label_on_another_schedule_is_refused():
+    from dpmf.workloads import Schedule
+
+    def plan(gamma):
+        return PrivatePlan(64, 16, epochs=2, scheme="fixed_order", strategy="sqrt_prefix_scaled",
+                           schedule=Schedule("polynomial", 0.5, gamma))
+
+    a, b = plan(2.0), plan(5.0)
+    assert a.label == b.label and a.sensitivity != b.sensitivity  # another C under the same label
+    res = a.account(1.0, delta=DELTA)
+    assert b.with_noise(1.0, privacy=b.account(1.0, delta=DELTA)).privacy.sensitivity == b.sensitivity
+    with pytest.raises(ValueError, match=r"^privacy is invalid: it was measured with sensitivity="):
+        b.with_noise(1.0, privacy=res)
