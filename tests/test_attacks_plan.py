@@ -269,3 +269,26 @@ def test_a_privacy_result_of_the_same_label_on_another_schedule_is_refused():
     assert b.with_noise(1.0, privacy=b.account(1.0, delta=DELTA)).privacy.sensitivity == b.sensitivity
     with pytest.raises(ValueError, match=r"^privacy is invalid: it was measured with sensitivity="):
         b.with_noise(1.0, privacy=res)
+
+
+def test_a_factorization_whose_noise_is_not_C_inverse_is_refused():
+    import numpy as np
+
+    from dpmf.mechanisms import factorize
+    from dpmf.mechanisms.factorizations import Factorization
+    from dpmf.mechanisms.structured import ScaledToeplitz
+    from dpmf.workloads import prefix_sum
+
+    real = factorize(prefix_sum(20), "bisr:4")  # carries its banded C⁻¹
+    assert real.noise is not None
+    plan = PrivatePlan(1000, 50, steps=20, scheme="fixed_order", strategy=real)
+    # a tenth of the noise under the same C (the same sensitivity and ε): before, accepted
+    quiet = Factorization(real.name, real.bands, real.workload, real.C, ScaledToeplitz(0.1 * real.noise.coeffs))
+    with pytest.raises(ValueError, match=r"^strategy='bisr:4' is invalid: its noise correlation is not C⁻¹"):
+        PrivatePlan(1000, 50, steps=20, scheme="fixed_order", strategy=quiet)
+    e = np.zeros(20)
+    e[0] = 1.0
+    fake = Factorization("identity", None, prefix_sum(20), ScaledToeplitz(e), ScaledToeplitz(0.1 * e))
+    with pytest.raises(ValueError, match="its noise correlation is not C⁻¹"):
+        PrivatePlan(1000, 50, steps=20, strategy=fake)
+    assert plan.sensitivity == PrivatePlan(1000, 50, steps=20, scheme="fixed_order", strategy="bisr:4").sensitivity

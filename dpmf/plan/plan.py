@@ -122,6 +122,16 @@ def _is_identity(C) -> bool:
     return np.array_equal(C.dense(), np.eye(C.n))
 
 
+def _inverts(noise, C) -> bool:
+    """Whether ``noise`` is C⁻¹ (a strategy carrying its own noise correlation), checked on a
+    fixed random vector: ‖C·(noise·x) − x‖ ≤ 10⁻⁶·‖x‖ (O(n log n) for Toeplitz structure)."""
+    if noise.n != C.n:
+        return False
+    x = np.random.default_rng(0).standard_normal(C.n)
+    y = C.matmul(noise.matmul(x))
+    return bool(np.all(np.isfinite(y)) and np.linalg.norm(y - x) <= 1e-6 * np.linalg.norm(x))
+
+
 def _check_privacy(plan) -> None:
     """Refuse a ``privacy`` result measured for another run than ``plan`` (another σ, steps,
     N, B, scheme, strategy or sampling rate): its ε would be reported for noise it did not
@@ -241,6 +251,12 @@ class PrivatePlan:
             raise TypeError(
                 f"strategy={strategy!r} is invalid: must be a spec such as 'bsr:16' or a "
                 "dpmf.mechanisms.Factorization"
+            )
+        if strategy.noise is not None and not _inverts(strategy.noise, strategy.C):
+            raise ValueError(
+                f"strategy={strategy.label!r} is invalid: its noise correlation is not C⁻¹ (the noise "
+                "would not be the one its sensitivity and ε describe); build it with factorize(...) "
+                "or give noise=None"
             )
         if strategy.name == "identity" and not _is_identity(strategy.C):
             raise ValueError(
