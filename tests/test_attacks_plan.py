@@ -77,10 +77,9 @@ def test_an_invalid_seed_is_refused_without_showing_it(bad, kind, use):
 
 def test_the_built_in_linear_handler_is_not_silently_replaced():
     import torch
-    from torch import nn
 
     from dpmf.optim import clipped_sum, register_clipping_layer
-    from dpmf.optim.ghost_layers import LinearHandler, _REGISTRY
+    from dpmf.optim.ghost_layers import _REGISTRY, LinearHandler
 
     class Unclipped(LinearHandler):
         """Reports every example's norm as 0: nothing would ever be clipped."""
@@ -112,7 +111,10 @@ def _refuse_and_replace(key, own, Unclipped, register_clipping_layer, clipped_su
     assert _REGISTRY[key] is own
     g = torch.Generator().manual_seed(0)
     model = nn.Linear(4, 3).double()
-    x, y = torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randn(6, 3, generator=g, dtype=torch.float64)
+    x, y = (
+        torch.randn(6, 4, generator=g, dtype=torch.float64),
+        torch.randn(6, 3, generator=g, dtype=torch.float64),
+    )
     loss = lambda out, t: ((out - t) ** 2).sum()  # noqa: E731
     ref = clipped_sum(model, loss, x, y, clip_norm=0.1, clipping="vmap")  # torch.func, no handler
     out = clipped_sum(model, loss, x, y, clip_norm=0.1, clipping="ghost")
@@ -160,8 +162,13 @@ def test_an_unregistered_accountant_cannot_report_under_a_built_in_name():
     plan = PrivatePlan(1000, 50, steps=20, clip_norm=1.0, accountant="rdp")
     # before: account(0.5) reported ε = 0.01 "pld upper_bound" (RDP's ε is about 9)
     assert plan.account(0.5, delta=DELTA).epsilon == pytest.approx(_rdp_epsilon(0.5, 0.05, 20), rel=1e-9)
-    for make in (lambda: plan.with_accountant(Impostor()), lambda: PrivatePlan(1000, 50, steps=20, accountant=Impostor())):
-        with pytest.raises(TypeError, match=r"^accountant=Impostor\(...\) is invalid: the name 'pld' is registered to PLD"):
+    for make in (
+        lambda: plan.with_accountant(Impostor()),
+        lambda: PrivatePlan(1000, 50, steps=20, accountant=Impostor()),
+    ):
+        with pytest.raises(
+            TypeError, match=r"^accountant=Impostor\(...\) is invalid: the name 'pld' is registered to PLD"
+        ):
             make()
 
 
@@ -198,7 +205,9 @@ def test_a_cyclic_poisson_privatizer_refuses_another_group_count():
     from dpmf.optim.privatize import Privatizer
 
     plan = PrivatePlan(1000, 50, steps=20, scheme="cyclic_poisson", min_sep=2, clip_norm=1.0).with_noise(1.0)
-    wrong = PrivatePlan(1000, 50, steps=20, scheme="cyclic_poisson", min_sep=4).sampler(1)  # rate 0.2, not 0.1
+    wrong = PrivatePlan(1000, 50, steps=20, scheme="cyclic_poisson", min_sep=4).sampler(
+        1
+    )  # rate 0.2, not 0.1
     priv = Privatizer(nn.Linear(3, 2), nn.functional.cross_entropy, plan=plan, noise=plan.noise(8, 1))
     with pytest.raises(ValueError, match=r"^sampler is invalid: its groups is 4 and the plan's 2 "):
         priv.draw_from(wrong)
@@ -222,9 +231,15 @@ def test_a_factorization_named_identity_must_be_the_identity():
 
     e = np.zeros(20)
     e[0] = 10.0  # C = 10·I: the noise C⁻¹Z is a tenth of DP-SGD's, ε was reported as DP-SGD's at σ
-    for C in (ScaledToeplitz(e), DenseLowerTriangular(10.0 * np.eye(20)), ScaledToeplitz(np.eye(20)[0], np.full(20, 0.1))):
+    for C in (
+        ScaledToeplitz(e),
+        DenseLowerTriangular(10.0 * np.eye(20)),
+        ScaledToeplitz(np.eye(20)[0], np.full(20, 0.1)),
+    ):
         fake = Factorization("identity", None, prefix_sum(20), C)
-        with pytest.raises(ValueError, match=r"^strategy is invalid: a Factorization named 'identity' .* not the identity"):
+        with pytest.raises(
+            ValueError, match=r"^strategy is invalid: a Factorization named 'identity' .* not the identity"
+        ):
             PrivatePlan(1000, 50, steps=20, strategy=fake)
     real = Factorization("identity", None, prefix_sum(20), ScaledToeplitz(np.eye(20)[0]))
     assert PrivatePlan(1000, 50, steps=20, strategy=real).sensitivity == 1.0
@@ -238,7 +253,9 @@ def test_an_unregistered_scheme_cannot_report_under_a_built_in_name():
         def event(self, run, sigma):
             return super().event(run, 100 * sigma)
 
-    with pytest.raises(TypeError, match=r"^scheme=Quieter\(...\) is invalid: the name 'poisson' is registered to Poisson"):
+    with pytest.raises(
+        TypeError, match=r"^scheme=Quieter\(...\) is invalid: the name 'poisson' is registered to Poisson"
+    ):
         PrivatePlan(1000, 50, steps=20, scheme=Quieter())
 
 
@@ -250,7 +267,9 @@ def test_a_misspelled_accountant_setting_is_refused_without_its_value():
         lambda: plan.with_accountant(MonteCarlo(), confidnce=None),  # before: silently kept 0.99
         lambda: plan.calibrate(1.0, 1e-3, sead=SECRET),  # before: silently seed 0
     ):
-        with pytest.raises(TypeError, match=r"^setting '(confidnce|sead)' is invalid: the accountant settings are ") as info:
+        with pytest.raises(
+            TypeError, match=r"^setting '(confidnce|sead)' is invalid: the accountant settings are "
+        ) as info:
             call()
         assert str(SECRET) not in str(info.value)
     assert plan.with_accountant(confidence=0.95).accountant == MonteCarlo(confidence=0.95)
@@ -260,8 +279,14 @@ def test_a_privacy_result_of_the_same_label_on_another_schedule_is_refused():
     from dpmf.workloads import Schedule
 
     def plan(gamma):
-        return PrivatePlan(64, 16, epochs=2, scheme="fixed_order", strategy="sqrt_prefix_scaled",
-                           schedule=Schedule("polynomial", 0.5, gamma))
+        return PrivatePlan(
+            64,
+            16,
+            epochs=2,
+            scheme="fixed_order",
+            strategy="sqrt_prefix_scaled",
+            schedule=Schedule("polynomial", 0.5, gamma),
+        )
 
     a, b = plan(2.0), plan(5.0)
     assert a.label == b.label and a.sensitivity != b.sensitivity  # another C under the same label
@@ -283,7 +308,9 @@ def test_a_factorization_whose_noise_is_not_C_inverse_is_refused():
     assert real.noise is not None
     plan = PrivatePlan(1000, 50, steps=20, scheme="fixed_order", strategy=real)
     # a tenth of the noise under the same C (the same sensitivity and ε): before, accepted
-    quiet = Factorization(real.name, real.bands, real.workload, real.C, ScaledToeplitz(0.1 * real.noise.coeffs))
+    quiet = Factorization(
+        real.name, real.bands, real.workload, real.C, ScaledToeplitz(0.1 * real.noise.coeffs)
+    )
     with pytest.raises(ValueError, match=r"^strategy='bisr:4' is invalid: its noise correlation is not C⁻¹"):
         PrivatePlan(1000, 50, steps=20, scheme="fixed_order", strategy=quiet)
     e = np.zeros(20)
@@ -291,4 +318,7 @@ def test_a_factorization_whose_noise_is_not_C_inverse_is_refused():
     fake = Factorization("identity", None, prefix_sum(20), ScaledToeplitz(e), ScaledToeplitz(0.1 * e))
     with pytest.raises(ValueError, match="its noise correlation is not C⁻¹"):
         PrivatePlan(1000, 50, steps=20, strategy=fake)
-    assert plan.sensitivity == PrivatePlan(1000, 50, steps=20, scheme="fixed_order", strategy="bisr:4").sensitivity
+    assert (
+        plan.sensitivity
+        == PrivatePlan(1000, 50, steps=20, scheme="fixed_order", strategy="bisr:4").sensitivity
+    )

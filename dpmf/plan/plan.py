@@ -149,7 +149,8 @@ def _check_privacy(plan) -> None:
     }
     for name, value in own.items():
         measured = getattr(res, name, None)
-        if name == "sensitivity" and isinstance(measured, float) and math.isclose(measured, value, rel_tol=1e-12):
+        close = isinstance(measured, float) and math.isclose(measured, value, rel_tol=1e-12)
+        if name == "sensitivity" and close:
             continue
         if measured != value and not (name in ("dataset_size", "batch_size") and measured is None):
             raise ValueError(
