@@ -201,8 +201,11 @@ class PrivatePlan:
     Raises:
         ValueError: N, B, n or epochs out of range; both or neither of steps/epochs; an unknown
             scheme or strategy; a strategy the scheme cannot account (with the reason); a
-            factorization of another size; a non-finite sensitivity.
-        TypeError: arguments of the wrong type.
+            factorization of another size; a non-finite sensitivity; a ``privacy`` result
+            measured for another σ, N, B, n, scheme, strategy, sampling rate or sensitivity; a
+            Factorization named ``identity`` whose C is not I, or one whose ``noise`` is not C⁻¹.
+        TypeError: arguments of the wrong type; a scheme or accountant object whose class is
+            not the one registered under its name.
     """
 
     dataset_size: int
