@@ -72,8 +72,22 @@ def check_seed(seed, name: str = "seed") -> int | None:
     Raises:
         TypeError: not an integer.
         ValueError: negative or non-integral.
+
+    The messages never show the value: a seed, even an invalid one, is meant to be secret.
     """
-    return None if seed is None else check_int(name, seed, minimum=0)
+    if seed is None:
+        return None
+    try:
+        return check_int(name, seed, minimum=0)
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, TypeError):
+            got = f"a value of type {type(seed).__name__}"
+        else:
+            got = "a negative number" if seed < 0 else "a non-integral or non-finite number"
+        raise type(exc)(
+            f"{name} (value not shown: it is secret) is invalid: got {got}; must be an integer >= 0 "
+            "(give a non-negative int, or None for a fresh secret key)"
+        ) from None
 
 
 def draw_key() -> int:

@@ -219,7 +219,7 @@ def test_the_plan_holds_clip_norm_accountant_and_seed_policy():
         (dict(accountant="monte_carlo"), ValueError, "accountant='monte_carlo' is invalid for scheme='poisson'"),
         (dict(accountant="magic"), ValueError, "accountant='magic' is invalid"),
         (dict(accountant=3), TypeError, "accountant=3 is invalid"),
-        (dict(seed=-1), ValueError, "seed=-1 is invalid"),
+        (dict(seed=-1), ValueError, r"seed \(value not shown: it is secret\) is invalid: got a negative"),
     ],
 )
 def test_bad_plan_settings_are_refused_in_one_line(kwargs, error, match):

@@ -121,13 +121,14 @@ class ClippingHandler:
 
 # type (or "module.QualName") → handler
 _REGISTRY: dict[object, ClippingHandler] = {}
+_BUILTIN: dict[object, ClippingHandler] = {}  # the handlers this module registers
 
 
 def _key_of(cls) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def register_clipping_layer(module_type, handler: ClippingHandler) -> None:
+def register_clipping_layer(module_type, handler: ClippingHandler, *, replace: bool = False) -> None:
     """Register ``handler`` for the layers of ``module_type`` (ghost clipping and book-keeping).
 
     Args:
@@ -135,10 +136,14 @@ def register_clipping_layer(module_type, handler: ClippingHandler) -> None:
             (matched without importing the package). Subclasses that keep its ``forward`` are
             matched too; registering a type again replaces its handler.
         handler: a ``ClippingHandler`` instance.
+        replace: needed to replace the handler of a layer dpmf itself registers (Linear,
+            Conv, Embedding, the norms, Conv1D): the per-example norms decide the clipping,
+            so an import must not silently swap them.
 
     Raises:
         TypeError: ``module_type`` is not an ``nn.Module`` subclass or a dotted name, or
             ``handler`` is not a ``ClippingHandler``.
+        ValueError: a layer with a built-in handler, without ``replace=True``.
 
     Example: ``tests/test_clipping_registry.py`` and docs/architecture.md ("Add a clipping layer").
     """
@@ -154,6 +159,11 @@ def register_clipping_layer(module_type, handler: ClippingHandler) -> None:
         raise TypeError(f"module_type={module_type!r} is invalid: must be an nn.Module subclass or its name")
     if not isinstance(handler, ClippingHandler):
         raise TypeError(f"handler={handler!r} is invalid: must be an instance of dpmf.optim.ClippingHandler")
+    if key in _BUILTIN and not replace:
+        raise ValueError(
+            f"module_type={key!r} is invalid: dpmf's own {_REGISTRY[key].name!r} handler clips it; "
+            "pass replace=True to replace it (the per-example norms decide the clipping)"
+        )
     _REGISTRY[key] = handler
 
 
@@ -473,3 +483,4 @@ register_clipping_layer(nn.Embedding, EmbeddingHandler())
 for _norm in (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm):
     register_clipping_layer(_norm, NormHandler())
 register_clipping_layer("transformers.pytorch_utils.Conv1D", Conv1DHandler())
+_BUILTIN.update(_REGISTRY)  # replaced only with replace=True

@@ -256,6 +256,8 @@ class Privatizer:
                 f"sampler is invalid: it covers {sampler.steps} steps and the plan {self.plan.steps}; use "
                 "plan.sampler(seed)"
             )
+        if self.plan is not None:
+            _check_sampler_matches_plan(sampler, self.plan)
         self.drawn = DrawnBatches(sampler, self.noise.step)
         return self.drawn
 
@@ -384,6 +386,22 @@ class Privatizer:
     def use_key(self, key: int) -> None:
         """Adopt the run's ``key`` for the noise stream (a checkpoint's, on resume)."""
         self.noise.use_key(key)
+
+
+def _check_sampler_matches_plan(sampler, plan) -> None:
+    """Refuse a sampler of another scheme, data size, batch size or group count than the plan's:
+    σ, B̄ and ε are the plan's, so batches drawn at another rate would be accounted wrongly."""
+    scheme = plan.scheme
+    own = {"scheme": scheme.name, "dataset_size": plan.dataset_size, "batch_size": plan.batch_size}
+    if hasattr(scheme, "groups"):
+        own["groups"] = scheme.groups(plan)
+    for name, value in own.items():
+        theirs = getattr(sampler, name, None)
+        if theirs != value:
+            raise ValueError(
+                f"sampler is invalid: its {name} is {theirs!r} and the plan's {value!r} (the plan's σ "
+                "and ε hold only for its own batches); use plan.sampler(seed)"
+            )
 
 
 def _check_noise_matches_plan(noise: CorrelatedNoise, plan) -> None:

@@ -51,8 +51,14 @@ def accountant_of(plan, accountant=None, **settings):
 
     Raises:
         ValueError: an accountant the plan's scheme cannot use, or invalid settings.
+        TypeError: a setting of another name (a typo would silently keep the default).
     """
-    given = {k: v for k, v in settings.items() if k in _MC_SETTINGS and v is not KEEP}
+    unknown = sorted(set(settings) - set(_MC_SETTINGS))
+    if unknown:  # the value is not shown: a misspelled seed is still a seed
+        raise TypeError(
+            f"setting {unknown[0]!r} is invalid: the accountant settings are {', '.join(_MC_SETTINGS)}"
+        )
+    given = {k: v for k, v in settings.items() if v is not KEEP}
     check_monte_carlo(given.get("samples"), given.get("seed", 0), given.get("confidence"))  # given: valid
     spec = plan.accountant if accountant is None else plan.scheme.accountant_spec(accountant)
     if given and type(spec).randomized:

@@ -113,6 +113,53 @@ def _check_segments(plan) -> tuple:
     return segs
 
 
+def _is_identity(C) -> bool:
+    """Whether the strategy matrix C is exactly the identity (the only C that DP-SGD's
+    accounting, which never looks at C, describes)."""
+    if isinstance(C, ScaledToeplitz):
+        unit = all(v is None or np.all(np.asarray(v) == 1.0) for v in (C.row_scale, C.col_scale))
+        return unit and C.coeffs[0] == 1.0 and not np.any(C.coeffs[1:])
+    return np.array_equal(C.dense(), np.eye(C.n))
+
+
+def _inverts(noise, C) -> bool:
+    """Whether ``noise`` is C⁻¹ (a strategy carrying its own noise correlation), checked on a
+    fixed random vector: ‖C·(noise·x) − x‖ ≤ 10⁻⁶·‖x‖ (O(n log n) for Toeplitz structure)."""
+    if noise.n != C.n:
+        return False
+    x = np.random.default_rng(0).standard_normal(C.n)
+    y = C.matmul(noise.matmul(x))
+    return bool(np.all(np.isfinite(y)) and np.linalg.norm(y - x) <= 1e-6 * np.linalg.norm(x))
+
+
+def _check_privacy(plan) -> None:
+    """Refuse a ``privacy`` result measured for another run than ``plan`` (another σ, steps,
+    N, B, scheme, strategy or sampling rate): its ε would be reported for noise it did not
+    measure (e.g. ``dataclasses.replace(plan, noise_multiplier=…)`` keeps the old result)."""
+    res = plan.privacy
+    own = {
+        "noise_multiplier": plan.noise_multiplier,
+        "steps": plan.steps,
+        "dataset_size": plan.dataset_size,
+        "batch_size": plan.batch_size,
+        "scheme": plan.scheme.name,
+        "factorization": plan.label,
+        "sampling_rate": plan.sampling_rate,
+        "sensitivity": plan.sensitivity,  # the same label built on another schedule's workload
+    }
+    for name, value in own.items():
+        measured = getattr(res, name, None)
+        close = isinstance(measured, float) and math.isclose(measured, value, rel_tol=1e-12)
+        if name == "sensitivity" and close:
+            continue
+        if measured != value and not (name in ("dataset_size", "batch_size") and measured is None):
+            raise ValueError(
+                f"privacy is invalid: it was measured with {name}={measured!r} but the plan has "
+                f"{name}={value!r}; use plan.with_noise(σ) or plan.replace(...) (which drop it) and "
+                "account or calibrate the new plan"
+            )
+
+
 @dataclass(frozen=True, eq=False)
 class PrivatePlan:
     """One private training run's mechanism: data size, batches, steps, scheme, strategy, σ.
@@ -154,8 +201,11 @@ class PrivatePlan:
     Raises:
         ValueError: N, B, n or epochs out of range; both or neither of steps/epochs; an unknown
             scheme or strategy; a strategy the scheme cannot account (with the reason); a
-            factorization of another size; a non-finite sensitivity.
-        TypeError: arguments of the wrong type.
+            factorization of another size; a non-finite sensitivity; a ``privacy`` result
+            measured for another σ, N, B, n, scheme, strategy, sampling rate or sensitivity; a
+            Factorization named ``identity`` whose C is not I, or one whose ``noise`` is not C⁻¹.
+        TypeError: arguments of the wrong type; a scheme or accountant object whose class is
+            not the one registered under its name.
     """
 
     dataset_size: int
@@ -206,6 +256,17 @@ class PrivatePlan:
                 f"strategy={strategy!r} is invalid: must be a spec such as 'bsr:16' or a "
                 "dpmf.mechanisms.Factorization"
             )
+        if strategy.noise is not None and not _inverts(strategy.noise, strategy.C):
+            raise ValueError(
+                f"strategy={strategy.label!r} is invalid: its noise correlation is not C⁻¹ (the noise "
+                "would not be the one its sensitivity and ε describe); build it with factorize(...) "
+                "or give noise=None"
+            )
+        if strategy.name == "identity" and not _is_identity(strategy.C):
+            raise ValueError(
+                "strategy is invalid: a Factorization named 'identity' is accounted as DP-SGD (C = I) "
+                "but its C is not the identity; give it another name, or use strategy='identity'"
+            )
         setf("strategy", strategy)
         setf("scheme", scheme)
         scheme.check_strategy(self)
@@ -224,6 +285,8 @@ class PrivatePlan:
                 f"strategy={self.label!r} is invalid: its sensitivity under {self.scheme.name} is {s!r}; "
                 "it must be finite and > 0"
             )
+        if self.privacy is not None:
+            _check_privacy(self)
 
     # -- the run's numbers ----------------------------------------------------------------
 
@@ -361,8 +424,9 @@ class PrivatePlan:
         (``accountant`` and Monte Carlo ``options`` as in ``account``)."""
         from dpmf.plan.accounting import accountant_of, calibrate
 
+        rtol = options.pop("rtol", 1e-3)
         spec = accountant_of(self, accountant, **options)
-        res = calibrate(self, epsilon=epsilon, delta=delta, accountant=spec, rtol=options.get("rtol", 1e-3))
+        res = calibrate(self, epsilon=epsilon, delta=delta, accountant=spec, rtol=rtol)
         return dataclasses.replace(self, noise_multiplier=res.noise_multiplier, privacy=res, accountant=spec)
 
     def epsilon_after(self, steps: int, *, delta: float | None = None, accountant=None, **options):
@@ -481,7 +545,9 @@ class PrivatePlan:
 
     def sampler(self, seed: int):
         """The batch sampler of the plan's scheme (``dpmf.plan.samplers``), seeded by ``seed``."""
-        return self.scheme.sampler(self, check_int("seed", seed, minimum=0))
+        if seed is None:
+            raise TypeError("seed=None is invalid: must be an integer >= 0 (the run's key)")
+        return self.scheme.sampler(self, seeds.check_seed(seed))
 
     def noise(self, dim: int, seed: int, *, device=None, dtype=None, mode: str | None = None, keys=None):
         """The unit-scale correlated-noise stream (C⁻¹Z)_t for ``dim`` coordinates

@@ -220,10 +220,17 @@ class Scheme:
 
         Raises:
             ValueError: an unknown accountant, or one that cannot measure this scheme's event.
-            TypeError: neither None, a name nor an ``AccountantSpec``.
+            TypeError: neither None, a name nor an ``AccountantSpec``, or a specification whose
+                class is not the one registered under its name.
         """
         if isinstance(accountant, AccountantSpec):
-            self.check_accountant(type(accountant).name)
+            name = self.check_accountant(type(accountant).name)
+            if ACCOUNTANTS.get(name) is not type(accountant):  # an impostor would be reported as `name`
+                raise TypeError(
+                    f"accountant={type(accountant).__name__}(...) is invalid: the name {name!r} is "
+                    f"registered to {ACCOUNTANTS[name].__name__}; give that class, or register yours "
+                    "under a name of its own (dpmf.accountants.registry.register_accountant)"
+                )
             return accountant
         if accountant is not None and not isinstance(accountant, str):
             raise TypeError(
@@ -318,10 +325,17 @@ def get_scheme(scheme, **options) -> Scheme:
 
     Raises:
         ValueError: an unknown name, or options the scheme does not take.
-        TypeError: neither a name nor a ``Scheme``.
+        TypeError: neither a name nor a ``Scheme``, or a ``Scheme`` whose class is not the one
+            registered under its name.
     """
-    if isinstance(scheme, Scheme):
-        if any(v is not None for v in options.values()):
+    if isinstance(scheme, Scheme):  # options it already has (a plan rebuilt by replace) are fine
+        if SCHEMES.get(scheme.name) is not type(scheme):  # an impostor would be reported as its name
+            raise TypeError(
+                f"scheme={type(scheme).__name__}(...) is invalid: the name {scheme.name!r} is registered "
+                f"to {getattr(SCHEMES.get(scheme.name), '__name__', None)}; give that class, or register "
+                "yours under a name of its own (dpmf.plan.register_scheme)"
+            )
+        if any(v is not None and getattr(scheme, k, None) != v for k, v in options.items()):
             raise ValueError(f"options {sorted(options)} are invalid with a Scheme object: set them on it")
         return scheme
     if not isinstance(scheme, str):

@@ -42,7 +42,7 @@ def privacy_ledger(plan, result, *, steps_taken: int, clip_norm: float, seed_giv
         "accountant": result.accountant,
         "guarantee": result.guarantee,
         "confidence": result.confidence,
-        "method": result.method,
+        "method": _without_seed(result.method, result.seed),
         "scheme": plan.scheme.label,
         "strategy": plan.label,
         "noise_multiplier": plan.noise_multiplier,
@@ -61,6 +61,13 @@ def privacy_ledger(plan, result, *, steps_taken: int, clip_norm: float, seed_giv
         if seed_given
         else "drawn from OS entropy",
     }
+
+
+def _without_seed(method: str, seed: int | None) -> str:
+    """``method`` without the Monte Carlo seed it names: a run with a given seed samples its
+    accountant with that seed, which is also the noise key, so the shared ledger must not
+    carry it."""
+    return method if seed is None else method.replace(f"seed {seed}", "seed withheld")
 
 
 def export(out_dir: str, model: torch.nn.Module, ledger: dict) -> tuple[str, str]:
