@@ -322,3 +322,26 @@ def test_a_factorization_whose_noise_is_not_C_inverse_is_refused():
         plan.sensitivity
         == PrivatePlan(1000, 50, steps=20, scheme="fixed_order", strategy="bisr:4").sensitivity
     )
+
+
+def test_a_given_factorization_is_checked_once_not_on_every_derived_plan(monkeypatch):
+    from dpmf.mechanisms import factorize
+    from dpmf.plan import plan as plan_mod
+    from dpmf.workloads import prefix_sum
+
+    calls = {"n": 0}
+    real = plan_mod._inverts
+
+    def counting(noise, C):
+        calls["n"] += 1
+        return real(noise, C)
+
+    monkeypatch.setattr(plan_mod, "_inverts", counting)
+    f = factorize(prefix_sum(40), "bisr:4")
+    assert f.noise is not None
+    plan = PrivatePlan(400, 40, steps=40, scheme="fixed_order", strategy=f, clip_norm=1.0)
+    plan.with_noise(1.0).with_settings(clip_norm=2.0).calibrate(4.0, 1e-5)
+    assert calls["n"] == 1
+    # a strategy built from its spec is never checked (consistent by construction)
+    PrivatePlan(400, 40, steps=40, scheme="fixed_order", strategy="bisr:4").with_noise(1.0)
+    assert calls["n"] == 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -115,11 +116,13 @@ def _check_segments(plan) -> tuple:
 
 def _is_identity(C) -> bool:
     """Whether the strategy matrix C is exactly the identity (the only C that DP-SGD's
-    accounting, which never looks at C, describes)."""
+    accounting, which never looks at C, describes); O(n) for Toeplitz structure, else one
+    product with a fixed random vector (C·x = x exactly only for C = I, almost surely)."""
     if isinstance(C, ScaledToeplitz):
         unit = all(v is None or np.all(np.asarray(v) == 1.0) for v in (C.row_scale, C.col_scale))
         return unit and C.coeffs[0] == 1.0 and not np.any(C.coeffs[1:])
-    return np.array_equal(C.dense(), np.eye(C.n))
+    x = np.random.default_rng(0).standard_normal(C.n)
+    return bool(np.array_equal(C.matmul(x), x))
 
 
 def _inverts(noise, C) -> bool:
@@ -130,6 +133,30 @@ def _inverts(noise, C) -> bool:
     x = np.random.default_rng(0).standard_normal(C.n)
     y = C.matmul(noise.matmul(x))
     return bool(np.all(np.isfinite(y)) and np.linalg.norm(y - x) <= 1e-6 * np.linalg.norm(x))
+
+
+# The factorizations already checked (built from a spec here, or checked once when given): a plan
+# derived from another (``with_noise``, ``calibrate``, …) does not repeat an O(n log n) check.
+_CHECKED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _check_given_strategy(strategy: Factorization) -> None:
+    """Refuse a given ``Factorization`` whose noise correlation is not C⁻¹, or one named
+    ``identity`` whose C is not I (each would add other noise than its accounting describes)."""
+    if _CHECKED.get(id(strategy)) is strategy:
+        return
+    if strategy.noise is not None and not _inverts(strategy.noise, strategy.C):
+        raise ValueError(
+            f"strategy={strategy.label!r} is invalid: its noise correlation is not C⁻¹ (the noise "
+            "would not be the one its sensitivity and ε describe); build it with factorize(...) "
+            "or give noise=None"
+        )
+    if strategy.name == "identity" and not _is_identity(strategy.C):
+        raise ValueError(
+            "strategy is invalid: a Factorization named 'identity' is accounted as DP-SGD (C = I) "
+            "but its C is not the identity; give it another name, or use strategy='identity'"
+        )
+    _CHECKED[id(strategy)] = strategy
 
 
 def _check_privacy(plan) -> None:
@@ -248,24 +275,15 @@ class PrivatePlan:
                 raise ValueError(
                     f"strategy is invalid: its strategy is {strategy.n}×{strategy.n} but steps={self.steps}"
                 )
+            _check_given_strategy(strategy)
         elif isinstance(strategy, str):
             _check_strategy_memory(self.steps, strategy)
             strategy = build_strategy(from_schedule(schedule, self.steps), strategy, scheme, b)
+            _CHECKED[id(strategy)] = strategy  # built here from its spec: consistent by construction
         else:
             raise TypeError(
                 f"strategy={strategy!r} is invalid: must be a spec such as 'bsr:16' or a "
                 "dpmf.mechanisms.Factorization"
-            )
-        if strategy.noise is not None and not _inverts(strategy.noise, strategy.C):
-            raise ValueError(
-                f"strategy={strategy.label!r} is invalid: its noise correlation is not C⁻¹ (the noise "
-                "would not be the one its sensitivity and ε describe); build it with factorize(...) "
-                "or give noise=None"
-            )
-        if strategy.name == "identity" and not _is_identity(strategy.C):
-            raise ValueError(
-                "strategy is invalid: a Factorization named 'identity' is accounted as DP-SGD (C = I) "
-                "but its C is not the identity; give it another name, or use strategy='identity'"
             )
         setf("strategy", strategy)
         setf("scheme", scheme)
