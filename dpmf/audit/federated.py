@@ -83,6 +83,40 @@ def _audit_result(scores, included, claimed, delta, method, sig, kind) -> dict:
     }
 
 
+def _with_canary_slots(x, y, m: int):
+    """``x``, ``y`` with m placeholder rows appended: the canary slots N … N + m − 1 (the run's
+    plan, sampler and accounting cover N + m records; the audited step replaces the slots)."""
+    fill = np.arange(m) % int(y.shape[0])
+    return np.concatenate([x, x[fill]]), np.concatenate([y, y[fill]])
+
+
+def _instrument(privatizer, sampler, model, state: dict, n: int, *, orthonormal: bool) -> None:
+    """Make ``privatizer`` the audited step of ``dpmf.audit.private_audit`` for
+    ``state["count"]`` canary directions of norm ζ (orthonormal when ``orthonormal`` and m ≤ d:
+    each canary's projection then holds no other canary) and record every batch ``sampler``
+    draws (step → indices) for the scores."""
+    from dpmf.audit.private_audit import _audited_class
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    m, dim = state["count"], sum(p.numel() for p in params)
+    u = np.random.default_rng(state["directions_seed"]).standard_normal((m, dim))
+    if orthonormal and m <= dim:
+        u = np.linalg.qr(u.T)[0].T
+    u = u / np.linalg.norm(u, axis=1, keepdims=True) * privatizer.clip_norm
+    draws: dict = {}
+    draw = sampler.next
+
+    def recording_next():
+        t = int(sampler.step)
+        idx = draw()
+        draws[t] = np.asarray(idx, dtype=np.int64).copy()
+        return idx
+
+    sampler.next = recording_next
+    privatizer.__class__ = _audited_class(type(privatizer))
+    privatizer._canary_setup(torch.as_tensor(u, dtype=params[0].dtype), state["included"], n, draws, 0, 1)
+
+
 @contextlib.contextmanager
 def _canary_hooks(state: dict):
     from dpmf.federated import local
@@ -221,7 +255,6 @@ def audit_fl_clients(
 
 @contextlib.contextmanager
 def _record_hooks(state: dict):
-    from dpmf.audit.private_audit import _audited_class
     from dpmf.federated import local
 
     base = local.PrivateLocalRun
@@ -229,33 +262,14 @@ def _record_hooks(state: dict):
     class CanaryLocalRun(base):
         def __init__(self, x, y, model, **kwargs):
             audited = "run" not in state  # the first participant's run
+            n = int(y.shape[0])
             if audited:
-                m, n = state["count"], int(y.shape[0])
-                fill = np.arange(m) % n  # placeholder rows: the canary slots N_k … N_k + m − 1
-                x, y = np.concatenate([x, x[fill]]), np.concatenate([y, y[fill]])
+                x, y = _with_canary_slots(x, y, state["count"])
             super().__init__(x, y, model, **kwargs)
             if not audited:
                 return
             state["run"], state["real"] = self, n
-            dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            g = np.random.default_rng(state["directions_seed"])
-            u = g.standard_normal((state["count"], dim))
-            u = u / np.linalg.norm(u, axis=1, keepdims=True) * self.privatizer.clip_norm
-            p0 = next(p for p in model.parameters() if p.requires_grad)
-            directions = torch.as_tensor(u, dtype=p0.dtype)
-            draws: dict = {}
-            sampler, draw = self.sampler, self.sampler.next
-
-            def recording_next():
-                t = int(sampler.step)
-                idx = draw()
-                draws[t] = np.asarray(idx, dtype=np.int64).copy()
-                return idx
-
-            sampler.next = recording_next
-            pv = self.privatizer
-            pv.__class__ = _audited_class(type(pv))
-            pv._canary_setup(directions, state["included"], n, draws, 0, 1)
+            _instrument(self.privatizer, self.sampler, model, state, n, orthonormal=False)
 
     local.PrivateLocalRun = CanaryLocalRun
     try:
@@ -329,37 +343,16 @@ def audit_fl_records(
 
 @contextlib.contextmanager
 def _aggregator_hooks(state: dict):
-    from dpmf.audit.private_audit import _audited_class
     from dpmf.federated import local
 
     base = local.AggregatorDPSGD
 
     class CanaryAggregatorDPSGD(base):
         def __init__(self, x, y, model, **kwargs):
-            m, n = state["count"], int(y.shape[0])
-            fill = np.arange(m) % n  # placeholder rows: the canary slots N … N + m − 1
-            super().__init__(np.concatenate([x, x[fill]]), np.concatenate([y, y[fill]]), model, **kwargs)
+            n = int(y.shape[0])
+            super().__init__(*_with_canary_slots(x, y, state["count"]), model, **kwargs)
             state["dp"], state["real"] = self, n
-            dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            g = np.random.default_rng(state["directions_seed"])
-            u = g.standard_normal((m, dim))
-            if m <= dim:  # orthonormal: each canary's projection holds no other canary
-                u = np.linalg.qr(u.T)[0].T
-            u = u / np.linalg.norm(u, axis=1, keepdims=True) * self.clip_norm
-            p0 = next(p for p in model.parameters() if p.requires_grad)
-            draws: dict = {}
-            sampler, draw = self.sampler, self.sampler.next
-
-            def recording_next():
-                t = int(sampler.step)
-                idx = draw()
-                draws[t] = np.asarray(idx, dtype=np.int64).copy()
-                return idx
-
-            sampler.next = recording_next
-            pv = self.step.privatizer
-            pv.__class__ = _audited_class(type(pv))
-            pv._canary_setup(torch.as_tensor(u, dtype=p0.dtype), state["included"], n, draws, 0, 1)
+            _instrument(self.step.privatizer, self.sampler, model, state, n, orthonormal=True)
 
     local.AggregatorDPSGD = CanaryAggregatorDPSGD
     try:
