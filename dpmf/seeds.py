@@ -40,6 +40,7 @@ from dpmf._validation import check_int
 __all__ = [
     "DERIVATION",
     "KEY_BITS",
+    "KeyHolder",
     "NOTICE",
     "SeedPolicy",
     "check_seed",
@@ -142,8 +143,22 @@ def key_digest(key: int, salt: str) -> str:
     return hmac.new(bytes.fromhex(salt), _root(int(key)), hashlib.sha256).hexdigest()[:32]
 
 
+class KeyHolder:
+    """Base of every object that holds a run's key (the seed policy, noise streams, samplers,
+    privatizers, bound steps): pickling one is refused, since a pickle (``torch.save(obj)``,
+    joblib caches, ``multiprocessing``) would write the key to a file with the umask's mode.
+    A run's state goes to its checkpoint (0600) instead."""
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            f"{type(self).__name__} cannot be pickled or deep-copied: it holds the run's secret noise key; "
+            "save the run with its checkpoint (make_private's run.save(path), dpmf train's "
+            "checkpoint.pt: private 0600 files) and build the step again from its plan"
+        )
+
+
 @dataclass(frozen=True, repr=False)
-class SeedPolicy:
+class SeedPolicy(KeyHolder):
     """Where a run's key comes from: secret (drawn, default) or a given seed.
 
     Build with ``SeedPolicy.of(seed)``; its ``repr`` never shows the key.

@@ -345,3 +345,25 @@ def test_a_given_factorization_is_checked_once_not_on_every_derived_plan(monkeyp
     # a strategy built from its spec is never checked (consistent by construction)
     PrivatePlan(400, 40, steps=40, scheme="fixed_order", strategy="bisr:4").with_noise(1.0)
     assert calls["n"] == 1
+
+
+def test_objects_holding_the_key_refuse_pickling_so_it_never_reaches_a_world_readable_file():
+    import copy
+    import pickle
+
+    import torch
+    import torch.nn.functional as F
+
+    from dpmf import seeds
+
+    plan = PrivatePlan(100, 10, steps=20, strategy="bsr:4", scheme="fixed_order", noise_multiplier=1.0,
+                       clip_norm=1.0)  # fmt: skip
+    step = plan.private_step(torch.nn.Linear(3, 2), F.cross_entropy)
+    holders = [step, step.policy, step.noise, step.sampler, step.privatizer, seeds.SeedPolicy.of(None)]
+    for obj in holders:
+        with pytest.raises(TypeError, match="cannot be pickled or deep-copied: it holds the run's secret"):
+            pickle.dumps(obj)
+        with pytest.raises(TypeError, match="secret noise key"):
+            copy.deepcopy(obj)
+    # the plan itself holds no key and still pickles
+    assert pickle.loads(pickle.dumps(plan)).to_dict() == plan.to_dict()

@@ -26,7 +26,7 @@ __all__ = ["BoundPrivateStep", "build_private_step"]
 
 
 @dataclass(frozen=True, eq=False)
-class BoundPrivateStep:
+class BoundPrivateStep(seeds.KeyHolder):
     """A plan's sampler, noise stream and privatizer, bound together.
 
     Attributes:

@@ -74,6 +74,7 @@ from dpmf.mechanisms.streaming import (
     DenseInverseLayout,
     ToeplitzInverseLayout,
 )
+from dpmf.seeds import KeyHolder
 
 __all__ = [
     "CHUNK_ENTRIES",
@@ -160,7 +161,7 @@ class ChunkedKeys:
         return {"keys": "chunked", "chunk": self.chunk, "sizes": list(self.sizes), "owned": list(self.owned)}
 
 
-class CorrelatedNoise(ABC):
+class CorrelatedNoise(KeyHolder, ABC):
     """A stream y_0, y_1, … of d-dimensional noise with step covariance C⁻¹C⁻ᵀ (unit scale).
 
     Subclasses implement ``_next()`` and the state they hold. Use ``next()`` to get the

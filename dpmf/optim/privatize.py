@@ -40,6 +40,7 @@ from dpmf.optim.model_guard import (
     state_versions,
 )
 from dpmf.optim.noise import CorrelatedNoise
+from dpmf.seeds import KeyHolder
 
 __all__ = ["AUTO_MICRO_BATCH_ENTRIES", "PrivateStep", "Privatizer"]
 
@@ -86,7 +87,7 @@ def _clip_norm_of(plan, clip_norm) -> float:
     return clip_norm
 
 
-class Privatizer:
+class Privatizer(KeyHolder):
     """Writes the private gradient g̃_t into ``p.grad`` of every trainable parameter.
 
     Args:

@@ -42,6 +42,7 @@ import numpy as np
 
 from dpmf import seeds as _seeds
 from dpmf._validation import check_int
+from dpmf.seeds import KeyHolder
 
 __all__ = [
     "BatchSampler",
@@ -69,7 +70,7 @@ def steps_per_epoch(dataset_size: int, batch_size: int) -> int:
     return -(-n // b)
 
 
-class BatchSampler:
+class BatchSampler(KeyHolder):
     """Common part: N examples, T steps, a keyed generator, a step counter.
 
     Args:
