@@ -127,7 +127,7 @@ def run_audit(
     from dpmf.audit.mechanism import _possible_steps, likelihood_scores, precision_matrix
     from dpmf.optim import LearningRateSchedule
     from dpmf.optim.noise import ChunkedKeys
-    from dpmf.train.build import build_optimizer, draw_seed, resolve_device, sub_seed
+    from dpmf.train.build import build_optimizer, resolve_device, sub_seed
     from dpmf.train.config import TrainConfig
     from dpmf.train.data import load_dataset
     from dpmf.train.models import build_model

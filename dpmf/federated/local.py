@@ -280,7 +280,9 @@ class PrivateLocalRun:
             clip_norm=clip_norm,
         )
         self.step = plan.private_step(
-            model, F.cross_entropy, seed=seeds.SeedPolicy.adopt(seed, given=False),
+            model,
+            F.cross_entropy,
+            seed=seeds.SeedPolicy.adopt(seed, given=False),
             flags=ExecutionFlags(noise_keys="stream"),
         )
         self.sampler, self.privatizer = self.step.sampler, self.step.privatizer
@@ -378,10 +380,16 @@ class AggregatorDPSGD:
         n = int(y.shape[0])
         # one plan whose noise varies by segment of steps (the σ_t set by the clients' compliance)
         plan = PrivatePlan(
-            n, batch_size, steps=int(self.sigmas.size), noise_segments=_segments(self.sigmas), clip_norm=clip_norm
+            n,
+            batch_size,
+            steps=int(self.sigmas.size),
+            noise_segments=_segments(self.sigmas),
+            clip_norm=clip_norm,
         )
         self.step = plan.private_step(
-            model, F.cross_entropy, seed=seeds.SeedPolicy.adopt(seed, given=False),
+            model,
+            F.cross_entropy,
+            seed=seeds.SeedPolicy.adopt(seed, given=False),
             flags=ExecutionFlags(noise_keys="stream"),
         )
         self.sampler = self.step.sampler

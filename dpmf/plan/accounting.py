@@ -19,7 +19,15 @@ from dpmf.accountants.registry import accountants_for, get_accountant, make_acco
 from dpmf.accountants.result import Measurement, PrivacyResult
 from dpmf.plan.schemes import Poisson, check_sigma
 
-__all__ = ["account", "accountant_of", "account_segments", "calibrate", "max_steps", "max_batch_size", "privacy_result"]
+__all__ = [
+    "account",
+    "accountant_of",
+    "account_segments",
+    "calibrate",
+    "max_steps",
+    "max_batch_size",
+    "privacy_result",
+]
 
 
 def _check_plan(plan):
@@ -130,7 +138,9 @@ def account(
     plan = _check_plan(plan)
     sigma = check_sigma(plan.require_noise_multiplier() if noise_multiplier is None else noise_multiplier)
     delta = check_delta(delta, plan.dataset_size)
-    spec = accountant_of(plan, accountant, samples=samples, seed=seed, confidence=confidence, progress=progress)
+    spec = accountant_of(
+        plan, accountant, samples=samples, seed=seed, confidence=confidence, progress=progress
+    )
     meas = spec.build().epsilon(plan.event(sigma), delta)
     return privacy_result(plan, sigma, meas)
 
@@ -173,7 +183,9 @@ def calibrate(
     plan = _check_plan(plan)
     epsilon = check_real("epsilon", epsilon, low=0.0, low_inclusive=False)
     delta = check_delta(delta, plan.dataset_size)
-    spec = accountant_of(plan, accountant, samples=samples, seed=seed, confidence=confidence, progress=progress)
+    spec = accountant_of(
+        plan, accountant, samples=samples, seed=seed, confidence=confidence, progress=progress
+    )
     mc = {k: getattr(spec, k) for k in _MC_SETTINGS} if type(spec).randomized else {}
     if type(spec).randomized and mc["confidence"] is None:
         raise ValueError("confidence=None is invalid for calibrate: must be in (0, 1)")

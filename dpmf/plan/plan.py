@@ -29,8 +29,8 @@ from functools import cached_property
 
 import numpy as np
 
-from dpmf._memory import check_memory
 from dpmf import seeds
+from dpmf._memory import check_memory
 from dpmf._validation import check_int, check_real
 from dpmf.accountants.library import to_dp_event
 from dpmf.mechanisms.factorizations import Factorization
