@@ -122,7 +122,7 @@ def test_interrupt_before_any_epoch_does_not_promise_a_checkpoint(tmp_path, monk
 def test_a_non_finite_sensitivity_is_refused():
     n = 8
     big = ScaledToeplitz(np.full(n, 1e200))  # column norms overflow to inf
-    f = Factorization("custom", None, prefix_sum(n), big, ScaledToeplitz(np.eye(n)[0]))
+    f = Factorization("custom", None, prefix_sum(n), big)  # no noise field: C⁻¹ derived when needed
     with pytest.raises(ValueError, match="sensitivity.*finite"):
         PrivatePlan(80, 10, steps=n, scheme="single_release", strategy=f)
 
