@@ -266,7 +266,7 @@ def prefix_row_norms_sq(w, g) -> np.ndarray:
     if form is not None:
         return _row_norms_separable(g, form)
     y = None
-    if g.shape[0] > _POWER_MIN_BANDS:
+    if g.shape[0] > max(_POWER_MIN_BANDS, n // 16):  # a short g: the pairs are few
         power = inverse_power_form(w)
         y = None if power is None else power_cross_terms(w, g, power)
     if y is None:
