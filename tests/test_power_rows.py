@@ -59,6 +59,9 @@ def test_other_schedules_and_perturbed_values_have_no_form():
     # a form found from w, handed values that differ at one entry: refused, not approximated
     f = inverse_power_form(w)
     assert power_cross_terms(bumped, np.ones(8), f) is None
+    bumped[5000] = np.nan  # a NaN is not within any tolerance
+    bumped[1000] = w[1000]
+    assert power_cross_terms(bumped, np.ones(8), f) is None
     assert inverse_power_form(w[:100]) is None  # short: the divide and conquer is as fast
 
 
