@@ -32,11 +32,16 @@ from dpmf.federated.ledger import format_entry
 __all__ = ["parse_seeds", "run_seeds", "composition", "summarize", "mean_sd"]
 
 
+#: the most seeds (runs) one experiment takes; a range is checked before it is expanded
+MAX_SEEDS = 1000
+
+
 def parse_seeds(text: str) -> list[int]:
     """``0-4`` → [0, 1, 2, 3, 4]; ``0,2,5`` → [0, 2, 5]; ``3`` → [3].
 
     Raises:
-        ValueError: not a range or list of integers ≥ 0, a decreasing range, or repeats.
+        ValueError: not a range or list of integers ≥ 0, a decreasing range, repeats, or more
+            than ``MAX_SEEDS`` seeds.
     """
     t = str(text).strip()
     try:
@@ -44,13 +49,24 @@ def parse_seeds(text: str) -> list[int]:
             a, b = (int(v) for v in t.split("-", 1))
             if a < 0 or b < a:
                 raise ValueError
+            if b - a + 1 > MAX_SEEDS:
+                raise OverflowError(b - a + 1)
             seeds = list(range(a, b + 1))
         else:
             seeds = [int(v) for v in t.split(",")]  # an empty item (0,,2) is refused
+    except OverflowError as count:
+        raise ValueError(
+            f"seeds={text!r} is invalid: {count} runs (one federated run per seed), allowed up to "
+            f"{MAX_SEEDS}; give a shorter range"
+        ) from None
     except ValueError:
         raise ValueError(
             f"seeds={text!r} is invalid: give a range A-B (A <= B) or a list like 0,1,2"
         ) from None
+    if len(seeds) > MAX_SEEDS:
+        raise ValueError(
+            f"seeds={text!r} is invalid: {len(seeds)} runs, allowed up to {MAX_SEEDS}; give fewer seeds"
+        )
     if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
         raise ValueError(f"seeds={text!r} is invalid: seeds must be distinct integers >= 0")
     return seeds

@@ -140,11 +140,28 @@ def _inverts(noise, C) -> bool:
 _CHECKED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
+def _built_in_factorization_types() -> tuple[type, ...]:
+    """The ``Factorization`` classes dpmf defines (a subclass may stream its own noise)."""
+    from dpmf.mechanisms.blt import BLTFactorization
+    from dpmf.mechanisms.lcgd import LCGDFactorization
+
+    return (Factorization, BLTFactorization, LCGDFactorization)
+
+
 def _check_given_strategy(strategy: Factorization) -> None:
-    """Refuse a given ``Factorization`` whose noise correlation is not C⁻¹, or one named
-    ``identity`` whose C is not I (each would add other noise than its accounting describes)."""
+    """Refuse a given ``Factorization`` whose noise correlation is not C⁻¹, one named
+    ``identity`` whose C is not I, or an instance of a subclass dpmf does not define (its
+    ``noise_layout`` or matrices may differ from what they report): each would add other noise
+    than its accounting describes."""
     if _CHECKED.get(id(strategy)) is strategy:
         return
+    if type(strategy) not in _built_in_factorization_types():
+        raise ValueError(
+            f"strategy is invalid: a {type(strategy).__name__} (a subclass of Factorization that "
+            "dpmf does not define) may stream other noise than the C⁻¹ its sensitivity and ε "
+            "describe; give a plain Factorization(name, bands, workload, C, noise=C⁻¹) or register "
+            "a builder with register_strategy"
+        )
     if strategy.noise is not None and not _inverts(strategy.noise, strategy.C):
         raise ValueError(
             f"strategy={strategy.label!r} is invalid: its noise correlation is not C⁻¹ (the noise "

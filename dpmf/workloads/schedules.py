@@ -105,8 +105,12 @@ class Schedule:
             chi = beta + (1.0 - beta) * (1.0 - tau) ** self.power
         else:  # inverse_power
             g = self.power
-            tail = float(n) ** (-g)
-            chi = beta + (1.0 - beta) * (t ** (-g) - tail) / (1.0 - tail)
+            if g * np.log(n) > 1e-3:
+                tail = float(n) ** (-g)
+                chi = beta + (1.0 - beta) * (t ** (-g) - tail) / (1.0 - tail)
+            else:  # 1 − n^{−γ} cancels: n^{−γ}·(e^{γ ln(n/t)} − 1)/(1 − e^{−γ ln n}) by expm1
+                frac = np.exp(-g * np.log(n)) * np.expm1(g * np.log(n / t)) / -np.expm1(-g * np.log(n))
+                chi = beta + (1.0 - beta) * frac
         chi[0], chi[-1] = 1.0, beta
         return chi
 
