@@ -289,14 +289,15 @@ def _get(module: nn.Module, dotted: str) -> torch.Tensor:
 class _Engine:
     """Hooks on every module owning trainable parameters, for one clipped sum."""
 
-    def __init__(self, model: nn.Module, names: list[str], named: dict | None = None):
+    def __init__(self, model: nn.Module, names: list[str], named: dict | None = None, modules=None):
         self.model = model
         self.trainable = set(names)
         self.layers: list[_Layer] = []
         named = dict(model.named_parameters()) if named is None else named
         canonical = {id(p): n for n, p in named.items()}  # a tied tensor: its first name
         by_param: dict[str, list[_Layer]] = {}
-        for mname, m in model.named_modules():  # a shared module once: its uses are its calls
+        modules = model.named_modules() if modules is None else modules  # (name, module), as named_modules()
+        for mname, m in modules:  # a shared module once: its uses are its calls
             own = [  # its own parameters, as named_parameters(recurse=False) without the generator
                 (canonical[id(p)], a)
                 for a, p in m._parameters.items()
@@ -669,6 +670,7 @@ def ghost_clipped_sum(
     method: str,
     subset_gradients: Callable,
     allow_fallback: bool = True,
+    walk=None,
 ) -> GhostResult | None:
     """Σ_i clip_ζ(g_i) for one micro-batch by ghost norms and ``method`` ("ghost" or "bk").
 
@@ -682,6 +684,8 @@ def ghost_clipped_sum(
             per-example gradients of those parameters (with the same plan).
         allow_fallback: when False, return None as soon as a parameter needs the whole-model
             path (the caller then uses that path for every parameter).
+        walk: a ``dpmf.optim.model_guard.ModelWalk`` of ``model`` taken now (its modules and
+            parameters; None: ``named_modules()`` and ``named_parameters()``).
 
     Returns:
         ``GhostResult``, or None (only with ``allow_fallback=False``). When a norm is not
@@ -699,13 +703,14 @@ def ghost_clipped_sum(
     if method not in ("ghost", "bk"):
         raise ValueError(f"method={method!r} is invalid: must be 'ghost' or 'bk'")
     points = plan if plan is not None else [(1.0, None)]
-    named = dict(model.named_parameters())
+    named = dict(model.named_parameters() if walk is None else walk.unique_params)
     dtype = torch.float64 if named[names[0]].dtype == torch.float64 else torch.float32
     lead = _batch_tensor(inputs)
     device = lead.device
     b = int(lead.shape[0])
     autocast_on = torch.is_autocast_enabled(device.type)
-    with torch.enable_grad(), _Engine(model, names, named) as engine:
+    modules = None if walk is None else walk.unique_modules
+    with torch.enable_grad(), _Engine(model, names, named, modules) as engine:
         if b > 1:
             bad = _probe(model, engine, inputs, plan)
             for layer in engine.layers:
