@@ -259,15 +259,17 @@ def state_versions(model: nn.Module, walk: ModelWalk | None = None) -> list:
     walk = ModelWalk(model) if walk is None else walk
     params, buffers = walk.params, walk.buffers
     out = [(n, p, p._version, p.data_ptr(), None) for n, p in params]
+    f64 = torch.float64
     with torch.no_grad():
         out += [(n, b, b._version, b.data_ptr(), b.clone()) for n, b in buffers]
         once: dict[int, torch.Tensor] = {}  # a tied tensor listed under several names: one sum
         sums = []
         for _, p in params:
-            if p.dtype.is_floating_point:
-                if id(p) not in once:
-                    once[id(p)] = p.sum(dtype=torch.float64)
-                sums.append(once[id(p)])
+            if p.is_floating_point():
+                s = once.get(id(p))
+                if s is None:
+                    s = once[id(p)] = p.sum(dtype=f64)
+                sums.append(s)
         out.append(("", None, 0, 0, torch.stack(sums) if sums else None))
     return out
 
