@@ -485,6 +485,7 @@ class _Handler:
         self.tied = set(tied)  # attributes whose parameter is tied: instantiated by the engine
         self.state = None
         self.attrs = [a for _, a in layer.params if a not in self.tied]
+        self.names = {a: q for q, a in layer.params}  # attribute → model-level name
         self.zero = False
 
     @property
@@ -495,36 +496,44 @@ class _Handler:
     def calls(self):
         return [c for c in self.layer.calls if c.grad is not None]
 
-    @torch.no_grad()  # a handler reading a parameter's value must not put the norms in the graph
     def sq_norms(self) -> dict[str, torch.Tensor]:
+        # a handler reading a parameter's value must not put the norms in the graph (in the
+        # backward, where most layers are done, grad mode is already off)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._sq_norms()
+        return self._sq_norms()
+
+    def _sq_norms(self) -> dict[str, torch.Tensor]:
         layer = self.layer
-        if not self.calls():
+        calls = self.calls()
+        if not calls:
             c0 = layer.calls[0].inputs[0]
             self.zero = True
             zero = torch.zeros(c0.shape[0], dtype=torch.float64, device=c0.device)
             return {q: zero for q, _ in layer.params}
         if not self.attrs:
             return {}
-        out = self._sq(self.dtype)
+        out = self._sq(self.dtype, calls)
         # one check for all: a sum of squared norms (≥ 0, no cancellation) is finite iff each is
         finite = not out or math.isfinite(float(_total_sum(out.values())))
         if not finite and self.dtype != torch.float64:
             self.dtype = torch.float64
-            out = self._sq(self.dtype)  # overflow of a finite gradient's square
-        names = {a: q for q, a in layer.params}
+            out = self._sq(self.dtype, calls)  # overflow of a finite gradient's square
+        names = self.names
         return {names[a]: v if v.dtype == torch.float64 else v.double() for a, v in out.items()}
 
-    def _sq(self, dtype):
+    def _sq(self, dtype, calls):
         h, m = self.layer.handler, self.layer.module
         if h is None:
             sums = {}
-            for c in self.calls():
+            for c in calls:
                 for a, v in self._generic_grads(c).items():
                     sums[a] = v if a not in sums else sums[a] + v
             per = {a: sums[a].to(dtype) for a in self.attrs}
             self.state = per
             return {a: _sq(v.reshape(v.shape[0], -1), 1) for a, v in per.items()}
-        sq, self.state = h.sq_norms(m, self.calls(), list(self.attrs), dtype)
+        sq, self.state = h.sq_norms(m, calls, list(self.attrs), dtype)
         return sq
 
     @torch.no_grad()
@@ -551,11 +560,16 @@ class _Handler:
             trainable, call.inputs[0], call.grad
         )
 
-    @torch.no_grad()
     def summed(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
         """Σ_i c_i·g_i for each (untied) trainable parameter of the layer (book-keeping)."""
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._summed(factors)
+        return self._summed(factors)
+
+    def _summed(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
         m = self.layer.module
-        names = {a: q for q, a in self.layer.params}
+        names = self.names
         if self.zero:
             return {names[a]: torch.zeros_like(_get(m, a)) for a in self.attrs}
         if not self.attrs:

@@ -113,6 +113,8 @@ class _Rekeyed:
 
     __slots__ = ("bits", "gen")
 
+    _ZEROS = np.zeros(4, dtype=np.uint64)  # counter and buffer (the state setter copies them)
+
     def __init__(self):
         self.bits = np.random.Philox(key=0)
         self.gen = np.random.Generator(self.bits)
@@ -122,10 +124,10 @@ class _Rekeyed:
         self.bits.state = {
             "bit_generator": "Philox",
             "state": {
-                "counter": np.zeros(4, dtype=np.uint64),
+                "counter": self._ZEROS,
                 "key": np.array([subkey & _MASK64, subkey >> 64], dtype=np.uint64),
             },
-            "buffer": np.zeros(4, dtype=np.uint64),
+            "buffer": self._ZEROS,
             "buffer_pos": 4,
             "has_uint32": 0,
             "uinteger": 0,
@@ -233,13 +235,14 @@ class CorrelatedNoise(KeyHolder, ABC):
         self.work_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
         self.step = 0
         self._np_dtype = np.float32 if self.work_dtype == torch.float32 else np.float64
+        self._rekeyed = _Rekeyed()
 
     # -- raw noise ------------------------------------------------------------------------
     def raw_noise(self, step: int) -> torch.Tensor:
         """z_step ~ N(0, I_d), regenerated exactly from (key, step) — or, with ``ChunkedKeys``,
         chunk by chunk from (key, step, parameter, chunk). Shape (d,)."""
         out = np.empty(self.dim, dtype=self._np_dtype)
-        keyed = _Rekeyed()  # the generators of raw_generator(self.seed, step, …), re-keyed in place
+        keyed = self._rekeyed  # the generators of raw_generator(self.seed, step, …), re-keyed in place
         if self.keys is None:
             keyed(self.seed, step).standard_normal(out=out, dtype=self._np_dtype)
         else:
