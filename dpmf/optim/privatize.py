@@ -371,11 +371,20 @@ class Privatizer(KeyHolder):
         """Add σζs·(C⁻¹Z)_t to the clipped sums, divide by B̄, and set ``p.grad``; returns the
         parameters whose gradient was written (all of them here)."""
         z = self.noise.next()
-        offset = 0
-        for p, s in zip(params, sums, strict=True):
+        if len(params) != len(sums):
+            raise ValueError(f"sums are invalid: {len(sums)} tensors for {len(params)} parameters")
+        parts, offset = [], 0
+        for p in params:
             k = p.numel()
-            s.add_(z[offset : offset + k].view_as(p), alpha=self.noise_std).div_(self.expected_batch_size)
+            parts.append(z[offset : offset + k].view_as(p))
             offset += k
+        if z.device.type == "cpu":  # one call each (per tensor the same add_ and div_ kernels)
+            torch._foreach_add_(sums, parts, alpha=self.noise_std)
+            torch._foreach_div_(sums, self.expected_batch_size)
+        else:
+            for s, part in zip(sums, parts, strict=True):
+                s.add_(part, alpha=self.noise_std).div_(self.expected_batch_size)
+        for p, s in zip(params, sums, strict=True):
             p.grad = s
         return params
 
