@@ -165,13 +165,13 @@ class ModelStructure:
         self._optimizer = None
         self._groups: tuple = ()
 
-    def _snapshot(self, walk: ModelWalk | None = None) -> tuple[tuple, tuple]:
+    def _snapshot(self, walk: ModelWalk | None = None) -> tuple[list, list]:
         """((name, id, shape, requires_grad) of every parameter as ``named_parameters()`` lists
         them, (name, id) of every submodule as ``named_modules()``), from ``walk`` (a walk of
         the model taken now; None: a new one)."""
         walk = ModelWalk(self.model) if walk is None else walk
-        params = tuple((n, id(p), tuple(p.shape), p.requires_grad) for n, p in walk.unique_params)
-        return params, tuple((n, id(m)) for n, m in walk.unique_modules)
+        params = [(n, id(p), p.shape, p.requires_grad) for n, p in walk.unique_params]
+        return params, [(n, id(m)) for n, m in walk.unique_modules]
 
     def bind(self, optimizer) -> None:
         """Record ``optimizer``'s parameter groups too (checked by ``check``)."""
@@ -230,7 +230,7 @@ class ModelStructure:
             if n not in old:
                 what = f"parameter {n!r} was added"
             elif old[n][1] != s:
-                what = f"parameter {n!r} was replaced (shape {old[n][1]} → {s})"
+                what = f"parameter {n!r} was replaced (shape {tuple(old[n][1])} → {tuple(s)})"
             elif old[n][0] != i:
                 what = f"parameter {n!r} was replaced by another tensor"
             elif old[n][2] != g:
@@ -315,6 +315,8 @@ def check_state_unchanged(model: nn.Module, before: list, during: str, step: int
                 break
         else:
             for (n, *_, c), (*_, c2) in zip(before, after, strict=True):
+                if c is None and c2 is None:  # a parameter: its content is in the sums (last entry)
+                    continue
                 if not _same_content(c, c2):  # a write through .data
                     changed = n or _changed_parameter(model, before[-1][4], after[-1][4])
                     break
