@@ -409,7 +409,9 @@ def clipped_sum(
                 continue  # this micro-batch again, at the vmap path's size
             else:
                 norms, grads = got
-                if not bool(torch.isfinite(norms[0]).all()):
+                # ghost_clipped_sum sums nothing (no grads) exactly when a norm is not finite:
+                # its own check on the norms is not repeated here
+                if not grads:
                     bad = [n for n in names if not bool(torch.isfinite(norms[1][n]).all())]
                     _raise_non_finite(bad, norms[0], start, step, example_ids)
                 for k, n in enumerate(names):
