@@ -84,7 +84,7 @@ from torch.func import functional_call, grad, vmap
 from torch.overrides import TorchFunctionMode
 
 from dpmf.optim.choices import CLIPPING_MODES
-from dpmf.optim.ghost_layers import ClippingHandler, _sq, clipping_handler
+from dpmf.optim.ghost_layers import ClippingHandler, _as, _sq, clipping_handler
 from dpmf.optim.ghost_tied import TiedEmbeddingLinear, tied_embedding_linear
 
 __all__ = ["CLIPPING_MODES", "GhostResult", "ghost_clipped_sum", "ghost_layer_kinds"]
@@ -574,7 +574,7 @@ class _Handler:
             return {names[a]: torch.zeros_like(_get(m, a)) for a in self.attrs}
         if not self.attrs:
             return {}
-        c = factors.to(self.dtype)
+        c = _as(factors, self.dtype)
         h = self.layer.handler
         if h is None:
             got = {a: torch.tensordot(c, self.state[a], dims=1) for a in self.attrs}
@@ -582,8 +582,10 @@ class _Handler:
             got = h.clipped_sum(m, self.state, c, list(self.attrs), self.dtype)
         out = {}
         for a in self.attrs:
-            p = _get(m, a)
-            out[names[a]] = got[a].reshape(p.shape).to(p.dtype)
+            p, g = _get(m, a), got[a]
+            if g.shape != p.shape:
+                g = g.reshape(p.shape)
+            out[names[a]] = _as(g, p.dtype)
         return out
 
 

@@ -279,7 +279,7 @@ class LinearHandler(ClippingHandler):
 
     def clipped_sum(self, module, state, factors, attrs, dtype):
         out = {}
-        c = factors.to(dtype)
+        c = _as(factors, dtype)
         for a in attrs:
             entry = state[a]
             if entry[0] == "ghost":
