@@ -37,6 +37,7 @@ from torch.func import functional_call, grad, vmap
 
 from dpmf._validation import check_choice, check_int, check_real
 from dpmf.optim.ghost import CLIPPING_MODES, ghost_clipped_sum
+from dpmf.optim.model_guard import ModelWalk
 
 __all__ = [
     "NonFiniteGradientError",
@@ -102,7 +103,7 @@ class ClippedSum:
 _BATCH_COUPLED = (nn.modules.batchnorm._BatchNorm,)
 
 
-def check_per_example_safe(model: nn.Module) -> None:
+def check_per_example_safe(model: nn.Module, walk: ModelWalk | None = None) -> None:
     """Refuse a model whose layers couple the examples of a batch.
 
     BatchNorm (any ``_BatchNorm`` subclass, including SyncBatchNorm and the lazy variants)
@@ -113,6 +114,9 @@ def check_per_example_safe(model: nn.Module) -> None:
     noise, exactly the rows of the batch's tokens. (Any other write to a parameter or buffer
     during the private forward is caught at the step by ``dpmf.optim.model_guard``.)
 
+    Args:
+        walk: a ``dpmf.optim.model_guard.ModelWalk`` of ``model`` taken now (None: a new one).
+
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
         ValueError: naming every offending module and the fix (GroupNorm, or LayerNorm;
@@ -120,8 +124,9 @@ def check_per_example_safe(model: nn.Module) -> None:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model={type(model).__name__} is invalid: must be a torch.nn.Module")
+    walk = ModelWalk(model) if walk is None else walk
     bad = []
-    for name, module in model.named_modules():
+    for name, module in walk.unique_modules:
         if isinstance(module, _BATCH_COUPLED):
             bad.append(f"{name or '<model>'} ({type(module).__name__})")
         elif isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats:
@@ -138,16 +143,20 @@ def check_per_example_safe(model: nn.Module) -> None:
         )
 
 
-def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The (name, parameter) pairs with ``requires_grad`` — the ones clipped and noised.
+def trainable_parameters(model: nn.Module, walk: ModelWalk | None = None) -> list[tuple[str, nn.Parameter]]:
+    """The (name, parameter) pairs with ``requires_grad`` — the ones clipped and noised — in
+    the order of ``named_parameters()``.
 
     Frozen parameters (``requires_grad=False``) are skipped: they get no gradient, no noise and
     do not count towards the clipping norm.
 
+    Args:
+        walk: a ``dpmf.optim.model_guard.ModelWalk`` of ``model`` taken now (None: a new one).
+
     Raises:
         ValueError: the model has no trainable parameter.
     """
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    named = (ModelWalk(model) if walk is None else walk).trainable()
     if not named:
         raise ValueError("model is invalid: it has no trainable parameter (requires_grad=True)")
     return named
@@ -277,6 +286,7 @@ def clipped_sum(
     points=None,
     clipping: str = "auto",
     micro_batch_entries: int | None = None,
+    walk: ModelWalk | None = None,
 ) -> ClippedSum:
     """Σ_i clip_ζ(∇ℓ(θ; x_i)) over a logical batch, in micro-batches.
 
@@ -330,6 +340,8 @@ def clipped_sum(
             (d trainable entries); ghost and book-keeping, whose memory is that of the
             activations (plus b·p·d for the layers whose per-example gradient is
             instantiated), take the whole batch. None: the whole batch for every method.
+        walk: a ``dpmf.optim.model_guard.ModelWalk`` of ``model`` taken now, by a caller that
+            walked the model for its own checks (``Privatizer``); None: a new one.
 
     Returns:
         ``ClippedSum`` with one summed tensor per trainable parameter.
@@ -364,10 +376,11 @@ def clipped_sum(
         micro_batch_size = check_int("micro_batch_size", micro_batch_size, minimum=1)
     if micro_batch_entries is not None:
         micro_batch_entries = check_int("micro_batch_entries", micro_batch_entries, minimum=1)
-    check_per_example_safe(model)
+    walk = ModelWalk(model) if walk is None else walk
+    check_per_example_safe(model, walk)
     if batch != target_batch:
         raise ValueError(f"inputs and targets are invalid: batch sizes differ ({batch} vs {target_batch})")
-    named = trainable_parameters(model)
+    named = trainable_parameters(model, walk)
     names = [n for n, _ in named]
     plan = _check_points(points, named)
     if micro_batch_size is None:
@@ -387,14 +400,18 @@ def clipped_sum(
         stop = min(start + (vmap_micro if used == "vmap" else micro_batch_size), batch)
         x, y = _slice(inputs, start, stop), _slice(targets, start, stop)
         if used != "vmap":
-            got = _ghost_micro_batch(model, loss_fn, x, y, clip_norm, names, plan, used, clipping == "auto")
+            got = _ghost_micro_batch(
+                model, loss_fn, x, y, clip_norm, names, plan, used, clipping == "auto", walk
+            )
             if got is None:  # auto: a parameter needs the whole-model path; use it for all
                 _AUTO_VMAP.setdefault(model, {})[_signature(inputs, names, model)] = True
                 used = "vmap"
                 continue  # this micro-batch again, at the vmap path's size
             else:
                 norms, grads = got
-                if not bool(torch.isfinite(norms[0]).all()):
+                # ghost_clipped_sum sums nothing (no grads) exactly when a norm is not finite:
+                # its own check on the norms is not repeated here
+                if not grads:
                     bad = [n for n in names if not bool(torch.isfinite(norms[1][n]).all())]
                     _raise_non_finite(bad, norms[0], start, step, example_ids)
                 for k, n in enumerate(names):
@@ -520,7 +537,7 @@ def _signature(inputs, names, model):
     return (tuple(inputs.shape[1:]), inputs.dtype, tuple(names), model.training)
 
 
-def _ghost_micro_batch(model, loss_fn, x, y, clip_norm, names, plan, method, auto):
+def _ghost_micro_batch(model, loss_fn, x, y, clip_norm, names, plan, method, auto, walk=None):
     """((norms, parameter name → per-example squared norms), grads) by ghost norms, or None
     (auto fallback)."""
 
@@ -538,6 +555,7 @@ def _ghost_micro_batch(model, loss_fn, x, y, clip_norm, names, plan, method, aut
         method=method,
         subset_gradients=subset,
         allow_fallback=not auto,
+        walk=walk,
     )
     if res is None:
         return None

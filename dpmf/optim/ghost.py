@@ -84,7 +84,7 @@ from torch.func import functional_call, grad, vmap
 from torch.overrides import TorchFunctionMode
 
 from dpmf.optim.choices import CLIPPING_MODES
-from dpmf.optim.ghost_layers import ClippingHandler, _sq, clipping_handler
+from dpmf.optim.ghost_layers import ClippingHandler, _as, _sq, clipping_handler
 from dpmf.optim.ghost_tied import TiedEmbeddingLinear, tied_embedding_linear
 
 __all__ = ["CLIPPING_MODES", "GhostResult", "ghost_clipped_sum", "ghost_layer_kinds"]
@@ -289,14 +289,15 @@ def _get(module: nn.Module, dotted: str) -> torch.Tensor:
 class _Engine:
     """Hooks on every module owning trainable parameters, for one clipped sum."""
 
-    def __init__(self, model: nn.Module, names: list[str], named: dict | None = None):
+    def __init__(self, model: nn.Module, names: list[str], named: dict | None = None, modules=None):
         self.model = model
         self.trainable = set(names)
         self.layers: list[_Layer] = []
         named = dict(model.named_parameters()) if named is None else named
         canonical = {id(p): n for n, p in named.items()}  # a tied tensor: its first name
         by_param: dict[str, list[_Layer]] = {}
-        for mname, m in model.named_modules():  # a shared module once: its uses are its calls
+        modules = model.named_modules() if modules is None else modules  # (name, module), as named_modules()
+        for mname, m in modules:  # a shared module once: its uses are its calls
             own = [  # its own parameters, as named_parameters(recurse=False) without the generator
                 (canonical[id(p)], a)
                 for a, p in m._parameters.items()
@@ -484,6 +485,7 @@ class _Handler:
         self.tied = set(tied)  # attributes whose parameter is tied: instantiated by the engine
         self.state = None
         self.attrs = [a for _, a in layer.params if a not in self.tied]
+        self.names = {a: q for q, a in layer.params}  # attribute → model-level name
         self.zero = False
 
     @property
@@ -494,36 +496,44 @@ class _Handler:
     def calls(self):
         return [c for c in self.layer.calls if c.grad is not None]
 
-    @torch.no_grad()  # a handler reading a parameter's value must not put the norms in the graph
     def sq_norms(self) -> dict[str, torch.Tensor]:
+        # a handler reading a parameter's value must not put the norms in the graph (in the
+        # backward, where most layers are done, grad mode is already off)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._sq_norms()
+        return self._sq_norms()
+
+    def _sq_norms(self) -> dict[str, torch.Tensor]:
         layer = self.layer
-        if not self.calls():
+        calls = self.calls()
+        if not calls:
             c0 = layer.calls[0].inputs[0]
             self.zero = True
             zero = torch.zeros(c0.shape[0], dtype=torch.float64, device=c0.device)
             return {q: zero for q, _ in layer.params}
         if not self.attrs:
             return {}
-        out = self._sq(self.dtype)
+        out = self._sq(self.dtype, calls)
         # one check for all: a sum of squared norms (≥ 0, no cancellation) is finite iff each is
         finite = not out or math.isfinite(float(_total_sum(out.values())))
         if not finite and self.dtype != torch.float64:
             self.dtype = torch.float64
-            out = self._sq(self.dtype)  # overflow of a finite gradient's square
-        names = {a: q for q, a in layer.params}
+            out = self._sq(self.dtype, calls)  # overflow of a finite gradient's square
+        names = self.names
         return {names[a]: v if v.dtype == torch.float64 else v.double() for a, v in out.items()}
 
-    def _sq(self, dtype):
+    def _sq(self, dtype, calls):
         h, m = self.layer.handler, self.layer.module
         if h is None:
             sums = {}
-            for c in self.calls():
+            for c in calls:
                 for a, v in self._generic_grads(c).items():
                     sums[a] = v if a not in sums else sums[a] + v
             per = {a: sums[a].to(dtype) for a in self.attrs}
             self.state = per
             return {a: _sq(v.reshape(v.shape[0], -1), 1) for a, v in per.items()}
-        sq, self.state = h.sq_norms(m, self.calls(), list(self.attrs), dtype)
+        sq, self.state = h.sq_norms(m, calls, list(self.attrs), dtype)
         return sq
 
     @torch.no_grad()
@@ -550,16 +560,21 @@ class _Handler:
             trainable, call.inputs[0], call.grad
         )
 
-    @torch.no_grad()
     def summed(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
         """Σ_i c_i·g_i for each (untied) trainable parameter of the layer (book-keeping)."""
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._summed(factors)
+        return self._summed(factors)
+
+    def _summed(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
         m = self.layer.module
-        names = {a: q for q, a in self.layer.params}
+        names = self.names
         if self.zero:
             return {names[a]: torch.zeros_like(_get(m, a)) for a in self.attrs}
         if not self.attrs:
             return {}
-        c = factors.to(self.dtype)
+        c = _as(factors, self.dtype)
         h = self.layer.handler
         if h is None:
             got = {a: torch.tensordot(c, self.state[a], dims=1) for a in self.attrs}
@@ -567,8 +582,10 @@ class _Handler:
             got = h.clipped_sum(m, self.state, c, list(self.attrs), self.dtype)
         out = {}
         for a in self.attrs:
-            p = _get(m, a)
-            out[names[a]] = got[a].reshape(p.shape).to(p.dtype)
+            p, g = _get(m, a), got[a]
+            if g.shape != p.shape:
+                g = g.reshape(p.shape)
+            out[names[a]] = _as(g, p.dtype)
         return out
 
 
@@ -669,6 +686,7 @@ def ghost_clipped_sum(
     method: str,
     subset_gradients: Callable,
     allow_fallback: bool = True,
+    walk=None,
 ) -> GhostResult | None:
     """Σ_i clip_ζ(g_i) for one micro-batch by ghost norms and ``method`` ("ghost" or "bk").
 
@@ -682,6 +700,8 @@ def ghost_clipped_sum(
             per-example gradients of those parameters (with the same plan).
         allow_fallback: when False, return None as soon as a parameter needs the whole-model
             path (the caller then uses that path for every parameter).
+        walk: a ``dpmf.optim.model_guard.ModelWalk`` of ``model`` taken now (its modules and
+            parameters; None: ``named_modules()`` and ``named_parameters()``).
 
     Returns:
         ``GhostResult``, or None (only with ``allow_fallback=False``). When a norm is not
@@ -699,13 +719,14 @@ def ghost_clipped_sum(
     if method not in ("ghost", "bk"):
         raise ValueError(f"method={method!r} is invalid: must be 'ghost' or 'bk'")
     points = plan if plan is not None else [(1.0, None)]
-    named = dict(model.named_parameters())
+    named = dict(model.named_parameters() if walk is None else walk.unique_params)
     dtype = torch.float64 if named[names[0]].dtype == torch.float64 else torch.float32
     lead = _batch_tensor(inputs)
     device = lead.device
     b = int(lead.shape[0])
     autocast_on = torch.is_autocast_enabled(device.type)
-    with torch.enable_grad(), _Engine(model, names, named) as engine:
+    modules = None if walk is None else walk.unique_modules
+    with torch.enable_grad(), _Engine(model, names, named, modules) as engine:
         if b > 1:
             bad = _probe(model, engine, inputs, plan)
             for layer in engine.layers:
@@ -743,7 +764,10 @@ def ghost_clipped_sum(
                 layer.fallback = "its dim 0 does not follow the examples"
         if not allow_fallback and any(layer.fallback for layer in engine.layers):
             return None
-        total = sum(w * ell.sum() for (w, _), ell in zip(points, losses, strict=True))
+        if len(points) == 1 and points[0][0] == 1.0:  # one point of weight 1: no scaling nodes
+            total = losses[0].sum()
+        else:
+            total = sum(w * ell.sum() for (w, _), ell in zip(points, losses, strict=True))
         keep = method == "ghost"
         engine.process_early(b, dtype, device.type if autocast_on else None)
         if total.requires_grad:

@@ -265,7 +265,10 @@ class LinearHandler(ClippingHandler):
                 out["weight"] = _gram_sq(a, g)
                 state["weight"] = ("ghost", a, g)
             else:
-                w = _total(self.weight_per_example(module, c, dtype) for c in calls)
+                if len(calls) == 1:
+                    w = self.weight_per_example(module, calls[0], dtype)
+                else:
+                    w = _total(self.weight_per_example(module, c, dtype) for c in calls)
                 out["weight"] = _sq(w, tuple(range(1, w.dim())))  # no copy of a transposed view
                 state["weight"] = ("inst", w)
         if "bias" in attrs:
@@ -276,9 +279,9 @@ class LinearHandler(ClippingHandler):
 
     def clipped_sum(self, module, state, factors, attrs, dtype):
         out = {}
+        c = _as(factors, dtype)
         for a in attrs:
             entry = state[a]
-            c = factors.to(dtype)
             if entry[0] == "ghost":
                 _, x, g = entry
                 out[a] = self.from_ghost(module, torch.einsum("bgtp,bgtd->gpd", g * c.view(-1, 1, 1, 1), x))

@@ -36,6 +36,7 @@ from dpmf.optim.ghost import CLIPPING_MODES
 from dpmf.optim.model_guard import (
     ModelStateChangedError,
     ModelStructure,
+    ModelWalk,
     check_state_unchanged,
     state_versions,
 )
@@ -303,7 +304,8 @@ class Privatizer(KeyHolder):
                 and the step does not advance.
         """
         t = self.noise.step
-        self.structure.check("private step")
+        walk = ModelWalk(self.model)  # one walk for the checks before the forward (read only)
+        self.structure.check("private step", walk)
         if self.plan.noise_segments is not None and t < self.plan.steps:  # σ of t's segment
             self.noise_multiplier = self.plan.noise_multiplier_at(t)
         if self.drawn is not None:
@@ -311,7 +313,8 @@ class Privatizer(KeyHolder):
                 self.drawn.check(t, inputs, targets, example_ids)
             else:
                 self.drawn.check(t, handed_out, None, example_ids)
-        before = state_versions(self.model)
+        before = state_versions(self.model, walk)
+        named = trainable_parameters(self.model, walk)
         try:
             summed = clipped_sum(
                 self.model,
@@ -325,6 +328,7 @@ class Privatizer(KeyHolder):
                 example_ids=example_ids,
                 points=points,
                 clipping=self.clipping,
+                walk=walk,
             )
         except RuntimeError as err:  # torch.func refuses some in-place writes itself
             check_state_unchanged(self.model, before, "the private forward/backward", t)
@@ -337,7 +341,9 @@ class Privatizer(KeyHolder):
                 ) from err
             raise
         check_state_unchanged(self.model, before, "the private forward/backward", t)
-        params = [p for _, p in trainable_parameters(self.model)]
+        # the parameters of the sums: those of the walk (the check above saw every parameter
+        # still in place; a requires_grad changed meanwhile is refused by the optimizer's step)
+        params = [p for _, p in named]
         written = self._release(params, list(summed.grads))
         batch_size, clipped, norm_sum = self._batch_figures(summed)
         scale = self.noise_std
@@ -365,11 +371,20 @@ class Privatizer(KeyHolder):
         """Add σζs·(C⁻¹Z)_t to the clipped sums, divide by B̄, and set ``p.grad``; returns the
         parameters whose gradient was written (all of them here)."""
         z = self.noise.next()
-        offset = 0
-        for p, s in zip(params, sums, strict=True):
+        if len(params) != len(sums):
+            raise ValueError(f"sums are invalid: {len(sums)} tensors for {len(params)} parameters")
+        parts, offset = [], 0
+        for p in params:
             k = p.numel()
-            s.add_(z[offset : offset + k].view_as(p), alpha=self.noise_std).div_(self.expected_batch_size)
+            parts.append(z[offset : offset + k].view_as(p))
             offset += k
+        if z.device.type == "cpu":  # one call each (per tensor the same add_ and div_ kernels)
+            torch._foreach_add_(sums, parts, alpha=self.noise_std)
+            torch._foreach_div_(sums, self.expected_batch_size)
+        else:
+            for s, part in zip(sums, parts, strict=True):
+                s.add_(part, alpha=self.noise_std).div_(self.expected_batch_size)
+        for p, s in zip(params, sums, strict=True):
             p.grad = s
         return params
 
