@@ -286,6 +286,7 @@ class PrivateLocalRun:
             flags=ExecutionFlags(noise_keys="stream"),
         )
         self.sampler, self.privatizer = self.step.sampler, self.step.privatizer
+        self._opt = None  # the client's DP optimizer: built at the first round, reset every round
 
     @property
     def steps_taken(self) -> int:
@@ -298,7 +299,9 @@ class PrivateLocalRun:
             (weights, mean per-example gradient norm). The norm is a non-private diagnostic
             of the client's records: keep it local, never send it.
 
-        The optimizer's state starts afresh each round (the global model replaced the weights).
+        The optimizer's state starts afresh each round (the global model replaced the weights):
+        the client's optimizer is built once, bound to its privatizer once, and reset at the start
+        of every round (``DPOptimizer.reset_state``), so each round steps as a freshly built one.
         FedProx's proximal gradient is added after the private gradient (post-processing).
 
         Raises:
@@ -311,8 +314,12 @@ class PrivateLocalRun:
             )
         set_weights(self.model, weights)
         anchor = get_weights(self.model)
-        opt = local_optimizer(self.optimizer, self.model, lr=self.lr, key=self._key)
-        self.privatizer.bind(opt)
+        if self._opt is None:
+            self._opt = local_optimizer(self.optimizer, self.model, lr=self.lr, key=self._key)
+            self.privatizer.bind(self._opt)
+        opt = self._opt
+        opt.reset_state()
+        params = [p for group in opt.param_groups for p in group["params"]]
         norms = []
         for _ in range(steps):
             drawn_at, batch = self.step.batches.draw()
@@ -323,7 +330,8 @@ class PrivateLocalRun:
             )
             self.privatizer.post_process(lambda: add_proximal_gradient(self.model, anchor, proximal_mu))
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            for p in params:  # zero_grad(set_to_none=True), without torch's first-call import of dynamo
+                p.grad = None
             norms.append(info.mean_norm)
         return get_weights(self.model), float(np.mean(norms)) if norms else 0.0
 
@@ -340,8 +348,8 @@ def _segments(sigmas) -> tuple:
 
 
 def local_optimizer(spec, model, *, lr: float, key: int):
-    """A client's DP optimizer of the registry entry ``spec`` (``dpmf.optim.registry``), fresh
-    each round: learning rate ``lr``, no momentum, no weight decay, no filter; a Newton–Schulz
+    """A client's DP optimizer of the registry entry ``spec`` (``dpmf.optim.registry``), in the
+    state of a fresh one each round (``PrivateLocalRun`` resets it): learning rate ``lr``, no momentum, no weight decay, no filter; a Newton–Schulz
     optimizer orthogonalizes the matrix parameters (EMA β = 0.95) and updates the vectors and the
     degenerate matrices (a single row or column) by DP-SGD; an optimizer that draws probes gets
     the seed ``derive_int(key, "probes")`` (public probes, independent of the noise)."""
