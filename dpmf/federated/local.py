@@ -115,11 +115,13 @@ def record_privacy(
     except TypeError:  # not cacheable: let ``account`` name the bad argument
         return _record_privacy(*args)
     if args not in RECORD_CACHE:  # ``dpmf.federated.prefetch`` fills it in parallel
-        RECORD_CACHE[args] = _record_privacy(*args)
+        pending = RECORD_PENDING.pop(args, None)  # started in the background: wait for it
+        RECORD_CACHE[args] = _record_privacy(*args) if pending is None else pending.result()
     return RECORD_CACHE[args]
 
 
 RECORD_CACHE: dict = {}  # record_privacy's arguments → PrivacyResult (a pure function of them)
+RECORD_PENDING: dict = {}  # record_privacy's arguments → Future of the background accounting
 
 
 RECORD_PLD_GRID = 1e-3  # record mode's PLD value discretization (coarser = pessimistic)
@@ -254,8 +256,14 @@ class PrivateLocalRun:
     ):
         self.x, self.y = x, y
         n = int(y.shape[0])
-        self.privacy = record_privacy(
-            noise_multiplier,
+        # the accounting's own checks before any work (the plan below checks N, B, n, the scheme
+        # and the strategy): σ, δ, and an accountant that can account the scheme
+        check_sigma(noise_multiplier)
+        check_delta(delta, n)
+        get_scheme(scheme).check_accountant(accountant)
+        # ``record_privacy``'s arguments; its result is asked for when ``privacy`` is first read
+        # (``dpmf.federated.prefetch.start_record_privacy`` may compute it while the run trains)
+        self._accounting = dict(
             dataset_size=n,
             batch_size=batch_size,
             steps=steps,
@@ -264,6 +272,8 @@ class PrivateLocalRun:
             factorization=factorization,
             accountant=accountant,
         )
+        self._noise_multiplier = noise_multiplier
+        self._privacy = None
         self.optimizer = get_optimizer(optimizer)  # the registry's entry (dpmf.optim.registry)
         self.lr = check_real("lr", lr, low=0.0, low_inclusive=False)
         self._key = seed  # secret: never printed
@@ -287,6 +297,13 @@ class PrivateLocalRun:
         )
         self.sampler, self.privatizer = self.step.sampler, self.step.privatizer
         self._opt = None  # the client's DP optimizer: built at the first round, reset every round
+
+    @property
+    def privacy(self) -> PrivacyResult:
+        """(ε_k, δ) of the whole run (``record_privacy``; computed or awaited on first use)."""
+        if self._privacy is None:
+            self._privacy = record_privacy(self._noise_multiplier, **self._accounting)
+        return self._privacy
 
     @property
     def steps_taken(self) -> int:

@@ -153,6 +153,12 @@ class ClientPart:
         c, d = self.config, self.data
         return build_model(d.input_shape, d.num_classes, hidden=c.hidden, seed=c.public_seed)
 
+    def complete_entries(self) -> list[PrivacyEntry]:
+        """``entries``, complete: a part whose accountings run in the background while its
+        clients train (``record``) waits for them here. The run asks for them before the first
+        round when a privacy budget needs them, else after the last."""
+        return self.entries
+
     def train(self, j: int, weights: dict, steps: int, proximal_mu: float, server_round: int):
         """Participant j's training of one round from the global ``weights``.
 
@@ -446,11 +452,13 @@ class _RecordClients(ClientPart):
 
     def __init__(self, *args):
         from dpmf.federated import local
-        from dpmf.federated.prefetch import prefetch_record_privacy
+        from dpmf.federated.prefetch import start_record_privacy
 
         super().__init__(*args)
         config, data, sigmas = self.config, self.data, self.sigmas
-        prefetch_record_privacy(
+        # one accounting per distinct setting, in background processes while the clients train
+        # (``complete_entries`` waits for them)
+        start_record_privacy(
             (float(sigmas[j]), int(data.client_y[i].shape[0]), config.local_batch_size,
              config.rounds * config.local_steps, config.delta, config.local_scheme,
              config.local_factorization, config.accountant)
@@ -467,20 +475,26 @@ class _RecordClients(ClientPart):
                 optimizer=config.local_optimizer, lr=config.local_lr,
                 seed=seeds.child_key(self._key, "fl-record", i),
             )  # fmt: skip
-            pr = self.runs[j].privacy
-            self.entries.append(
-                self.mode.entry(
-                    config,
-                    subject=self.ids[j],
-                    client=self.ids[j],
-                    epsilon=pr.epsilon,
-                    accountant=pr.accountant,
-                    guarantee=pr.guarantee,
-                    noise_multiplier=float(sigmas[j]),
-                    steps=pr.steps,
-                    dataset_size=int(y.shape[0]),
-                )
-            )
+
+    def complete_entries(self):
+        """One entry per participant: its run's (ε_k, δ) (awaited from the background)."""
+        if len(self.entries) < len(self.runs):
+            self.entries[:] = [self._entry(j) for j in range(len(self.runs))]
+        return self.entries
+
+    def _entry(self, j):
+        pr, i = self.runs[j].privacy, self.idx[j]
+        return self.mode.entry(
+            self.config,
+            subject=self.ids[j],
+            client=self.ids[j],
+            epsilon=pr.epsilon,
+            accountant=pr.accountant,
+            guarantee=pr.guarantee,
+            noise_multiplier=float(self.sigmas[j]),
+            steps=pr.steps,
+            dataset_size=int(self.data.client_y[i].shape[0]),
+        )
 
     def train(self, j, weights, steps, proximal_mu, server_round):
         new, _ = self.runs[j].train_round(weights, steps, proximal_mu)

@@ -290,7 +290,8 @@ class _Server:
     """The server side of one run: strategy, the privacy mode's server part, evaluation, ledger.
 
     ``part`` is the mode's ``ServerPart`` (``dpmf.federated.modes``); the ledger starts with its
-    entries (the client part's are appended by ``_client_app``).
+    entries (the client part's are appended by ``_client_app``; by ``_serve_locally`` after the
+    last round, or before the first under a privacy budget).
     """
 
     def __init__(
@@ -387,11 +388,16 @@ def _client_app(config: FLConfig, data: FederatedData, idx, sigmas, ids, server,
     """The ClientApp; node i trains participant i's partition through the privacy mode's client
     part (``dpmf.federated.modes``; built once, so a mode's clients keep their state between
     rounds), whose ledger entries are appended to ``server.ledger``."""
+    part = config.mode.client(config, data, idx, sigmas, ids, key)
+    server.ledger.extend(part.complete_entries())
+    return _client_app_of(part, data, idx)
+
+
+def _client_app_of(part, data: FederatedData, idx):
+    """The ClientApp training and evaluating through the client part ``part``."""
     from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
 
-    part = config.mode.client(config, data, idx, sigmas, ids, key)
-    server.ledger.extend(part.entries)
     app = ClientApp()
 
     @app.train()
@@ -566,19 +572,31 @@ def _serve_locally(config: FLConfig, data, idx, sigmas, server: _Server, key: in
     from flwr.serverapp import Grid, ServerApp
 
     from dpmf.federated.grid import LocalGrid, server_identity
+    from dpmf.federated.prefetch import cancel_pending
 
-    app = _client_app(config, data, idx, sigmas, server.ids, server, key)
-    stopped = _budget(config, server)
-    out: dict = {}
-    server_app = ServerApp()
+    part = config.mode.client(config, data, idx, sigmas, server.ids, key)
+    app = _client_app_of(part, data, idx)
+    try:
+        # the client part's entries (record: accounted in the background while the clients
+        # train) are needed before the first round only by a privacy budget
+        if config.max_epsilon is not None:
+            server.ledger.extend(part.complete_entries())
+        stopped = _budget(config, server)
+        out: dict = {}
+        server_app = ServerApp()
 
-    @server_app.main()
-    def main(grid: Grid, context: Context) -> None:
-        out["rows"] = server.serve(grid)
+        @server_app.main()
+        def main(grid: Grid, context: Context) -> None:
+            out["rows"] = server.serve(grid)
 
-    grid = LocalGrid(app, len(idx))
-    with server_identity():
-        server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
+        grid = LocalGrid(app, len(idx))
+        with server_identity():
+            server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
+        if config.max_epsilon is None:
+            server.ledger.extend(part.complete_entries())
+    except BaseException:
+        cancel_pending()  # a failed run waits for no background accounting
+        raise
     return out["rows"], stopped
 
 
