@@ -194,7 +194,8 @@ def test_a_record_round_imports_neither_torch_dynamo_nor_scikit_learn():
     code = (
         "import sys, json\n"
         "from dpmf.federated.run import FLConfig, run_federated\n"
-        "cfg = FLConfig(privacy='record', num_clients=4, rounds=1, local_steps=2, seed=1, local_batch_size=8)\n"
+        "cfg = FLConfig(privacy='record', num_clients=4, rounds=1, local_steps=2, seed=1,\n"
+        "               local_batch_size=8)\n"
         "run_federated(cfg, log=lambda *_: None)\n"
         "print(json.dumps(['torch._dynamo' in sys.modules, 'sklearn' in sys.modules]))\n"
     )

@@ -366,10 +366,11 @@ def _segments(sigmas) -> tuple:
 
 def local_optimizer(spec, model, *, lr: float, key: int):
     """A client's DP optimizer of the registry entry ``spec`` (``dpmf.optim.registry``), in the
-    state of a fresh one each round (``PrivateLocalRun`` resets it): learning rate ``lr``, no momentum, no weight decay, no filter; a Newton–Schulz
-    optimizer orthogonalizes the matrix parameters (EMA β = 0.95) and updates the vectors and the
-    degenerate matrices (a single row or column) by DP-SGD; an optimizer that draws probes gets
-    the seed ``derive_int(key, "probes")`` (public probes, independent of the noise)."""
+    state of a fresh one each round (``PrivateLocalRun`` resets it): learning rate ``lr``, no
+    momentum, no weight decay, no filter; a Newton–Schulz optimizer orthogonalizes the matrix
+    parameters (EMA β = 0.95) and updates the vectors and the degenerate matrices (a single row
+    or column) by DP-SGD; an optimizer that draws probes gets the seed
+    ``derive_int(key, "probes")`` (public probes, independent of the noise)."""
     kwargs = dict(lr=lr, weight_decay=0.0, momentum=0.0, filter=None)
     if spec.probes:
         kwargs["probe_seed"] = seeds.derive_int(int(key), "probes", bits=63)
