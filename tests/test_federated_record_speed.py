@@ -224,3 +224,90 @@ def test_a_truncated_breast_cancer_csv_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(data_mod, "_breast_cancer_csv", lambda: str(path))
     with pytest.raises(ValueError, match="2 rows, its header says 3"):
         data_mod.load_breast_cancer_arrays()
+
+
+# -- participants stepped in forked worker processes -----------------------------------------
+
+
+def _final_model(monkeypatch, cfg):
+    from dpmf.federated import run as run_mod
+
+    seen = {}
+    evaluate = run_mod._Server._evaluate
+
+    def spy(self, weights):
+        seen["w"] = {k: np.asarray(v).copy() for k, v in weights.items()}
+        return evaluate(self, weights)
+
+    monkeypatch.setattr(run_mod._Server, "_evaluate", spy)
+    result = run_mod.run_federated(cfg, log=lambda *_: None)
+    return seen["w"], result
+
+
+def test_forked_participants_give_the_sequential_run_bit_for_bit(monkeypatch):
+    from dpmf.federated import parallel
+    from dpmf.federated.run import FLConfig
+
+    cfg = FLConfig(privacy="record", num_clients=5, rounds=3, local_steps=2, seed=13, local_batch_size=8,
+                   strategy="fedprox", local_optimizer="dp-adam")  # fmt: skip
+    built = []
+    real_init = parallel.ForkedRuns.__init__
+
+    def spy(self, runs, workers):
+        built.append(workers)
+        real_init(self, runs, workers)
+
+    monkeypatch.setattr(parallel.ForkedRuns, "__init__", spy)
+    monkeypatch.setattr(parallel, "parallel_workers", lambda n: 1)
+    w_seq, seq = _final_model(monkeypatch, cfg)
+    assert built == []
+    monkeypatch.setattr(parallel, "parallel_workers", lambda n: 3)  # this process and two workers
+    w_par, par = _final_model(monkeypatch, cfg)
+    assert built == [3]
+    for k in w_seq:
+        np.testing.assert_array_equal(w_par[k], w_seq[k])
+    assert json.dumps(par.metrics) == json.dumps(seq.metrics)  # (train_loss is NaN: compared as text)
+    assert [e.to_dict() for e in par.ledger] == [e.to_dict() for e in seq.ledger]
+
+
+def test_a_failure_in_a_worker_is_raised_here_with_its_type_and_message(monkeypatch):
+    from dpmf.federated import parallel
+    from dpmf.federated.run import FLConfig, run_federated
+
+    real = local.PrivateLocalRun.train_round
+
+    def failing(self, weights, steps, proximal_mu=0.0):
+        if self.steps_taken >= 2:  # the second round, in every process
+            raise ValueError("the round cannot run")
+        return real(self, weights, steps, proximal_mu)
+
+    monkeypatch.setattr(local.PrivateLocalRun, "train_round", failing)
+    monkeypatch.setattr(parallel, "parallel_workers", lambda n: 2)
+    cfg = FLConfig(privacy="record", num_clients=4, rounds=2, local_steps=2, seed=1, local_batch_size=8)
+    with pytest.raises((RuntimeError, ValueError), match="the round cannot run"):
+        run_federated(cfg, log=lambda *_: None)
+
+
+def test_forked_runs_keep_the_first_participant_here_and_refuse_an_unsubmitted_round():
+    from dpmf.federated.parallel import ForkedRuns
+
+    x, y = _data()
+    runs = {j: _run("dp-sgd", x, y) for j in range(5)}
+    with pytest.raises(ValueError, match="workers=1 is invalid"):
+        ForkedRuns(runs, 1)
+    forked = ForkedRuns(runs, 2)
+    try:
+        assert [forked.is_remote(j) for j in range(5)] == [False, True, False, True, False]
+        with pytest.raises(RuntimeError, match="has no submitted round"):
+            forked.result(1)
+        w = get_weights(runs[1].model)
+        forked.submit([(1, w, 2, 0.0), (0, w, 2, 0.0)])  # participant 0 is not sent anywhere
+        with pytest.raises(RuntimeError, match="before its last one was answered"):
+            forked.submit([(1, w, 2, 0.0)])
+        got = forked.result(1)
+        assert runs[1].steps_taken == 0  # the worker's copy advanced, not this one
+        want, _ = runs[1].train_round(w, 2)  # the same key and state here: the same round
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k])
+    finally:
+        forked.close()

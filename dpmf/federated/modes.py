@@ -153,6 +153,14 @@ class ClientPart:
         c, d = self.config, self.data
         return build_model(d.input_shape, d.num_classes, hidden=c.hidden, seed=c.public_seed)
 
+    def start(self, jobs) -> None:
+        """A round's trainings ``(j, weights, steps, proximal_mu)``, announced before ``train`` is
+        called for each (``record`` steps some participants in worker processes meanwhile);
+        default: nothing."""
+
+    def close(self) -> None:
+        """The run is over (or failed): release what the part holds; default: nothing."""
+
     def complete_entries(self) -> list[PrivacyEntry]:
         """``entries``, complete: a part whose accountings run in the background while its
         clients train (``record``) waits for them here. The run asks for them before the first
@@ -448,7 +456,10 @@ class _RecordServer(ServerPart):
 
 class _RecordClients(ClientPart):
     """Each participant's local training over the whole run is one private run of R·L steps
-    (``local.PrivateLocalRun``), kept between rounds; one ledger entry per participant."""
+    (``local.PrivateLocalRun``), kept between rounds; one ledger entry per participant. When the
+    run announces its rounds (``start``: the local grid does) and one torch thread leaves cores
+    free, the participants are stepped in forked worker processes too (``parallel.ForkedRuns``;
+    the same results bit for bit)."""
 
     def __init__(self, *args):
         from dpmf.federated import local
@@ -465,6 +476,8 @@ class _RecordClients(ClientPart):
             for j, i in enumerate(self.idx)
         )  # fmt: skip
         self.runs = {}
+        self._forked = None  # parallel.ForkedRuns once started; False: every run steps here
+        self._retired: set = set()  # participants whose worker has ended
         for j, i in enumerate(self.idx):
             x, y = data.client_x[i], data.client_y[i]
             self.runs[j] = local.PrivateLocalRun(
@@ -496,9 +509,28 @@ class _RecordClients(ClientPart):
             dataset_size=int(self.data.client_y[i].shape[0]),
         )
 
+    def start(self, jobs):
+        from dpmf.federated.parallel import ForkedRuns, parallel_workers
+
+        if self._forked is None:
+            workers = 1 if self._retired else parallel_workers(len(self.runs))
+            self._forked = ForkedRuns(self.runs, workers) if workers > 1 else False
+        if self._forked:
+            self._forked.submit(jobs)
+
     def train(self, j, weights, steps, proximal_mu, server_round):
+        if j in self._retired:
+            raise RuntimeError(f"participant {j}'s private run ended with its worker process")
+        if self._forked and self._forked.is_remote(j):
+            return self._forked.result(j), 1, float("nan")
         new, _ = self.runs[j].train_round(weights, steps, proximal_mu)
         return new, 1, float("nan")
+
+    def close(self):
+        if self._forked:
+            self._retired = {j for j in self.runs if self._forked.is_remote(j)}
+            self._forked.close()
+        self._forked = False
 
 
 @register_privacy_mode

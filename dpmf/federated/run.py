@@ -393,6 +393,27 @@ def _client_app(config: FLConfig, data: FederatedData, idx, sigmas, ids, server,
     return _client_app_of(part, data, idx)
 
 
+def _train_args(msg, context) -> tuple:
+    """(participant j, global weights, local steps, proximal μ, server round) of a train message."""
+    j = int(context.node_config["partition-id"])
+    weights = {k: a.numpy() for k, a in msg.content["arrays"].items()}
+    cfg = msg.content["config"]
+    return j, weights, int(cfg["local-steps"]), float(cfg.get("proximal-mu", 0.0)), int(cfg["server-round"])
+
+
+def _announce(part):
+    """The local grid's ``prepare``: a push's train messages announced to the client part."""
+
+    from flwr.app import MessageType
+
+    def prepare(pairs) -> None:
+        jobs = [_train_args(m, c)[:4] for m, c in pairs if m.metadata.message_type == MessageType.TRAIN]
+        if jobs:
+            part.start(jobs)
+
+    return prepare
+
+
 def _client_app_of(part, data: FederatedData, idx):
     """The ClientApp training and evaluating through the client part ``part``."""
     from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
@@ -402,10 +423,7 @@ def _client_app_of(part, data: FederatedData, idx):
 
     @app.train()
     def train(msg: Message, context) -> Message:
-        j = int(context.node_config["partition-id"])
-        weights = {k: a.numpy() for k, a in msg.content["arrays"].items()}
-        cfg = msg.content["config"]
-        mu, steps, r = float(cfg.get("proximal-mu", 0.0)), int(cfg["local-steps"]), int(cfg["server-round"])
+        j, weights, steps, mu, r = _train_args(msg, context)
         new, weight, loss = part.train(j, weights, steps, mu, r)
         content = RecordDict(
             {
@@ -589,12 +607,14 @@ def _serve_locally(config: FLConfig, data, idx, sigmas, server: _Server, key: in
         def main(grid: Grid, context: Context) -> None:
             out["rows"] = server.serve(grid)
 
-        grid = LocalGrid(app, len(idx))
+        grid = LocalGrid(app, len(idx), prepare=_announce(part))
         with server_identity():
             server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
+        part.close()
         if config.max_epsilon is None:
             server.ledger.extend(part.complete_entries())
     except BaseException:
+        part.close()
         cancel_pending()  # a failed run waits for no background accounting
         raise
     return out["rows"], stopped
