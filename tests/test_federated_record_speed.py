@@ -116,21 +116,24 @@ def test_clients_with_the_same_setting_share_one_accounting(monkeypatch):
     from dpmf.federated.run import run_federated
 
     calls = []
-    real = local._record_privacy
+    real, measure = local._record_privacy, local.pld_measurement
 
-    def counting(*args):
-        calls.append(args)
-        return real(*args)
+    def counting(event, delta):
+        calls.append((event.noise_multiplier, event.sampling_rate, event.steps, delta))
+        return measure(event, delta)
 
-    monkeypatch.setattr(local, "_record_privacy", counting)
+    monkeypatch.setattr(local, "pld_measurement", counting)
     monkeypatch.setattr(prefetch, "_can_fork", lambda: False)  # in this process, so the calls are seen
     monkeypatch.setattr(local, "RECORD_CACHE", {})
+    monkeypatch.setattr(local, "PLD_CACHE", {})
     result = run_federated(_uniform_config(), log=lambda *_: None)
     entries = [e for e in result.ledger if e.mode == "record"]
     assert len(entries) == 16
     sizes = sorted({e.dataset_size for e in entries})
-    # uniform allocation: one σ; the 16 clients hold 25 or 26 records: two settings, two accountings
+    # uniform allocation: one σ; the 16 clients hold 25 or 26 records: two sampling rates, two
+    # accountings
     assert len(calls) == len(sizes) == 2 and len({c[0] for c in calls}) == 1
+    assert sorted(c[1] for c in calls) == [16 / 26, 16 / 25]
     for n in sizes:
         eps = {e.epsilon for e in entries if e.dataset_size == n}
         (sigma,) = {c[0] for c in calls}
@@ -143,9 +146,11 @@ def test_background_accountings_give_the_in_process_ledger_bit_for_bit(monkeypat
 
     cfg = FLConfig(privacy="record", num_clients=4, rounds=2, local_steps=2, seed=9, local_batch_size=8)
     monkeypatch.setattr(local, "RECORD_CACHE", {})
+    monkeypatch.setattr(local, "PLD_CACHE", {})
     background = run_federated(cfg, log=lambda *_: None)
     assert not local.RECORD_PENDING  # every started accounting was collected
     monkeypatch.setattr(local, "RECORD_CACHE", {})
+    monkeypatch.setattr(local, "PLD_CACHE", {})
     monkeypatch.setattr(prefetch, "_can_fork", lambda: False)
     serial = run_federated(cfg, log=lambda *_: None)
     assert [e.to_dict() for e in background.ledger] == [e.to_dict() for e in serial.ledger]
@@ -164,6 +169,7 @@ def test_the_record_part_starts_its_accountings_and_waits_only_when_asked(monkey
 
     cfg = _uniform_config()
     monkeypatch.setattr(local, "RECORD_CACHE", {})
+    monkeypatch.setattr(local, "PLD_CACHE", {})
     monkeypatch.setattr(local, "RECORD_PENDING", {})
     idx, sigmas = participants(cfg, example_profiles(16))
     data = load_federated("breast-cancer", 16, seed=cfg.public_seed)
@@ -177,6 +183,7 @@ def test_the_record_part_starts_its_accountings_and_waits_only_when_asked(monkey
 
 def test_start_record_privacy_counts_each_distinct_setting_once(monkeypatch):
     monkeypatch.setattr(local, "RECORD_CACHE", {})
+    monkeypatch.setattr(local, "PLD_CACHE", {})
     monkeypatch.setattr(local, "RECORD_PENDING", {})
     settings = [(s, 20, 4, 6, 1e-5, "poisson", "identity", None) for s in (2.0, 3.0, 2.0, 2.0)]
     assert prefetch.start_record_privacy(settings, workers=1) == 2
@@ -185,6 +192,33 @@ def test_start_record_privacy_counts_each_distinct_setting_once(monkeypatch):
            local.record_privacy(3.0, dataset_size=20, batch_size=4, steps=6, delta=1e-5).epsilon]  # fmt: skip
     assert got == [local._record_privacy(*settings[0]).epsilon, local._record_privacy(*settings[1]).epsilon]
     assert prefetch.start_record_privacy(settings, workers=0) == 0  # cached
+
+
+def test_settings_with_the_same_event_share_one_pld_measurement(monkeypatch):
+    # σ, q = B/N and the steps make the Poisson event: N = 20, B = 4 and N = 40, B = 8 are one
+    # accounting; each result keeps its own N and B
+    monkeypatch.setattr(local, "RECORD_CACHE", {})
+    monkeypatch.setattr(local, "PLD_CACHE", {})
+    monkeypatch.setattr(local, "RECORD_PENDING", {})
+    a, b = (
+        (1.5, 20, 4, 6, 1e-5, "poisson", "identity", None),
+        (1.5, 40, 8, 6, 1e-5, "poisson", "identity", None),
+    )
+    c = (1.5, 40, 4, 6, 1e-5, "poisson", "identity", None)  # another q
+    assert prefetch.start_record_privacy([a, b, c], workers=1) == 2
+    ra = local.record_privacy(*a[:1], dataset_size=20, batch_size=4, steps=6, delta=1e-5)
+    rb = local.record_privacy(*b[:1], dataset_size=40, batch_size=8, steps=6, delta=1e-5)
+    rc = local.record_privacy(*c[:1], dataset_size=40, batch_size=4, steps=6, delta=1e-5)
+    assert ra.epsilon == rb.epsilon != rc.epsilon
+    assert (ra.dataset_size, ra.batch_size, rb.dataset_size, rb.batch_size) == (20, 4, 40, 8)
+    assert ra.sampling_rate == rb.sampling_rate == 0.2
+    monkeypatch.setattr(local, "PLD_CACHE", {})
+    alone = local._record_privacy(*b)  # measured on its own: the same result
+    assert alone == rb
+    monkeypatch.setattr(local, "RECORD_CACHE", {})
+    # the fresh PLD cache holds b's event (measured alone above): only c's is measured again
+    assert prefetch.prefetch_record_privacy([a, b, c], workers=1) == 1
+    assert local.RECORD_CACHE[a] == ra and local.RECORD_CACHE[b] == rb and local.RECORD_CACHE[c] == rc
 
 
 # -- imports and data ------------------------------------------------------------------------

@@ -104,7 +104,9 @@ def record_privacy(
         ``dpmf.accountants.PrivacyResult``.
 
     The result is cached (a pure function of the arguments): several seeds of a federated run
-    account each client once.
+    account each client once. Under the PLD accountant the measurement is a function of the
+    privacy event and δ alone (``PLD_CACHE``): clients with the same σ, sampling rate q = B/N_k
+    and steps share one accounting even when their N_k and B differ.
 
     Raises:
         ValueError/TypeError: any invalid argument (from the plan and ``account``).
@@ -116,15 +118,46 @@ def record_privacy(
         return _record_privacy(*args)
     if args not in RECORD_CACHE:  # ``dpmf.federated.prefetch`` fills it in parallel
         pending = RECORD_PENDING.pop(args, None)  # started in the background: wait for it
-        RECORD_CACHE[args] = _record_privacy(*args) if pending is None else pending.result()
+        RECORD_CACHE[args] = _record_privacy(*args) if pending is None else pending()
     return RECORD_CACHE[args]
 
 
 RECORD_CACHE: dict = {}  # record_privacy's arguments → PrivacyResult (a pure function of them)
-RECORD_PENDING: dict = {}  # record_privacy's arguments → Future of the background accounting
+RECORD_PENDING: dict = {}  # record_privacy's arguments → a call waiting for the background result
+PLD_CACHE: dict = {}  # (privacy event, δ) → PLD Measurement on RECORD_PLD_GRID
 
 
 RECORD_PLD_GRID = 1e-3  # record mode's PLD value discretization (coarser = pessimistic)
+
+
+def record_pld_event(
+    noise_multiplier, dataset_size, batch_size, steps, delta, scheme, factorization, accountant
+):
+    """(plan, σ, (event, δ)) of a ``record_privacy`` setting that the PLD accountant measures
+    from its privacy event alone (no strategy to build: ``factorization="identity"``), else None.
+    The same (event, δ) is the same measurement: ``PLD_CACHE``'s key.
+
+    Raises:
+        ValueError/TypeError: an invalid setting (the plan's and ``account``'s checks).
+    """
+    name, _ = parse_factorization(factorization)
+    if name != "identity":
+        return None
+    plan = PrivatePlan(dataset_size, batch_size, steps=steps, scheme=scheme, strategy="identity")
+    if plan.scheme.check_accountant(accountant) != "pld":
+        return None
+    sigma = check_sigma(noise_multiplier)
+    key = (plan.event(sigma), check_delta(delta, plan.dataset_size))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return plan, sigma, key
+
+
+def pld_measurement(event, delta):
+    """The PLD accountant's measurement of ``event`` at δ on the grid ``RECORD_PLD_GRID``."""
+    return PLDAccountant(value_discretization_interval=RECORD_PLD_GRID).epsilon(event, delta)
 
 
 def _record_privacy(
@@ -135,12 +168,17 @@ def _record_privacy(
         dataset_size, batch_size, steps=steps, scheme=scheme, strategy="identity" if fact is None else fact
     )
     if plan.scheme.check_accountant(accountant) == "pld":
-        # ``account``'s checks, then its PLD measurement on the grid ``RECORD_PLD_GRID``
+        # ``account``'s checks, then its PLD measurement on the grid ``RECORD_PLD_GRID``, shared
+        # by every setting with the same event and δ
         sigma = check_sigma(noise_multiplier)
-        meas = PLDAccountant(value_discretization_interval=RECORD_PLD_GRID).epsilon(
-            plan.event(sigma), check_delta(delta, plan.dataset_size)
-        )
-        return privacy_result(plan, sigma, meas)
+        key = (plan.event(sigma), check_delta(delta, plan.dataset_size))
+        try:
+            cached = key in PLD_CACHE
+        except TypeError:  # an event that cannot be a key: measured each time
+            return privacy_result(plan, sigma, pld_measurement(*key))
+        if not cached:
+            PLD_CACHE[key] = pld_measurement(*key)
+        return privacy_result(plan, sigma, PLD_CACHE[key])
     return account(
         scheme,
         noise_multiplier=noise_multiplier,
