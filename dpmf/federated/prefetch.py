@@ -44,6 +44,9 @@ def _measure(key):
     return pld_measurement(*key)
 
 
+_HEAVY = ("prv",)  # accountants whose accountings outlast the training: every core for them
+
+
 def _can_fork() -> bool:
     return "fork" in multiprocessing.get_all_start_methods()
 
@@ -153,8 +156,9 @@ def start_record_privacy(settings, *, workers: int | None = None) -> int:
     """Start the accountings of the settings not yet cached or started, in the background.
 
     One accounting per distinct PLD event and δ (as ``prefetch_record_privacy``), in ``workers``
-    forked processes (None: one fewer than the usable cores, at least one, at most one per
-    accounting); ``record_privacy`` waits for a setting's result when it is first asked for.
+    forked processes (None: one fewer than the usable cores, at least one — the clients train on
+    the others —, or every usable core for PRV accountings; at most one per accounting);
+    ``record_privacy`` waits for a setting's result when it is first asked for.
     Where processes cannot be forked, or ``workers=0``, they are computed here, before returning.
 
     Args:
@@ -172,7 +176,12 @@ def start_record_privacy(settings, *, workers: int | None = None) -> int:
     groups = _groups(settings)
     if not groups:
         return 0
-    n = max(1, usable_cores() - 1) if workers is None else max(0, int(workers))
+    if workers is None:  # the clients train meanwhile, on the other cores; PRV (seconds per
+        # accounting, tens of times PLD's) takes every core
+        heavy = any(s[7] in _HEAVY for g in groups for s, _ in g.members)
+        n = usable_cores() if heavy else max(1, usable_cores() - 1)
+    else:
+        n = max(0, int(workers))
     n = min(n, len(groups))
     if n == 0 or not _can_fork():
         for g in groups:
