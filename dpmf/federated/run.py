@@ -393,37 +393,57 @@ def _client_app(config: FLConfig, data: FederatedData, idx, sigmas, ids, server,
     return _client_app_of(part, data, idx)
 
 
-def _train_args(msg, context) -> tuple:
-    """(participant j, global weights, local steps, proximal μ, server round) of a train message."""
+def _train_args(msg, context, shared: dict | None = None) -> tuple:
+    """(participant j, global weights, local steps, proximal μ, server round) of a train message.
+
+    ``shared``: id of an ``ArrayRecord`` → its decoded weights, for the messages of one push
+    that carry the same record (a strategy sends one global model to all): decoded once, then a
+    copy for each message."""
     j = int(context.node_config["partition-id"])
-    weights = {k: a.numpy() for k, a in msg.content["arrays"].items()}
+    record = msg.content["arrays"]
+    if shared is None:
+        weights = {k: a.numpy() for k, a in record.items()}
+    else:
+        if id(record) not in shared:
+            shared[id(record)] = {k: a.numpy() for k, a in record.items()}
+        weights = {k: a.copy() for k, a in shared[id(record)].items()}
     cfg = msg.content["config"]
     return j, weights, int(cfg["local-steps"]), float(cfg.get("proximal-mu", 0.0)), int(cfg["server-round"])
 
 
-def _announce(part):
-    """The local grid's ``prepare``: a push's train messages announced to the client part."""
+def _announce(part, decoded: dict):
+    """The local grid's ``prepare``: a push's train messages decoded once (kept in ``decoded``,
+    id of the message → (message, its ``_train_args``)) and announced to the client part."""
 
     from flwr.app import MessageType
 
     def prepare(pairs) -> None:
-        jobs = [_train_args(m, c)[:4] for m, c in pairs if m.metadata.message_type == MessageType.TRAIN]
-        if jobs:
-            part.start(jobs)
+        decoded.clear()
+        shared: dict = {}
+        for m, c in pairs:
+            if m.metadata.message_type == MessageType.TRAIN:
+                decoded[id(m)] = (m, _train_args(m, c, shared))
+        if decoded:
+            part.start([args[:4] for _, args in decoded.values()])
 
     return prepare
 
 
-def _client_app_of(part, data: FederatedData, idx):
-    """The ClientApp training and evaluating through the client part ``part``."""
+def _client_app_of(part, data: FederatedData, idx, decoded: dict | None = None):
+    """The ClientApp training and evaluating through the client part ``part``; a train message
+    already decoded by ``_announce`` (the same object, in ``decoded``) is not decoded again."""
     from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
 
     app = ClientApp()
+    decoded = {} if decoded is None else decoded
 
     @app.train()
     def train(msg: Message, context) -> Message:
-        j, weights, steps, mu, r = _train_args(msg, context)
+        known = decoded.pop(id(msg), None)
+        j, weights, steps, mu, r = (
+            known[1] if known is not None and known[0] is msg else _train_args(msg, context)
+        )
         new, weight, loss = part.train(j, weights, steps, mu, r)
         content = RecordDict(
             {
@@ -593,7 +613,8 @@ def _serve_locally(config: FLConfig, data, idx, sigmas, server: _Server, key: in
     from dpmf.federated.prefetch import cancel_pending
 
     part = config.mode.client(config, data, idx, sigmas, server.ids, key)
-    app = _client_app_of(part, data, idx)
+    decoded: dict = {}
+    app = _client_app_of(part, data, idx, decoded)
     try:
         # the client part's entries (record: accounted in the background while the clients
         # train) are needed before the first round only by a privacy budget
@@ -607,7 +628,7 @@ def _serve_locally(config: FLConfig, data, idx, sigmas, server: _Server, key: in
         def main(grid: Grid, context: Context) -> None:
             out["rows"] = server.serve(grid)
 
-        grid = LocalGrid(app, len(idx), prepare=_announce(part))
+        grid = LocalGrid(app, len(idx), prepare=_announce(part, decoded))
         with server_identity():
             server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
         part.close()
