@@ -41,9 +41,16 @@ def parallel_workers(participants: int) -> int:
 
 def _serve(conn, runs: dict) -> None:
     """A worker's loop: each message is a round's jobs of its participants, answered by one
-    message with their new weights (or the first failure); ``None`` ends it."""
+    message with their new weights (or the first failure); ``None``, or the other end closed,
+    ends it. Ctrl-C is the main process's to handle (it ends the workers)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     while True:
-        jobs = conn.recv()
+        try:
+            jobs = conn.recv()
+        except EOFError:  # the main process is gone
+            return
         if jobs is None:
             return
         out = {}
