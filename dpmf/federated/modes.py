@@ -467,14 +467,6 @@ class _RecordClients(ClientPart):
 
         super().__init__(*args)
         config, data, sigmas = self.config, self.data, self.sigmas
-        # one accounting per distinct setting, in background processes while the clients train
-        # (``complete_entries`` waits for them)
-        start_record_privacy(
-            (float(sigmas[j]), int(data.client_y[i].shape[0]), config.local_batch_size,
-             config.rounds * config.local_steps, config.delta, config.local_scheme,
-             config.local_factorization, config.accountant)
-            for j, i in enumerate(self.idx)
-        )  # fmt: skip
         self.runs = {}
         self._forked = None  # parallel.ForkedRuns once started; False: every run steps here
         self._retired: set = set()  # participants whose worker has ended
@@ -488,6 +480,14 @@ class _RecordClients(ClientPart):
                 optimizer=config.local_optimizer, lr=config.local_lr,
                 seed=seeds.child_key(self._key, "fl-record", i),
             )  # fmt: skip
+        # every run built (its settings checked): one accounting per distinct setting, in
+        # background processes while the clients train (``complete_entries`` waits for them)
+        start_record_privacy(
+            (float(sigmas[j]), int(data.client_y[i].shape[0]), config.local_batch_size,
+             config.rounds * config.local_steps, config.delta, config.local_scheme,
+             config.local_factorization, config.accountant)
+            for j, i in enumerate(self.idx)
+        )  # fmt: skip
 
     def complete_entries(self):
         """One entry per participant: its run's (ε_k, δ) (awaited from the background)."""

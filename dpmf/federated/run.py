@@ -612,10 +612,11 @@ def _serve_locally(config: FLConfig, data, idx, sigmas, server: _Server, key: in
     from dpmf.federated.grid import LocalGrid, server_identity
     from dpmf.federated.prefetch import cancel_pending
 
-    part = config.mode.client(config, data, idx, sigmas, server.ids, key)
-    decoded: dict = {}
-    app = _client_app_of(part, data, idx, decoded)
+    part = None
     try:
+        part = config.mode.client(config, data, idx, sigmas, server.ids, key)
+        decoded: dict = {}
+        app = _client_app_of(part, data, idx, decoded)
         # the client part's entries (record: accounted in the background while the clients
         # train) are needed before the first round only by a privacy budget
         if config.max_epsilon is not None:
@@ -635,7 +636,8 @@ def _serve_locally(config: FLConfig, data, idx, sigmas, server: _Server, key: in
         if config.max_epsilon is None:
             server.ledger.extend(part.complete_entries())
     except BaseException:
-        part.close()
+        if part is not None:
+            part.close()
         cancel_pending()  # a failed run waits for no background accounting
         raise
     return out["rows"], stopped
