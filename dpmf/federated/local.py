@@ -376,14 +376,14 @@ class PrivateLocalRun:
         opt.reset_state()
         params = [p for group in opt.param_groups for p in group["params"]]
         norms = []
+        x, y = torch.from_numpy(self.x), torch.from_numpy(self.y)
         for _ in range(steps):
             drawn_at, batch = self.step.batches.draw()
             self.step.batches.record(drawn_at, ids=batch, n=len(batch))
             idx = torch.from_numpy(batch)
-            info = self.privatizer.privatize(
-                torch.from_numpy(self.x)[idx], torch.from_numpy(self.y)[idx], example_ids=idx
-            )
-            self.privatizer.post_process(lambda: add_proximal_gradient(self.model, anchor, proximal_mu))
+            info = self.privatizer.privatize(x[idx], y[idx], example_ids=idx)
+            if proximal_mu != 0.0:  # (μ = 0 adds nothing: the private gradient is stepped as written)
+                self.privatizer.post_process(lambda: add_proximal_gradient(self.model, anchor, proximal_mu))
             opt.step()
             for p in params:  # zero_grad(set_to_none=True), without torch's first-call import of dynamo
                 p.grad = None
