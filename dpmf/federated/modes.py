@@ -463,7 +463,7 @@ class _RecordClients(ClientPart):
 
     def __init__(self, *args):
         from dpmf.federated import local
-        from dpmf.federated.prefetch import start_record_privacy
+        from dpmf.federated.prefetch import start_record_privacy, usable_cores
 
         super().__init__(*args)
         config, data, sigmas = self.config, self.data, self.sigmas
@@ -481,12 +481,14 @@ class _RecordClients(ClientPart):
                 seed=seeds.child_key(self._key, "fl-record", i),
             )  # fmt: skip
         # every run built (its settings checked): one accounting per distinct setting, in
-        # background processes while the clients train (``complete_entries`` waits for them)
+        # background processes while the clients train (``complete_entries`` waits for them);
+        # on every core when a privacy budget needs them before the first round
         start_record_privacy(
-            (float(sigmas[j]), int(data.client_y[i].shape[0]), config.local_batch_size,
-             config.rounds * config.local_steps, config.delta, config.local_scheme,
-             config.local_factorization, config.accountant)
-            for j, i in enumerate(self.idx)
+            ((float(sigmas[j]), int(data.client_y[i].shape[0]), config.local_batch_size,
+              config.rounds * config.local_steps, config.delta, config.local_scheme,
+              config.local_factorization, config.accountant)
+             for j, i in enumerate(self.idx)),
+            workers=None if config.max_epsilon is None else usable_cores(),
         )  # fmt: skip
 
     def complete_entries(self):
