@@ -1003,9 +1003,10 @@ _FL_FLAGS = (
         str,
         lambda: (
             f"{'|'.join(_accountants(poisson=True))} (default pld). Cost per accounting (record "
-            "mode: one per distinct client, in parallel), 250 steps at sampling rate 0.62: pld 0.1-0.5 s "
-            "(a 1e-3 grid), prv 4-14 s (30x pld; 16 distinct clients on 2 cores: 0.5-2 min), rdp "
-            "0.1 s with ε 13-30 %% larger"
+            "mode: one per distinct σ and sampling rate, in background processes while the clients "
+            "train), 250 steps at sampling rate 0.62: pld 0.1-0.5 s (a 1e-3 grid; 16 distinct clients "
+            "add about nothing to the run), prv 4-14 s (30x pld; 16 distinct clients on 2 cores: "
+            "0.5-2 min, the run waits for them), rdp 0.1 s with ε 13-30 %% larger"
         ),
     ),
     ("--max-epsilon", "max_epsilon", float, "privacy budget: stop before the round whose ε would exceed it"),
@@ -1071,7 +1072,13 @@ def _add_fl(sub):
         "--replicas", type=int, default=None, help="replicas with secret keys, numbered 0..N-1 (default 1)"
     )
     p.add_argument("--backend", default="local", help="local (in-process, deterministic) | ray")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1; with 1, record mode steps its clients in one process "
+        "per usable core, the same results)",
+    )
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument(
         "--overwrite",

@@ -105,13 +105,13 @@ def test_the_experiment_grid_runs_on_a_medmnist_file(tmp_path):
     assert abs(rows[0]["final_accuracy"] * 20 - round(rows[0]["final_accuracy"] * 20)) < 1e-9
 
 
-def test_parallel_record_accountings_equal_the_serial_ones_bit_for_bit():
+def test_parallel_record_accountings_equal_the_serial_ones_bit_for_bit(monkeypatch):
     from dpmf.federated import local
     from dpmf.federated.prefetch import prefetch_record_privacy
 
     settings = [(s, 20, 4, 6, 1e-5, "poisson", "identity", None) for s in (2.0, 3.0, 2.0, 4.0)]
-    for s in settings:
-        local.RECORD_CACHE.pop(s, None)
+    monkeypatch.setattr(local, "RECORD_CACHE", {})
+    monkeypatch.setattr(local, "PLD_CACHE", {})
     assert prefetch_record_privacy(settings, workers=2) == 3  # the repeated σ is accounted once
     parallel = [local.RECORD_CACHE[s].epsilon for s in settings]
     serial = [local._record_privacy(*s).epsilon for s in settings]

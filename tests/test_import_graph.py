@@ -11,8 +11,8 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "dpmf"
 
 # The layers, lowest first (docs/architecture.md): a package may import its own layer and the
-# ones before it. ``_validation``, ``_io``, ``_memory`` and ``seeds`` are below every layer; the
-# ``dpmf`` facade (``__init__``, ``pick``, ``plots``, ``__main__``) is above them all.
+# ones before it. ``_validation``, ``_io``, ``_memory``, ``_lazy`` and ``seeds`` are below every
+# layer; the ``dpmf`` facade (``__init__``, ``pick``, ``plots``, ``__main__``) is above them all.
 LAYERS = (
     "workloads",
     "mechanisms",
@@ -25,7 +25,7 @@ LAYERS = (
     "audit",
     "cli",
 )
-BASE = ("_validation", "_io", "_memory", "seeds", "plots")
+BASE = ("_validation", "_io", "_memory", "_lazy", "seeds", "plots")
 # Top-level modules that belong to a layer: ``dpmf.pick`` re-exports ``dpmf.plan.pick``,
 # ``python -m dpmf`` is the command line.
 FACADES = {"pick": "plan", "__main__": "cli"}

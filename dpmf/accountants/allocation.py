@@ -71,15 +71,18 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from dp_accounting.pld import pld_pmf
-from dp_accounting.pld import privacy_loss_distribution as _pld
 from scipy import fft as _fft
 from scipy.special import logsumexp, ndtr, ndtri
 
+from dpmf._lazy import lazy_module
 from dpmf._validation import check_real
 from dpmf.accountants.events import GaussianEvent, MixtureGaussianEvent, flatten
 from dpmf.accountants.gaussian import gaussian_delta, gaussian_epsilon, gaussian_mu
 from dpmf.accountants.result import Measurement
+
+# imported at their first use (dp-accounting takes about a second to import)
+pld_pmf = lazy_module("dp_accounting.pld.pld_pmf")
+_pld = lazy_module("dp_accounting.pld.privacy_loss_distribution")
 
 __all__ = [
     "AllocationPLDAccountant",

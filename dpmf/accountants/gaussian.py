@@ -27,10 +27,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from dp_accounting import get_epsilon_gaussian, get_sigma_gaussian
-from scipy.stats import norm
 
+from dpmf._lazy import lazy_module
 from dpmf._validation import check_real
+
+# imported at their first use (about a second of imports together)
+_dpa = lazy_module("dp_accounting")
+_stats = lazy_module("scipy.stats")
 
 __all__ = ["EXACT_MAX_MU", "gaussian_delta", "gaussian_epsilon", "gaussian_mu"]
 
@@ -67,9 +70,9 @@ def gaussian_delta(mu: float, epsilon: float) -> float:
     if math.isinf(mu):
         return 1.0
     if mu > EXACT_MAX_MU:
-        return float(norm.sf(epsilon / mu - mu / 2.0))
-    a = norm.logcdf(-epsilon / mu + mu / 2.0)
-    b = epsilon + norm.logcdf(-epsilon / mu - mu / 2.0)
+        return float(_stats.norm.sf(epsilon / mu - mu / 2.0))
+    a = _stats.norm.logcdf(-epsilon / mu + mu / 2.0)
+    b = epsilon + _stats.norm.logcdf(-epsilon / mu - mu / 2.0)
     if b >= a:
         return 0.0
     return float(min(1.0, math.exp(a) * -math.expm1(b - a)))
@@ -94,12 +97,12 @@ def gaussian_epsilon(mu: float, delta: float) -> float:
     if math.isinf(mu):
         return math.inf
     if mu > EXACT_MAX_MU:
-        z = float(norm.isf(delta))
+        z = float(_stats.norm.isf(delta))
         with np.errstate(over="ignore"):
             return float(np.float64(mu) * (np.float64(mu) / 2.0 + z))
     if gaussian_delta(mu, 0.0) <= delta:
         return 0.0
-    eps = float(get_epsilon_gaussian(1.0 / mu, delta))
+    eps = float(_dpa.get_epsilon_gaussian(1.0 / mu, delta))
     step = 1e-12 * max(1.0, eps)
     while gaussian_delta(mu, eps) > delta:
         eps += step
@@ -125,14 +128,14 @@ def gaussian_mu(epsilon: float, delta: float) -> float:
     epsilon = check_real("epsilon", epsilon, low=0.0, low_inclusive=False)
     delta = check_real("delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
     if epsilon > _EXACT_MAX_EPSILON:
-        z = float(norm.isf(delta))
+        z = float(_stats.norm.isf(delta))
         # √(z² + 2ε) − z = 2ε/(√(z² + 2ε) + z), written without overflow or cancellation
         root = math.sqrt(2.0) * math.sqrt(epsilon) * math.sqrt(1.0 + z * z / (2.0 * epsilon))
         mu = 2.0 * (epsilon / (root + z))
         while gaussian_delta(mu, epsilon) > delta:  # round-off: move inwards
             mu *= 1.0 - 1e-12
         return float(mu)
-    mu = 1.0 / float(get_sigma_gaussian(epsilon, delta))
+    mu = 1.0 / float(_dpa.get_sigma_gaussian(epsilon, delta))
     factor = 1.0 - 1e-12
     while gaussian_delta(mu, epsilon) > delta:
         mu *= factor

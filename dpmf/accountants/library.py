@@ -31,15 +31,17 @@ import logging
 import math
 import warnings
 
-import dp_accounting
-from dp_accounting import pld as _pld
-from dp_accounting import rdp as _rdp
-
+from dpmf._lazy import lazy_module
 from dpmf._validation import check_real
 from dpmf.accountants.events import GaussianEvent, PoissonGaussianEvent, flatten
 from dpmf.accountants.gaussian import EXACT_MAX_MU, gaussian_delta, gaussian_epsilon
 from dpmf.accountants.memory import check_pld_memory
 from dpmf.accountants.result import Measurement
+
+# imported at their first use (dp-accounting takes about a second to import)
+dp_accounting = lazy_module("dp_accounting")
+_pld = lazy_module("dp_accounting.pld")
+_rdp = lazy_module("dp_accounting.rdp")
 
 __all__ = [
     "PLDAccountant",

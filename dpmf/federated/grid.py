@@ -50,12 +50,14 @@ class LocalGrid(Grid):
         client_app: a ``flwr.clientapp.ClientApp``.
         num_nodes: number of nodes ≥ 1.
         run_config: the run config every Context carries.
+        prepare: called with the ``(message, context)`` pairs of each push before any of them is
+            delivered (e.g. to start the nodes' work elsewhere); None: nothing.
 
     Raises:
         TypeError / ValueError: not a ClientApp, or no node.
     """
 
-    def __init__(self, client_app: ClientApp, num_nodes: int, run_config: dict | None = None):
+    def __init__(self, client_app: ClientApp, num_nodes: int, run_config: dict | None = None, prepare=None):
         if not isinstance(client_app, ClientApp):
             raise TypeError(f"client_app={client_app!r} is invalid: must be a flwr.clientapp.ClientApp")
         if int(num_nodes) < 1:
@@ -75,6 +77,7 @@ class LocalGrid(Grid):
         }
         self._replies: dict[str, Message] = {}
         self._count = 0
+        self.prepare = prepare
 
     def set_run(self, run: Run) -> None:
         self._run = run
@@ -96,10 +99,15 @@ class LocalGrid(Grid):
             ValueError: a message for an unknown node.
         """
         ids = []
-        for msg in sorted(messages, key=lambda m: m.metadata.dst_node_id):
+        messages = sorted(messages, key=lambda m: m.metadata.dst_node_id)
+        for msg in messages:
             node = msg.metadata.dst_node_id
             if node not in self._contexts:
                 raise ValueError(f"message for node {node} is invalid: the grid has {sorted(self._contexts)}")
+        if self.prepare is not None:
+            self.prepare([(msg, self._contexts[msg.metadata.dst_node_id]) for msg in messages])
+        for msg in messages:
+            node = msg.metadata.dst_node_id
             self._count += 1
             msg.metadata.__dict__["_message_id"] = f"local-{self._count}"
             self._replies[msg.metadata.message_id] = self.client_app(msg, self._contexts[node])

@@ -104,7 +104,9 @@ def record_privacy(
         ``dpmf.accountants.PrivacyResult``.
 
     The result is cached (a pure function of the arguments): several seeds of a federated run
-    account each client once.
+    account each client once. Under the PLD accountant the measurement is a function of the
+    privacy event and δ alone (``PLD_CACHE``): clients with the same σ, sampling rate q = B/N_k
+    and steps share one accounting even when their N_k and B differ.
 
     Raises:
         ValueError/TypeError: any invalid argument (from the plan and ``account``).
@@ -115,14 +117,47 @@ def record_privacy(
     except TypeError:  # not cacheable: let ``account`` name the bad argument
         return _record_privacy(*args)
     if args not in RECORD_CACHE:  # ``dpmf.federated.prefetch`` fills it in parallel
-        RECORD_CACHE[args] = _record_privacy(*args)
+        pending = RECORD_PENDING.pop(args, None)  # started in the background: wait for it
+        RECORD_CACHE[args] = _record_privacy(*args) if pending is None else pending()
     return RECORD_CACHE[args]
 
 
 RECORD_CACHE: dict = {}  # record_privacy's arguments → PrivacyResult (a pure function of them)
+RECORD_PENDING: dict = {}  # record_privacy's arguments → a call waiting for the background result
+PLD_CACHE: dict = {}  # (privacy event, δ) → PLD Measurement on RECORD_PLD_GRID
 
 
 RECORD_PLD_GRID = 1e-3  # record mode's PLD value discretization (coarser = pessimistic)
+
+
+def record_pld_event(
+    noise_multiplier, dataset_size, batch_size, steps, delta, scheme, factorization, accountant
+):
+    """(plan, σ, (event, δ)) of a ``record_privacy`` setting that the PLD accountant measures
+    from its privacy event alone (no strategy to build: ``factorization="identity"``), else None.
+    The same (event, δ) is the same measurement: ``PLD_CACHE``'s key.
+
+    Raises:
+        ValueError/TypeError: an invalid setting (the plan's and ``account``'s checks).
+    """
+    name, _ = parse_factorization(factorization)
+    if name != "identity":
+        return None
+    plan = PrivatePlan(dataset_size, batch_size, steps=steps, scheme=scheme, strategy="identity")
+    if plan.scheme.check_accountant(accountant) != "pld":
+        return None
+    sigma = check_sigma(noise_multiplier)
+    key = (plan.event(sigma), check_delta(delta, plan.dataset_size))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return plan, sigma, key
+
+
+def pld_measurement(event, delta):
+    """The PLD accountant's measurement of ``event`` at δ on the grid ``RECORD_PLD_GRID``."""
+    return PLDAccountant(value_discretization_interval=RECORD_PLD_GRID).epsilon(event, delta)
 
 
 def _record_privacy(
@@ -133,12 +168,17 @@ def _record_privacy(
         dataset_size, batch_size, steps=steps, scheme=scheme, strategy="identity" if fact is None else fact
     )
     if plan.scheme.check_accountant(accountant) == "pld":
-        # ``account``'s checks, then its PLD measurement on the grid ``RECORD_PLD_GRID``
+        # ``account``'s checks, then its PLD measurement on the grid ``RECORD_PLD_GRID``, shared
+        # by every setting with the same event and δ
         sigma = check_sigma(noise_multiplier)
-        meas = PLDAccountant(value_discretization_interval=RECORD_PLD_GRID).epsilon(
-            plan.event(sigma), check_delta(delta, plan.dataset_size)
-        )
-        return privacy_result(plan, sigma, meas)
+        key = (plan.event(sigma), check_delta(delta, plan.dataset_size))
+        try:
+            cached = key in PLD_CACHE
+        except TypeError:  # an event that cannot be a key: measured each time
+            return privacy_result(plan, sigma, pld_measurement(*key))
+        if not cached:
+            PLD_CACHE[key] = pld_measurement(*key)
+        return privacy_result(plan, sigma, PLD_CACHE[key])
     return account(
         scheme,
         noise_multiplier=noise_multiplier,
@@ -254,8 +294,14 @@ class PrivateLocalRun:
     ):
         self.x, self.y = x, y
         n = int(y.shape[0])
-        self.privacy = record_privacy(
-            noise_multiplier,
+        # the accounting's own checks before any work (the plan below checks N, B, n, the scheme
+        # and the strategy): σ, δ, and an accountant that can account the scheme
+        check_sigma(noise_multiplier)
+        check_delta(delta, n)
+        get_scheme(scheme).check_accountant(accountant)
+        # ``record_privacy``'s arguments; its result is asked for when ``privacy`` is first read
+        # (``dpmf.federated.prefetch.start_record_privacy`` may compute it while the run trains)
+        self._accounting = dict(
             dataset_size=n,
             batch_size=batch_size,
             steps=steps,
@@ -264,6 +310,8 @@ class PrivateLocalRun:
             factorization=factorization,
             accountant=accountant,
         )
+        self._noise_multiplier = noise_multiplier
+        self._privacy = None
         self.optimizer = get_optimizer(optimizer)  # the registry's entry (dpmf.optim.registry)
         self.lr = check_real("lr", lr, low=0.0, low_inclusive=False)
         self._key = seed  # secret: never printed
@@ -286,6 +334,14 @@ class PrivateLocalRun:
             flags=ExecutionFlags(noise_keys="stream"),
         )
         self.sampler, self.privatizer = self.step.sampler, self.step.privatizer
+        self._opt = None  # the client's DP optimizer: built at the first round, reset every round
+
+    @property
+    def privacy(self) -> PrivacyResult:
+        """(ε_k, δ) of the whole run (``record_privacy``; computed or awaited on first use)."""
+        if self._privacy is None:
+            self._privacy = record_privacy(self._noise_multiplier, **self._accounting)
+        return self._privacy
 
     @property
     def steps_taken(self) -> int:
@@ -298,7 +354,9 @@ class PrivateLocalRun:
             (weights, mean per-example gradient norm). The norm is a non-private diagnostic
             of the client's records: keep it local, never send it.
 
-        The optimizer's state starts afresh each round (the global model replaced the weights).
+        The optimizer's state starts afresh each round (the global model replaced the weights):
+        the client's optimizer is built once, bound to its privatizer once, and reset at the start
+        of every round (``DPOptimizer.reset_state``), so each round steps as a freshly built one.
         FedProx's proximal gradient is added after the private gradient (post-processing).
 
         Raises:
@@ -311,19 +369,24 @@ class PrivateLocalRun:
             )
         set_weights(self.model, weights)
         anchor = get_weights(self.model)
-        opt = local_optimizer(self.optimizer, self.model, lr=self.lr, key=self._key)
-        self.privatizer.bind(opt)
+        if self._opt is None:
+            self._opt = local_optimizer(self.optimizer, self.model, lr=self.lr, key=self._key)
+            self.privatizer.bind(self._opt)
+        opt = self._opt
+        opt.reset_state()
+        params = [p for group in opt.param_groups for p in group["params"]]
         norms = []
+        x, y = torch.from_numpy(self.x), torch.from_numpy(self.y)
         for _ in range(steps):
             drawn_at, batch = self.step.batches.draw()
             self.step.batches.record(drawn_at, ids=batch, n=len(batch))
             idx = torch.from_numpy(batch)
-            info = self.privatizer.privatize(
-                torch.from_numpy(self.x)[idx], torch.from_numpy(self.y)[idx], example_ids=idx
-            )
-            self.privatizer.post_process(lambda: add_proximal_gradient(self.model, anchor, proximal_mu))
+            info = self.privatizer.privatize(x[idx], y[idx], example_ids=idx)
+            if proximal_mu != 0.0:  # (μ = 0 adds nothing: the private gradient is stepped as written)
+                self.privatizer.post_process(lambda: add_proximal_gradient(self.model, anchor, proximal_mu))
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            for p in params:  # zero_grad(set_to_none=True), without torch's first-call import of dynamo
+                p.grad = None
             norms.append(info.mean_norm)
         return get_weights(self.model), float(np.mean(norms)) if norms else 0.0
 
@@ -340,11 +403,12 @@ def _segments(sigmas) -> tuple:
 
 
 def local_optimizer(spec, model, *, lr: float, key: int):
-    """A client's DP optimizer of the registry entry ``spec`` (``dpmf.optim.registry``), fresh
-    each round: learning rate ``lr``, no momentum, no weight decay, no filter; a Newton–Schulz
-    optimizer orthogonalizes the matrix parameters (EMA β = 0.95) and updates the vectors and the
-    degenerate matrices (a single row or column) by DP-SGD; an optimizer that draws probes gets
-    the seed ``derive_int(key, "probes")`` (public probes, independent of the noise)."""
+    """A client's DP optimizer of the registry entry ``spec`` (``dpmf.optim.registry``), in the
+    state of a fresh one each round (``PrivateLocalRun`` resets it): learning rate ``lr``, no
+    momentum, no weight decay, no filter; a Newton–Schulz optimizer orthogonalizes the matrix
+    parameters (EMA β = 0.95) and updates the vectors and the degenerate matrices (a single row
+    or column) by DP-SGD; an optimizer that draws probes gets the seed
+    ``derive_int(key, "probes")`` (public probes, independent of the noise)."""
     kwargs = dict(lr=lr, weight_decay=0.0, momentum=0.0, filter=None)
     if spec.probes:
         kwargs["probe_seed"] = seeds.derive_int(int(key), "probes", bits=63)

@@ -153,6 +153,20 @@ class ClientPart:
         c, d = self.config, self.data
         return build_model(d.input_shape, d.num_classes, hidden=c.hidden, seed=c.public_seed)
 
+    def start(self, jobs) -> None:
+        """A round's trainings ``(j, weights, steps, proximal_mu)``, announced before ``train`` is
+        called for each (``record`` steps some participants in worker processes meanwhile);
+        default: nothing."""
+
+    def close(self) -> None:
+        """The run is over (or failed): release what the part holds; default: nothing."""
+
+    def complete_entries(self) -> list[PrivacyEntry]:
+        """``entries``, complete: a part whose accountings run in the background while its
+        clients train (``record``) waits for them here. The run asks for them before the first
+        round when a privacy budget needs them, else after the last."""
+        return self.entries
+
     def train(self, j: int, weights: dict, steps: int, proximal_mu: float, server_round: int):
         """Participant j's training of one round from the global ``weights``.
 
@@ -442,21 +456,20 @@ class _RecordServer(ServerPart):
 
 class _RecordClients(ClientPart):
     """Each participant's local training over the whole run is one private run of R·L steps
-    (``local.PrivateLocalRun``), kept between rounds; one ledger entry per participant."""
+    (``local.PrivateLocalRun``), kept between rounds; one ledger entry per participant. When the
+    run announces its rounds (``start``: the local grid does) and one torch thread leaves cores
+    free, the participants are stepped in forked worker processes too (``parallel.ForkedRuns``;
+    the same results bit for bit)."""
 
     def __init__(self, *args):
         from dpmf.federated import local
-        from dpmf.federated.prefetch import prefetch_record_privacy
+        from dpmf.federated.prefetch import start_record_privacy, usable_cores
 
         super().__init__(*args)
         config, data, sigmas = self.config, self.data, self.sigmas
-        prefetch_record_privacy(
-            (float(sigmas[j]), int(data.client_y[i].shape[0]), config.local_batch_size,
-             config.rounds * config.local_steps, config.delta, config.local_scheme,
-             config.local_factorization, config.accountant)
-            for j, i in enumerate(self.idx)
-        )  # fmt: skip
         self.runs = {}
+        self._forked = None  # parallel.ForkedRuns once started; False: every run steps here
+        self._retired: set = set()  # participants whose worker has ended
         for j, i in enumerate(self.idx):
             x, y = data.client_x[i], data.client_y[i]
             self.runs[j] = local.PrivateLocalRun(
@@ -467,24 +480,59 @@ class _RecordClients(ClientPart):
                 optimizer=config.local_optimizer, lr=config.local_lr,
                 seed=seeds.child_key(self._key, "fl-record", i),
             )  # fmt: skip
-            pr = self.runs[j].privacy
-            self.entries.append(
-                self.mode.entry(
-                    config,
-                    subject=self.ids[j],
-                    client=self.ids[j],
-                    epsilon=pr.epsilon,
-                    accountant=pr.accountant,
-                    guarantee=pr.guarantee,
-                    noise_multiplier=float(sigmas[j]),
-                    steps=pr.steps,
-                    dataset_size=int(y.shape[0]),
-                )
-            )
+        # every run built (its settings checked): one accounting per distinct setting, in
+        # background processes while the clients train (``complete_entries`` waits for them);
+        # on every core when a privacy budget needs them before the first round
+        start_record_privacy(
+            ((float(sigmas[j]), int(data.client_y[i].shape[0]), config.local_batch_size,
+              config.rounds * config.local_steps, config.delta, config.local_scheme,
+              config.local_factorization, config.accountant)
+             for j, i in enumerate(self.idx)),
+            workers=None if config.max_epsilon is None else usable_cores(),
+        )  # fmt: skip
+
+    def complete_entries(self):
+        """One entry per participant: its run's (ε_k, δ) (awaited from the background)."""
+        if len(self.entries) < len(self.runs):
+            self.entries[:] = [self._entry(j) for j in range(len(self.runs))]
+        return self.entries
+
+    def _entry(self, j):
+        pr, i = self.runs[j].privacy, self.idx[j]
+        return self.mode.entry(
+            self.config,
+            subject=self.ids[j],
+            client=self.ids[j],
+            epsilon=pr.epsilon,
+            accountant=pr.accountant,
+            guarantee=pr.guarantee,
+            noise_multiplier=float(self.sigmas[j]),
+            steps=pr.steps,
+            dataset_size=int(self.data.client_y[i].shape[0]),
+        )
+
+    def start(self, jobs):
+        from dpmf.federated.parallel import ForkedRuns, parallel_workers
+
+        if self._forked is None:
+            workers = 1 if self._retired else parallel_workers(len(self.runs))
+            self._forked = ForkedRuns(self.runs, workers) if workers > 1 else False
+        if self._forked:
+            self._forked.submit(jobs)
 
     def train(self, j, weights, steps, proximal_mu, server_round):
+        if j in self._retired:
+            raise RuntimeError(f"participant {j}'s private run ended with its worker process")
+        if self._forked and self._forked.is_remote(j):
+            return self._forked.result(j), 1, float("nan")
         new, _ = self.runs[j].train_round(weights, steps, proximal_mu)
         return new, 1, float("nan")
+
+    def close(self):
+        if self._forked:
+            self._retired = {j for j in self.runs if self._forked.is_remote(j)}
+            self._forked.close()
+        self._forked = False
 
 
 @register_privacy_mode

@@ -290,7 +290,8 @@ class _Server:
     """The server side of one run: strategy, the privacy mode's server part, evaluation, ledger.
 
     ``part`` is the mode's ``ServerPart`` (``dpmf.federated.modes``); the ledger starts with its
-    entries (the client part's are appended by ``_client_app``).
+    entries (the client part's are appended by ``_client_app``; by ``_serve_locally`` after the
+    last round, or before the first under a privacy budget).
     """
 
     def __init__(
@@ -387,19 +388,62 @@ def _client_app(config: FLConfig, data: FederatedData, idx, sigmas, ids, server,
     """The ClientApp; node i trains participant i's partition through the privacy mode's client
     part (``dpmf.federated.modes``; built once, so a mode's clients keep their state between
     rounds), whose ledger entries are appended to ``server.ledger``."""
+    part = config.mode.client(config, data, idx, sigmas, ids, key)
+    server.ledger.extend(part.complete_entries())
+    return _client_app_of(part, data, idx)
+
+
+def _train_args(msg, context, shared: dict | None = None) -> tuple:
+    """(participant j, global weights, local steps, proximal μ, server round) of a train message.
+
+    ``shared``: id of an ``ArrayRecord`` → its decoded weights, for the messages of one push
+    that carry the same record (a strategy sends one global model to all): decoded once, then a
+    copy for each message."""
+    j = int(context.node_config["partition-id"])
+    record = msg.content["arrays"]
+    if shared is None:
+        weights = {k: a.numpy() for k, a in record.items()}
+    else:
+        if id(record) not in shared:
+            shared[id(record)] = {k: a.numpy() for k, a in record.items()}
+        weights = {k: a.copy() for k, a in shared[id(record)].items()}
+    cfg = msg.content["config"]
+    return j, weights, int(cfg["local-steps"]), float(cfg.get("proximal-mu", 0.0)), int(cfg["server-round"])
+
+
+def _announce(part, decoded: dict):
+    """The local grid's ``prepare``: a push's train messages decoded once (kept in ``decoded``,
+    id of the message → (message, its ``_train_args``)) and announced to the client part."""
+
+    from flwr.app import MessageType
+
+    def prepare(pairs) -> None:
+        decoded.clear()
+        shared: dict = {}
+        for m, c in pairs:
+            if m.metadata.message_type == MessageType.TRAIN:
+                decoded[id(m)] = (m, _train_args(m, c, shared))
+        if decoded:
+            part.start([args[:4] for _, args in decoded.values()])
+
+    return prepare
+
+
+def _client_app_of(part, data: FederatedData, idx, decoded: dict | None = None):
+    """The ClientApp training and evaluating through the client part ``part``; a train message
+    already decoded by ``_announce`` (the same object, in ``decoded``) is not decoded again."""
     from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
 
-    part = config.mode.client(config, data, idx, sigmas, ids, key)
-    server.ledger.extend(part.entries)
     app = ClientApp()
+    decoded = {} if decoded is None else decoded
 
     @app.train()
     def train(msg: Message, context) -> Message:
-        j = int(context.node_config["partition-id"])
-        weights = {k: a.numpy() for k, a in msg.content["arrays"].items()}
-        cfg = msg.content["config"]
-        mu, steps, r = float(cfg.get("proximal-mu", 0.0)), int(cfg["local-steps"]), int(cfg["server-round"])
+        known = decoded.pop(id(msg), None)
+        j, weights, steps, mu, r = (
+            known[1] if known is not None and known[0] is msg else _train_args(msg, context)
+        )
         new, weight, loss = part.train(j, weights, steps, mu, r)
         content = RecordDict(
             {
@@ -566,19 +610,36 @@ def _serve_locally(config: FLConfig, data, idx, sigmas, server: _Server, key: in
     from flwr.serverapp import Grid, ServerApp
 
     from dpmf.federated.grid import LocalGrid, server_identity
+    from dpmf.federated.prefetch import cancel_pending
 
-    app = _client_app(config, data, idx, sigmas, server.ids, server, key)
-    stopped = _budget(config, server)
-    out: dict = {}
-    server_app = ServerApp()
+    part = None
+    try:
+        part = config.mode.client(config, data, idx, sigmas, server.ids, key)
+        decoded: dict = {}
+        app = _client_app_of(part, data, idx, decoded)
+        # the client part's entries (record: accounted in the background while the clients
+        # train) are needed before the first round only by a privacy budget
+        if config.max_epsilon is not None:
+            server.ledger.extend(part.complete_entries())
+        stopped = _budget(config, server)
+        out: dict = {}
+        server_app = ServerApp()
 
-    @server_app.main()
-    def main(grid: Grid, context: Context) -> None:
-        out["rows"] = server.serve(grid)
+        @server_app.main()
+        def main(grid: Grid, context: Context) -> None:
+            out["rows"] = server.serve(grid)
 
-    grid = LocalGrid(app, len(idx))
-    with server_identity():
-        server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
+        grid = LocalGrid(app, len(idx), prepare=_announce(part, decoded))
+        with server_identity():
+            server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
+        part.close()
+        if config.max_epsilon is None:
+            server.ledger.extend(part.complete_entries())
+    except BaseException:
+        if part is not None:
+            part.close()
+        cancel_pending()  # a failed run waits for no background accounting
+        raise
     return out["rows"], stopped
 
 

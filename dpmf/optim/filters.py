@@ -30,11 +30,13 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.signal import lfilter
 
+from dpmf._lazy import lazy_module
 from dpmf._validation import check_choice, check_vector
 from dpmf.optim.disk import Disk, disk_extrapolation_weight, single_pass_gamma
 from dpmf.optim.transforms import Transform
+
+_signal = lazy_module("scipy.signal")  # imported at the first filter built (about 0.5 s)
 
 __all__ = [
     "FILTERS",
@@ -115,7 +117,7 @@ class Doppler(Transform):
                 f"b={self.b!r} is invalid: the DC gain sum(b)/sum(a) is 0; a low-pass filter "
                 "must pass constant signals"
             )
-        c = lfilter(b, a, np.ones(horizon))
+        c = _signal.lfilter(b, a, np.ones(horizon))
         small = np.abs(c) < _MIN_RELATIVE_NORMALIZER * np.max(np.abs(c))
         if small.any():
             t = int(np.argmax(small)) + 1

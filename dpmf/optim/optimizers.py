@@ -89,6 +89,20 @@ _STAGE_KEYS = ("filter", "transform")
 _STAGE_RECORD = "dpmf_stage"
 
 
+# torch.optim.Optimizer.add_param_group without its torch._dynamo.disable wrapper, whose first
+# call imports torch._dynamo (≈1.5 s on CPU): adding a group runs when an optimizer is built,
+# never inside a compiled region, so the wrapper changes nothing here. The same function when
+# this torch exposes no unwrapped one.
+_TORCH_ADD_GROUP = getattr(
+    torch.optim.Optimizer.add_param_group, "__wrapped__", torch.optim.Optimizer.add_param_group
+)
+
+
+def _add_group(optimizer, group: dict) -> None:
+    """torch's ``Optimizer.add_param_group`` (its checks and defaults) on ``optimizer``."""
+    _TORCH_ADD_GROUP(optimizer, group)
+
+
 def _stage_id(stage) -> str:
     """What identifies a stage in a state dict: its repr (a frozen dataclass's lists its
     hyperparameters), or its class name when the repr is the default one with an address."""
@@ -355,7 +369,16 @@ class DPOptimizer(torch.optim.Optimizer):
                 part["params"] = [(n, p) for n, p in part["params"]]
             else:
                 part["params"] = [p for _, p in part["params"]]
-            super().add_param_group(part)
+            _add_group(self, part)
+
+    def reset_state(self) -> None:
+        """Forget every step taken: the per-parameter state, the stage chains and the probe
+        generators' positions. The optimizer then steps exactly as a freshly built one over the
+        same parameter groups and hyperparameters (and stays bound to its privatizer)."""
+        self.state.clear()
+        self._chains.clear()
+        self._generators.clear()
+        self._pending_generator_states.clear()
 
     def _check_group(self, group: dict) -> None:
         check_choice("rule", group["rule"], rule_names())
