@@ -74,7 +74,9 @@ def private_run(model=None, data=None, **kw):
 # write through .data (no version bump) that keeps the sum — here a batch-dependent ordering of
 # two entries of a frozen base weight — is not seen, so the step releases a function of the batch
 # without noise.
-@pytest.mark.xfail(strict=True, reason="a sum-preserving .data write to a parameter in the forward is not detected")
+@pytest.mark.xfail(
+    strict=True, reason="a sum-preserving .data write to a parameter in the forward is not detected"
+)
 def test_forward_writing_a_parameter_through_data_with_the_same_sum_is_refused():
     private = private_run(clipping="bk")
     base = private.model.base_model.model
@@ -127,7 +129,9 @@ def test_ghost_clipping_under_bf16_autocast_keeps_each_example_within_zeta():
     data = DictData(8)
     worst = 0.0
     for i in range(6):
-        x, y = loss.split({k: v.unsqueeze(0) for k, v in data[i].items()})  # one example: sum = its clipped grad
+        x, y = loss.split(
+            {k: v.unsqueeze(0) for k, v in data[i].items()}
+        )  # one example: sum = its clipped grad
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = clipped_sum(model, loss, x, y, clip_norm=zeta, clipping="ghost")
         norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in out.grads)))
@@ -187,7 +191,9 @@ def test_a_factorization_whose_noise_layout_is_not_c_inverse_is_refused():
 # 0/0 ((t^−γ − n^−γ)/(1 − n^−γ) with n^−γ == 1.0 in float64): χ is NaN with a RuntimeWarning,
 # and `dpmf curves --schedule inverse_power --gamma 1e-17` fails later with "chi is invalid:
 # contains NaN or infinite entries", which names neither gamma nor the allowed range.
-@pytest.mark.xfail(strict=True, reason="a tiny inverse_power gamma gives NaN multipliers instead of a ValueError")
+@pytest.mark.xfail(
+    strict=True, reason="a tiny inverse_power gamma gives NaN multipliers instead of a ValueError"
+)
 def test_inverse_power_with_a_tiny_gamma_is_refused_or_finite():
     import numpy as np
 
@@ -231,7 +237,9 @@ def _one_round(dp, app, clients):
     shapes = {"w": (2, 3), "b": (3,)}
     with server_identity():
         arrays = ArrayRecord({k: Array(np.zeros(s, np.float32)) for k, s in shapes.items()})
-        return dp.aggregate_train(1, grid.send_and_receive(dp.configure_train(1, arrays, ConfigRecord({}), grid)))
+        return dp.aggregate_train(
+            1, grid.send_and_receive(dp.configure_train(1, arrays, ConfigRecord({}), grid))
+        )
 
 
 def _fedavg(p):
@@ -308,7 +316,9 @@ def test_a_huge_seed_range_is_refused_with_a_value_error():
 # uses (an unused head, a LoRA adapter after peft's merge_adapter()) makes backward crash inside
 # clipped_sum with a bare "KeyError: 'unused.weight'"; "ghost" and "vmap" give it a zero
 # per-example gradient (then noise), as every mode should (or refuse it in one line up front).
-@pytest.mark.xfail(strict=True, reason="bk/auto clipping crash with KeyError on an unused trainable parameter")
+@pytest.mark.xfail(
+    strict=True, reason="bk/auto clipping crash with KeyError on an unused trainable parameter"
+)
 @pytest.mark.parametrize("clipping", ["auto", "bk"])
 def test_an_unused_trainable_parameter_gets_noise_only_under_bk(clipping):
     import torch.nn.functional as F
@@ -323,7 +333,9 @@ def test_an_unused_trainable_parameter_gets_noise_only_under_bk(clipping):
             return self.used(x)
 
     g = torch.Generator().manual_seed(0)
-    data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g)
+    )
     torch.manual_seed(0)
     model = TwoHeads()
     private = dpmf.make_private(
@@ -358,7 +370,7 @@ def test_flower_run_config_refuses_values_that_int_or_bool_would_coerce(key, val
     if key == "compliant-only":
         assert config.compliant_only is False
     else:
-        pytest.fail(f"{key}={value!r} was accepted as {getattr(config, 'rounds')!r}")
+        pytest.fail(f"{key}={value!r} was accepted as {config.rounds!r}")
 
 
 # -- make_private: a collate_fn that couples the examples of a batch -----------------------------------
@@ -379,13 +391,16 @@ def test_a_collate_fn_that_couples_the_examples_is_refused():
         return x - x.mean(0, keepdim=True), y
 
     g = torch.Generator().manual_seed(0)
-    data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g)
+    )
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     with pytest.raises((ValueError, RuntimeError), match="collate"):
         private = dpmf.make_private(
             model, torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=F.cross_entropy, batch_size=8,
-            steps=2, noise_multiplier=1.0, factorization="identity", scheme="poisson", seed=1, collate_fn=centred,
+            steps=2, noise_multiplier=1.0, factorization="identity", scheme="poisson", seed=1,
+            collate_fn=centred,
         )  # fmt: skip
         x, y = next(iter(private.data_loader))
         private.backward(x, target=y, return_loss=False)
