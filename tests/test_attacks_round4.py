@@ -158,7 +158,6 @@ def test_copying_the_private_optimizer_fails_with_a_one_line_type_error():
 # stream comes from ``noise_layout()``, which a subclass may override (BLT does). A subclass whose
 # layout streams 0.1·C⁻¹Z is accepted: the plan reports the sensitivity and ε of C⁻¹Z while the
 # run adds a tenth of that noise.
-@pytest.mark.xfail(strict=True, reason="a Factorization subclass's noise_layout is not checked against C⁻¹")
 def test_a_factorization_whose_noise_layout_is_not_c_inverse_is_refused():
     from dpmf.mechanisms.factorizations import Factorization
     from dpmf.mechanisms.registry import factorize
@@ -191,9 +190,6 @@ def test_a_factorization_whose_noise_layout_is_not_c_inverse_is_refused():
 # 0/0 ((t^−γ − n^−γ)/(1 − n^−γ) with n^−γ == 1.0 in float64): χ is NaN with a RuntimeWarning,
 # and `dpmf curves --schedule inverse_power --gamma 1e-17` fails later with "chi is invalid:
 # contains NaN or infinite entries", which names neither gamma nor the allowed range.
-@pytest.mark.xfail(
-    strict=True, reason="a tiny inverse_power gamma gives NaN multipliers instead of a ValueError"
-)
 def test_inverse_power_with_a_tiny_gamma_is_refused_or_finite():
     import numpy as np
 
@@ -295,7 +291,6 @@ def test_client_level_noise_does_not_depend_on_a_replys_key_order():
 # Weakness: parse_seeds("0-1000000000") builds the whole list: `dpmf fl --seeds 0-1000000000`
 # was killed by the OOM killer (rc 137) instead of exiting 2 with a one-line error. Run here in a
 # subprocess under a 4 GB address-space limit with 10¹² seeds (MemoryError at once).
-@pytest.mark.xfail(strict=True, reason="a huge --seeds range is expanded in memory instead of refused")
 def test_a_huge_seed_range_is_refused_with_a_value_error():
     import subprocess
     import sys
