@@ -311,9 +311,6 @@ def test_a_huge_seed_range_is_refused_with_a_value_error():
 # uses (an unused head, a LoRA adapter after peft's merge_adapter()) makes backward crash inside
 # clipped_sum with a bare "KeyError: 'unused.weight'"; "ghost" and "vmap" give it a zero
 # per-example gradient (then noise), as every mode should (or refuse it in one line up front).
-@pytest.mark.xfail(
-    strict=True, reason="bk/auto clipping crash with KeyError on an unused trainable parameter"
-)
 @pytest.mark.parametrize("clipping", ["auto", "bk"])
 def test_an_unused_trainable_parameter_gets_noise_only_under_bk(clipping):
     import torch.nn.functional as F

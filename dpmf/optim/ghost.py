@@ -790,6 +790,7 @@ def ghost_clipped_sum(
             handlers, sq = [], {}
             fallback = {}
             tied_per: dict[str, torch.Tensor] = {}
+            unused: list[str] = []  # parameters of modules the forward did not call
             paired = _tied_pairs(engine, dtype)  # embedding + output layer: no instantiation
             for layer in engine.layers:
                 if layer.fallback is not None:
@@ -801,10 +802,11 @@ def ghost_clipped_sum(
                     handlers.append(h)
                     continue
                 tied_attrs = [a for q, a in layer.params if q in engine.tied]
-                if not layer.calls:  # not called: its parameters get no gradient
+                if not layer.calls:  # not called: its parameters get a zero per-example gradient
                     for q, _ in layer.params:
                         if q not in engine.tied:
                             sq[q] = torch.zeros(b, dtype=torch.float64, device=device)
+                            unused.append(q)
                     continue
                 h = _Handler(layer, dtype, tied_attrs)
                 sq.update(h.sq_norms())
@@ -849,6 +851,8 @@ def ghost_clipped_sum(
                 if method == "bk" or not h.sum_by_backward:
                     result_grads.update(h.summed(factors))
             handlers.clear()
+            for q in unused:  # a zero sum (the noise is added to it), in both methods
+                result_grads[q] = torch.zeros_like(named[q], memory_format=torch.contiguous_format)
             if method == "ghost":
                 wanted = [n for n in names if n not in result_grads]
                 if wanted:
