@@ -26,6 +26,9 @@ example i over all trainable parameters is the square root of the sum of its per
 norms; c_i = min(1, ζ/‖g_i‖). Then, in one of two ways:
 
 - ``"ghost"``: a second backward of Σ_i c_i·ℓ_i through the kept graph (Li et al. 2022);
+  under ``torch.autocast`` the registered layers' sums are taken by book-keeping instead, from
+  the float32 copies of the recorded tensors whose norms were taken (a low-precision second
+  backward rounds differently, and one example's clipped gradient could exceed ζ);
 - ``"bk"`` (book-keeping): Σ_i c_i G_iᵀA_i = (c∘G)ᵀA from the recorded activations and
   output gradients, one GEMM per layer and no second backward (Bu et al., "Differentially
   Private Optimization on Large Model at Small Cost", ICML 2023, Algorithm 1).
@@ -847,8 +850,11 @@ def ghost_clipped_sum(
                 result_grads[q] = t.clipped_sum(factors).to(named[q].dtype)
             for h in handlers:
                 # torch.func gradients (possibly with their own dropout masks) are summed from
-                # the same vectors whose norms were taken, in both methods
-                if method == "bk" or not h.sum_by_backward:
+                # the same vectors whose norms were taken, in both methods; so is every layer
+                # under autocast, where a second backward would round differently (low
+                # precision) from the float32 vectors whose norms were taken, and an example's
+                # clipped gradient could exceed ζ
+                if method == "bk" or not h.sum_by_backward or autocast_on:
                     result_grads.update(h.summed(factors))
             handlers.clear()
             for q in unused:  # a zero sum (the noise is added to it), in both methods
