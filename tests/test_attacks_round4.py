@@ -143,7 +143,6 @@ def test_ghost_clipping_under_bf16_autocast_keeps_each_example_within_zeta():
 # torch.save write without complaint) crash inside torch with "AttributeError: 'PrivateOptimizer'
 # object has no attribute 'original'" instead of a one-line TypeError naming the fix (as
 # Privatizer and the sampler do).
-@pytest.mark.xfail(strict=True, reason="deepcopy/pickle of PrivateOptimizer crash with an AttributeError")
 def test_copying_the_private_optimizer_fails_with_a_one_line_type_error():
     private = private_run()
     with pytest.raises(TypeError, match="PrivateOptimizer"):

@@ -118,7 +118,7 @@ def _map(fn, tree):
     return tree
 
 
-class PrivateOptimizer(torch.optim.Optimizer):
+class PrivateOptimizer(seeds.KeyHolder, torch.optim.Optimizer):
     """The user's optimizer behind a guard: ``step()`` runs only on the private gradients of the
     current step (written by ``PrivateTraining.backward``), once.
 
@@ -133,6 +133,10 @@ class PrivateOptimizer(torch.optim.Optimizer):
             the private step (for instance by a plain ``loss.backward()``), a second ``step``
             on the same private gradient, or a model or parameter group changed since
             ``make_private`` (``ModelChangedError``).
+
+    Pickling or deep-copying it raises TypeError (it holds the privatizer and so the run's
+    secret key; ``seeds.KeyHolder``): save the run with ``PrivateTraining.save``, and the
+    wrapped optimizer's ``state_dict()`` for its own state.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, privatizer: Privatizer, lr_multipliers=None):
