@@ -370,7 +370,6 @@ def test_flower_run_config_refuses_values_that_int_or_bool_would_coerce(key, val
 # example moves all B clipped gradients: the sensitivity is no longer ζ. backward accepts the
 # batch (its fingerprints are those of the coupled batch the loader yielded). A check such as
 # collate_fn([dataset[i]]) against row i of the batch would see it.
-@pytest.mark.xfail(strict=True, reason="a collate_fn that couples examples is accepted silently")
 def test_a_collate_fn_that_couples_the_examples_is_refused():
     import torch.nn.functional as F
     from torch import nn

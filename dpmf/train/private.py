@@ -65,6 +65,7 @@ from dpmf.optim.model_guard import check_state_unchanged, state_versions
 from dpmf.optim.privatize import Privatizer
 from dpmf.plan.plan import PrivatePlan, steps_per_epoch
 from dpmf.plan.schemes import auto_scheme, get_scheme
+from dpmf.train.collate_check import check_collate_independent
 from dpmf.train.hf import batch_size_of, split_batch
 from dpmf.train.ledger import export as export_files
 from dpmf.train.ledger import privacy_ledger
@@ -626,7 +627,10 @@ def make_private(
             ``resume``); an integer ≥ 0 is the key (reproducible, noise predictable: a notice).
         max_bands: the memory budget of ``"auto"``; micro_batch_size, clipping: as
             ``dpmf.optim.clipping.clipped_sum`` (per-example gradients held at once; method).
-        num_workers, collate_fn: the DataLoader's (draws stay in the main process); transform:
+        num_workers, collate_fn: the DataLoader's (draws stay in the main process); a
+            ``collate_fn`` must treat the examples independently (checked on three examples,
+            ``dpmf.train.collate_check``: row j of a collated batch equals example j collated
+            alone, up to padding); transform:
             None or ``transform(dataset[i])`` per example as fetched; progress: pick's bars.
         process_group, distributed_mode, noise_keys: one process (None) or a torch.distributed
             group / ``Collectives`` (every rank calls alike; its loader yields its slice of each
@@ -637,13 +641,17 @@ def make_private(
 
     Raises:
         ValueError / TypeError: an invalid argument (named, before any work), a strategy the
-            scheme cannot account, a module that couples examples or writes the batch.
+            scheme cannot account, a module that couples examples or writes the batch, a
+            ``collate_fn`` that couples examples.
     """
     _check_module(module, optimizer, loss_fn)  # before pick and calibration
     run = _RunArgs.check(
         dataset, batch_size, epochs, steps, target_epsilon, target_delta, noise_multiplier, clip_norm, seed
     )
     loading = _Loading.check(num_workers, transform, collate_fn)
+    if collate_fn is not None:  # once, before any work: its rows must not couple the examples
+        fetched = dataset if transform is None else TransformedDataset(dataset, transform)
+        check_collate_independent(fetched, collate_fn)
     schedule = _check_schedule(schedule)
     flags = ExecutionFlags(
         clipping=clipping,
