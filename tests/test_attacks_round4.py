@@ -106,7 +106,6 @@ def test_forward_writing_a_parameter_through_data_with_the_same_sum_is_refused()
 # data set of the same size — here the same examples in another order, which moves each person
 # to another index and so to other steps of the sampler (under cyclic schemes, past min-sep).
 # The docstring promises "ValueError: … another plan or data".
-@pytest.mark.xfail(strict=True, reason="resume accepts another data set when it is not a TensorDataset")
 def test_resume_refuses_a_reordered_dict_data_set(tmp_path):
     first = private_run()
     first.backward(next(iter(first.data_loader)), return_loss=False)

@@ -46,6 +46,7 @@ import torch
 from dpmf import seeds
 from dpmf.train.checkpoint import as_numpy, load_checkpoint, save_checkpoint
 from dpmf.train.hf import check_model_state, load_model_state, model_state
+from dpmf.train.private_loader import TransformedDataset
 from dpmf.train.shards import merge_shards, save_sharded
 
 __all__ = [
@@ -107,14 +108,69 @@ def data_digest(data) -> str:
     return _tensors_digest((data.train_x, data.train_y))
 
 
+#: examples hashed by ``dataset_digest`` for a data set that is not a TensorDataset
+DIGEST_SAMPLE = 16
+
+
 def dataset_digest(dataset) -> str | None:
-    """``data_digest`` of the tensors of a ``TensorDataset`` (through ``TransformedDataset``'s
-    data set), or None for other data sets, whose examples may be computed on the fly."""
+    """A digest of the data set a run trains on, compared on resume (``check_run_state``).
+
+    A ``TensorDataset`` (also behind ``make_private``'s ``TransformedDataset``): ``data_digest``
+    of its tensors. Any other map-style data set (e.g. a Hugging Face data set of dicts):
+    SHA-256 (first 16 hex digits, prefixed ``sample-``) of its length and of ``DIGEST_SAMPLE``
+    examples at indices spread evenly over it (⌊k·(N − 1)/15⌋), fetched before any per-example
+    ``transform``; tensors and numpy arrays are hashed by shape, dtype and bytes, dicts by
+    sorted keys, lists/tuples in order, numbers/strings/bytes by value. So the same examples
+    in another order, or other examples, are refused on resume. A data set whose examples
+    change from one fetch to the next (random augmentation inside ``__getitem__``: put it in
+    ``make_private``'s ``transform`` instead) is refused on resume too. None: an example holds
+    something else (not compared).
+    """
     inner = getattr(dataset, "dataset", None)
     tensors = getattr(dataset, "tensors", None) or getattr(inner, "tensors", None)
-    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+    if tensors and all(isinstance(t, torch.Tensor) for t in tensors):
+        return _tensors_digest(tensors)
+    if isinstance(dataset, TransformedDataset):
+        dataset = dataset.dataset  # the stored examples, not their (possibly random) transform
+    try:
+        n = len(dataset)
+    except TypeError:
         return None
-    return _tensors_digest(tensors)
+    h = hashlib.sha256(f"len={n}".encode())
+    if n > 0:
+        for i in sorted({(k * (n - 1)) // (DIGEST_SAMPLE - 1) for k in range(DIGEST_SAMPLE)}):
+            if not _hash_example(h, dataset[i]):
+                return None
+    return "sample-" + h.hexdigest()[:16]
+
+
+def _hash_example(h, x) -> bool:
+    """Feed one example into ``h``; False when it holds a value with no stable bytes."""
+    if isinstance(x, torch.Tensor):
+        _update_tensor(h, x)
+    elif isinstance(x, np.ndarray) and x.dtype != object:
+        h.update(f"nd{x.shape}{x.dtype}".encode())
+        h.update(np.ascontiguousarray(x).tobytes())
+    elif isinstance(x, dict):
+        h.update(b"{")
+        for k in sorted(x, key=repr):
+            h.update(repr(k).encode())
+            if not _hash_example(h, x[k]):
+                return False
+        h.update(b"}")
+    elif isinstance(x, list | tuple):
+        h.update(f"[{len(x)}".encode())
+        return all(_hash_example(h, v) for v in x)
+    elif x is None or isinstance(x, bool | int | float | complex | str | bytes | np.generic):
+        h.update(f"{type(x).__name__}:{x!r}".encode())
+    else:
+        return False
+    return True
+
+
+def _update_tensor(h, t: torch.Tensor) -> None:
+    h.update(f"{tuple(t.shape)}{t.dtype}".encode())
+    h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
 # -- parts ---------------------------------------------------------------------------------------
