@@ -280,7 +280,9 @@ def test_client_mode_noise_follows_the_global_models_key_order_not_a_replys():
 
     shapes = {"w": (2, 3), "b": (3,)}
     nu = np.arange(1.0, 10.0)  # the round's noise on the sum, 9 coordinates
-    fake = SimpleNamespace(config=SimpleNamespace(client_clip=1.0), noise=SimpleNamespace(next=lambda: nu.copy()))
+    fake = SimpleNamespace(
+        config=SimpleNamespace(client_clip=1.0), noise=SimpleNamespace(next=lambda: nu.copy())
+    )
     arrays = ArrayRecord({k: Array(np.zeros(s, np.float32)) for k, s in shapes.items()})
 
     def reply(keys):
@@ -294,5 +296,7 @@ def test_client_mode_noise_follows_the_global_models_key_order_not_a_replys():
             np.testing.assert_array_equal(msg.content["arrays"]["w"].numpy(), (nu[:6] / 2).reshape(2, 3))
             np.testing.assert_array_equal(msg.content["arrays"]["b"].numpy(), nu[6:] / 2)
         bad = [reply(["w", "b"]), reply(["w"])]
-        with pytest.raises(ValueError, match=r"round 1: the reply of node \d+ is invalid: .*missing arrays \['b'\]"):
+        with pytest.raises(
+            ValueError, match=r"round 1: the reply of node \d+ is invalid: .*missing arrays \['b'\]"
+        ):
             _ClientServer.privatize(fake, bad, arrays, 1)

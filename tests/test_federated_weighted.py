@@ -145,15 +145,15 @@ def test_client_level_does_not_release_the_clients_metrics():
     @app.train()
     def train(msg, context):
         j = int(context.node_config["partition-id"])
-        content = RecordDict({"arrays": msg.content["arrays"],
-                              "metrics": MetricRecord({"num-examples": 5, "train-loss": [1.0, 2.0, 3.0, 1e6][j]})})  # fmt: skip
+        metrics = MetricRecord({"num-examples": 5, "train-loss": [1.0, 2.0, 3.0, 1e6][j]})
+        content = RecordDict({"arrays": msg.content["arrays"], "metrics": metrics})
         return Message(content=content, reply_to=msg)
 
     grid = LocalGrid(app, P)
     nodes = sorted(grid.get_node_ids())
     inner = fs.FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=P, min_available_nodes=P)
-    dp = _rule().client_dp(inner, node_clients=dict(zip(nodes, SIGMAS, strict=True)), rounds=R, clip_norm=ZETA,
-                           seed=3)  # fmt: skip
+    node_clients = dict(zip(nodes, SIGMAS, strict=True))
+    dp = _rule().client_dp(inner, node_clients=node_clients, rounds=R, clip_norm=ZETA, seed=3)
     with server_identity():
         arrays = ArrayRecord({k: Array(np.zeros(s, dtype=np.float32)) for k, s in SHAPES.items()})
         _, metrics = dp.aggregate_train(

@@ -138,14 +138,18 @@ def _reply_app(reply):
     ],
 )
 def test_a_reply_with_other_arrays_is_refused_naming_its_node_before_any_noise(change, what):
-    dp = CorrelatedClientDP(_strategy(), num_clients=P, rounds=R, noise_multiplier=SIGMA, clip_norm=ZETA, seed=7)
+    dp = CorrelatedClientDP(
+        _strategy(), num_clients=P, rounds=R, noise_multiplier=SIGMA, clip_norm=ZETA, seed=7
+    )
     app = _reply_app(lambda j, w: (change(w) if j == 1 else w, {"num-examples": 10}))
     grid = LocalGrid(app, P)
     node = sorted(grid.get_node_ids())[1]  # partition 1
     arrays = ArrayRecord({k: Array(np.zeros(s, dtype=np.float32)) for k, s in SHAPES.items()})
     with server_identity():
         msgs = dp.configure_train(1, arrays, ConfigRecord({}), grid)
-        with pytest.raises(ValueError, match=rf"round 1: the reply of node {node} is invalid: .*{what}") as err:
+        with pytest.raises(
+            ValueError, match=rf"round 1: the reply of node {node} is invalid: .*{what}"
+        ) as err:
             dp.aggregate_train(1, grid.send_and_receive(msgs))
     assert "\n" not in str(err.value)
     assert dp._noise is None and dp._round == 0  # refused before the round's noise was drawn
@@ -166,6 +170,8 @@ def test_client_metrics_are_not_passed_to_the_strategys_metrics_aggregation():
     arrays = ArrayRecord({k: Array(np.zeros(s, dtype=np.float32)) for k, s in SHAPES.items()})
     grid = LocalGrid(app, P)
     with server_identity():
-        _, metrics = dp.aggregate_train(1, grid.send_and_receive(dp.configure_train(1, arrays, ConfigRecord({}), grid)))
+        _, metrics = dp.aggregate_train(
+            1, grid.send_and_receive(dp.configure_train(1, arrays, ConfigRecord({}), grid))
+        )
     assert seen == [{"num-examples": 1}] * P
     assert set(metrics) == {EPSILON_KEY, DELTA_KEY, "dp-client-clip-norm"}
