@@ -244,7 +244,6 @@ def _fedavg(p):
 # Weakness: aggregate_train passes every client's MetricRecord to the wrapped FedAvg, which returns
 # their (weighted) mean next to dp-client-epsilon: a client statistic (here a training loss, one
 # client's 1e6 sets it alone) is released with no clipping or noise, outside the reported ε.
-@pytest.mark.xfail(strict=True, reason="CorrelatedClientDP returns the clients' un-noised metrics mean")
 def test_client_level_wrapper_does_not_release_the_clients_metrics_without_noise():
     pytest.importorskip("flwr")
     from dpmf.federated.wrappers import EPSILON_KEY, CorrelatedClientDP
@@ -262,7 +261,6 @@ def test_client_level_wrapper_does_not_release_the_clients_metrics_without_noise
 # (its right: an ArrayRecord is a mapping) gets other noise coordinates on each array than the
 # others, so the mean's noise is an average of different slices: here 0.61× the norm of the
 # plan's noise (less private than the ε reported). The noise must follow the global model's keys.
-@pytest.mark.xfail(strict=True, reason="the wrapper's noise follows each reply's key order")
 def test_client_level_noise_does_not_depend_on_a_replys_key_order():
     pytest.importorskip("flwr")
     import numpy as np
@@ -341,7 +339,6 @@ def test_an_unused_trainable_parameter_gets_noise_only_under_bk(clipping):
 # Weakness: config_from_run_config converts each key with its type's constructor: bool("false") is
 # True (compliant-only silently inverted), int(2.9) is 2 (rounds silently truncated), and
 # int("abc") / int(nan) raise "invalid literal for int() with base 10: 'abc'" naming no key.
-@pytest.mark.xfail(strict=True, reason="run config values are coerced by int()/bool() without checks")
 @pytest.mark.parametrize(
     "key, value",
     [("compliant-only", "false"), ("rounds", 2.9), ("rounds", "abc"), ("seed", float("nan"))],

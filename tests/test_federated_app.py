@@ -44,3 +44,45 @@ def test_the_app_equals_dpmf_fl_with_the_same_settings(extra):
 def test_unknown_run_config_keys_are_named():
     with pytest.raises(ValueError, match=r"run config keys \['num-rounds'\] are invalid"):
         config_from_run_config({"num-rounds": 3})
+
+
+def test_run_config_values_are_parsed_strictly_for_their_keys_type():
+    import pathlib
+
+    import tomllib
+
+    example = pathlib.Path(__file__).parents[1] / "examples" / "flower" / "pyproject.toml"
+    rc = tomllib.loads(example.read_text())["tool"]["flwr"]["app"]["config"]
+    cfg = config_from_run_config(rc)  # the example's values parse as they are
+    assert (cfg.rounds, cfg.num_clients, cfg.seed, cfg.client_factorization) == (
+        rc["rounds"],
+        rc["clients"],
+        0,
+        "bisr:4",
+    )
+    # the forms a typed TOML value or a `--run-config` string may take
+    cfg = config_from_run_config(
+        {"rounds": "3", "compliant-only": "TRUE", "alpha": "0.25", "sigma-min": 1, "seed": "-1"}
+    )
+    assert (cfg.rounds, cfg.compliant_only, cfg.alpha, cfg.noise_map.sigma_min, cfg.seed) == (
+        3,
+        True,
+        0.25,
+        1.0,
+        None,
+    )
+    assert config_from_run_config({"compliant-only": "False"}).compliant_only is False
+    for key, value, allowed in [
+        ("compliant-only", 1, "a bool"),
+        ("compliant-only", "no", "a bool"),
+        ("rounds", True, "an integer"),
+        ("rounds", 3.0, "an integer"),
+        ("alpha", float("inf"), "a finite number"),
+        ("sigma-max", float("nan"), "a finite number"),
+        ("dataset", 3, "a string"),
+    ]:
+        with pytest.raises(
+            ValueError, match=rf"^run config {key}={value!r} is invalid: must be {allowed}"
+        ) as err:
+            config_from_run_config({key: value})
+        assert "\n" not in str(err.value)

@@ -265,3 +265,38 @@ def test_no_code_outside_the_mode_objects_switches_on_a_modes_name():
             if pattern.search(line):
                 hits.append(f"{path.name}:{i}: {line.strip()}")
     assert not hits, hits
+
+
+def test_client_mode_noise_follows_the_global_models_key_order_not_a_replys():
+    # dpmf fl --privacy client: a reply listing its arrays in another order gets the same noise
+    # coordinates on each array as the others (else the mean's noise shrinks); other keys are refused
+    from types import SimpleNamespace
+
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+
+    from dpmf.federated.grid import server_identity
+    from dpmf.federated.modes import _ClientServer
+
+    shapes = {"w": (2, 3), "b": (3,)}
+    nu = np.arange(1.0, 10.0)  # the round's noise on the sum, 9 coordinates
+    fake = SimpleNamespace(
+        config=SimpleNamespace(client_clip=1.0), noise=SimpleNamespace(next=lambda: nu.copy())
+    )
+    arrays = ArrayRecord({k: Array(np.zeros(s, np.float32)) for k, s in shapes.items()})
+
+    def reply(keys):
+        rec = ArrayRecord({k: Array(np.zeros(shapes[k], np.float32)) for k in keys})
+        content = RecordDict({"arrays": rec, "metrics": MetricRecord({"num-examples": 7})})
+        return Message(content=content, dst_node_id=0, message_type="train")
+
+    with server_identity():
+        out = _ClientServer.privatize(fake, [reply(["w", "b"]), reply(["b", "w"])], arrays, 1)
+        for msg in out:  # every reply: w gets ν[0:6]/2, b gets ν[6:9]/2
+            np.testing.assert_array_equal(msg.content["arrays"]["w"].numpy(), (nu[:6] / 2).reshape(2, 3))
+            np.testing.assert_array_equal(msg.content["arrays"]["b"].numpy(), nu[6:] / 2)
+        bad = [reply(["w", "b"]), reply(["w"])]
+        with pytest.raises(
+            ValueError, match=r"round 1: the reply of node \d+ is invalid: .*missing arrays \['b'\]"
+        ):
+            _ClientServer.privatize(fake, bad, arrays, 1)

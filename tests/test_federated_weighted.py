@@ -135,3 +135,30 @@ def test_client_level_refuses_settings_the_rule_owns():
             _rule().client_dp(inner, node_clients={1: "lower-01"}, rounds=R, clip_norm=ZETA, **bad)
     with pytest.raises(ValueError, match="profile ids repeat"):
         _rule().client_dp(inner, node_clients={1: "lower-01", 2: "lower-01"}, rounds=R, clip_norm=ZETA)
+
+
+def test_client_level_does_not_release_the_clients_metrics():
+    # the compliance-weighted wrapper aggregates through CorrelatedClientDP: a client's training
+    # loss (not privatized) must not reach the metrics next to its ε
+    app = ClientApp()
+
+    @app.train()
+    def train(msg, context):
+        j = int(context.node_config["partition-id"])
+        metrics = MetricRecord({"num-examples": 5, "train-loss": [1.0, 2.0, 3.0, 1e6][j]})
+        content = RecordDict({"arrays": msg.content["arrays"], "metrics": metrics})
+        return Message(content=content, reply_to=msg)
+
+    grid = LocalGrid(app, P)
+    nodes = sorted(grid.get_node_ids())
+    inner = fs.FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=P, min_available_nodes=P)
+    node_clients = dict(zip(nodes, SIGMAS, strict=True))
+    dp = _rule().client_dp(inner, node_clients=node_clients, rounds=R, clip_norm=ZETA, seed=3)
+    with server_identity():
+        arrays = ArrayRecord({k: Array(np.zeros(s, dtype=np.float32)) for k, s in SHAPES.items()})
+        _, metrics = dp.aggregate_train(
+            1, grid.send_and_receive(dp.configure_train(1, arrays, ConfigRecord({}), grid))
+        )
+    assert "train-loss" not in metrics and "num-examples" not in metrics
+    assert {k for k in metrics if not k.startswith(EPSILON_KEY)} == {"dp-client-delta", "dp-client-clip-norm"}
+    assert metrics[EPSILON_KEY] == dp.privacy_of("compliant-01").epsilon

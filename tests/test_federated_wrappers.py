@@ -112,3 +112,66 @@ def test_a_non_finite_client_update_is_refused_not_passed_unclipped():
         msgs = dp.configure_train(1, arrays, ConfigRecord({}), grid)
         with pytest.raises(RuntimeError, match="round 1: a client update is not finite"):
             dp.aggregate_train(1, grid.send_and_receive(msgs))
+
+
+def _reply_app(reply):
+    """A ClientApp whose client j answers ``reply(j, w)`` → (arrays, metrics)."""
+    app = ClientApp()
+
+    @app.train()
+    def train(msg, context):
+        j = int(context.node_config["partition-id"])
+        arrays, metrics = reply(j, {k: a.numpy() for k, a in msg.content["arrays"].items()})
+        content = RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
+                              "metrics": MetricRecord(metrics)})  # fmt: skip
+        return Message(content=content, reply_to=msg)
+
+    return app
+
+
+@pytest.mark.parametrize(
+    "change, what",
+    [
+        (lambda w: {"w": w["w"]}, r"missing arrays \['b'\]"),
+        (lambda w: {**w, "x": np.zeros(2, np.float32)}, r"extra arrays \['x'\]"),
+        (lambda w: {"w": w["w"].reshape(3, 2), "b": w["b"]}, r"shapes 'w' \(3, 2\) instead of \(2, 3\)"),
+    ],
+)
+def test_a_reply_with_other_arrays_is_refused_naming_its_node_before_any_noise(change, what):
+    dp = CorrelatedClientDP(
+        _strategy(), num_clients=P, rounds=R, noise_multiplier=SIGMA, clip_norm=ZETA, seed=7
+    )
+    app = _reply_app(lambda j, w: (change(w) if j == 1 else w, {"num-examples": 10}))
+    grid = LocalGrid(app, P)
+    node = sorted(grid.get_node_ids())[1]  # partition 1
+    arrays = ArrayRecord({k: Array(np.zeros(s, dtype=np.float32)) for k, s in SHAPES.items()})
+    with server_identity():
+        msgs = dp.configure_train(1, arrays, ConfigRecord({}), grid)
+        with pytest.raises(
+            ValueError, match=rf"round 1: the reply of node {node} is invalid: .*{what}"
+        ) as err:
+            dp.aggregate_train(1, grid.send_and_receive(msgs))
+    assert "\n" not in str(err.value)
+    assert dp._noise is None and dp._round == 0  # refused before the round's noise was drawn
+
+
+def test_client_metrics_are_not_passed_to_the_strategys_metrics_aggregation():
+    # a custom train_metrics_aggr_fn sees what the wrapped strategy would release: only the weight
+    seen = []
+
+    def aggr(contents, weight_key):
+        seen.extend(dict(next(iter(c.metric_records.values()))) for c in contents)
+        return MetricRecord({})
+
+    inner = fs.FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=P, min_available_nodes=P,
+                      train_metrics_aggr_fn=aggr)  # fmt: skip
+    dp = CorrelatedClientDP(inner, num_clients=P, rounds=R, noise_multiplier=SIGMA, clip_norm=ZETA, seed=7)
+    app = _reply_app(lambda j, w: (w, {"num-examples": 10 * (j + 1), "train-loss": 1.5 * j, "acc": 0.5}))
+    arrays = ArrayRecord({k: Array(np.zeros(s, dtype=np.float32)) for k, s in SHAPES.items()})
+    grid = LocalGrid(app, P)
+    with server_identity():
+        _, metrics = dp.aggregate_train(
+            1, grid.send_and_receive(dp.configure_train(1, arrays, ConfigRecord({}), grid))
+        )
+    assert seen == [{"num-examples": 1}] * P
+    assert set(metrics) == {EPSILON_KEY, DELTA_KEY, "dp-client-clip-norm"}

@@ -38,7 +38,7 @@ from flwr.serverapp import Grid, ServerApp
 from dpmf import seeds
 from dpmf.federated.compliance import NoiseMap, example_profiles
 from dpmf.federated.ledger import format_entry
-from dpmf.federated.runconfig import _MAP_KEYS, run_config_keys
+from dpmf.federated.runconfig import _MAP_KEYS, parse_run_config_value, run_config_keys
 
 __all__ = ["app", "clientapp", "config_from_run_config", "config_keys"]
 
@@ -55,8 +55,12 @@ def config_from_run_config(run_config) -> object:
     """The ``FLConfig`` of a Flower run config (the keys of ``config_keys``; ``seed`` −1 or
     absent: a secret key; ``max-epsilon``/``client-noise-multiplier`` 0: none).
 
+    Every value is parsed strictly for its key's type (``parse_run_config_value``): "false" is
+    not True, 2.9 rounds are not 2, NaN is no seed.
+
     Raises:
-        ValueError: an unknown key (with the allowed ones) or an invalid value (``FLConfig``).
+        ValueError: an unknown key (with the allowed ones), a value of the wrong type or not
+            finite (naming the key), or an invalid value (``FLConfig``).
     """
     from dpmf.federated.run import FLConfig
 
@@ -69,16 +73,16 @@ def config_from_run_config(run_config) -> object:
     kw = {}
     for key, (field, kind) in keys.items():
         if key in cfg and cfg[key] != "":
-            kw[field] = kind(cfg[key])
+            kw[field] = parse_run_config_value(key, cfg[key], kind)
     for field in ("max_epsilon", "client_noise_multiplier", "fedopt_eta"):
         if kw.get(field) == 0:
             kw.pop(field)
-    seed = int(cfg.get("seed", -1))
+    seed = parse_run_config_value("seed", cfg.get("seed", -1), int)
     kw["seed"] = None if seed < 0 else seed
     kw["noise_map"] = NoiseMap(
-        str(cfg.get("noise-map", "linear")),
-        float(cfg.get("sigma-min", 0.8)),
-        float(cfg.get("sigma-max", 2.0)),
+        parse_run_config_value("noise-map", cfg.get("noise-map", "linear"), str),
+        parse_run_config_value("sigma-min", cfg.get("sigma-min", 0.8), float),
+        parse_run_config_value("sigma-max", cfg.get("sigma-max", 2.0), float),
     )
     return FLConfig(**kw)
 

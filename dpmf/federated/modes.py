@@ -648,14 +648,16 @@ class _ClientServer(ServerPart):
         from flwr.app import Array, ArrayRecord
 
         from dpmf.federated.clip import update_scale
+        from dpmf.federated.replies import reply_updates
 
         base = {k: a.numpy().astype(np.float64) for k, a in arrays.items()}
         divisor = getattr(self.noise, "divisor", len(replies))  # K̄ when clients are sampled
         grow = len(replies) / divisor  # the mean of the replies is then Σ/K̄ (1.0 without sampling)
+        # every update in the global model's key order, every reply checked before any noise
+        updates = [reply_updates(msg, None, base, server_round) for msg in replies]
         noise = self.noise.next() / divisor
-        for msg in replies:
+        for msg, upd in zip(replies, updates, strict=True):
             rec_key = next(iter(msg.content.array_records.keys()))
-            upd = {k: a.numpy().astype(np.float64) - base[k] for k, a in msg.content[rec_key].items()}
             norm = math.sqrt(sum(float(np.sum(u * u)) for u in upd.values()))
             scale = update_scale(norm, self.config.client_clip, server_round)
             out, off = {}, 0

@@ -4,7 +4,10 @@ inverse, ``dpmf.federated.app.config_from_run_config``, builds the ``FLConfig``)
 
 from __future__ import annotations
 
-__all__ = ["run_config_from_config", "run_config_keys"]
+import math
+import re
+
+__all__ = ["parse_run_config_value", "run_config_from_config", "run_config_keys"]
 
 # run-config key → (FLConfig field, type), besides the privacy modes' own (``run_config_keys``)
 _COMMON_KEYS = {
@@ -47,6 +50,53 @@ def run_config_keys() -> dict:
 
 
 _MAP_KEYS = ("noise-map", "sigma-min", "sigma-max")
+_INT_TEXT = re.compile(r"[+-]?[0-9]+")
+
+
+def parse_run_config_value(key: str, value, kind: type):
+    """The run-config ``value`` of ``key`` as ``kind`` (int, float, bool or str), strictly.
+
+    A Flower run config is TOML (or ``flwr run --run-config``): its values arrive typed. An int
+    key takes an int or the text of one ("3"), never a float (2.9 is not truncated to 2) or a
+    bool; a bool key takes a bool or "true"/"false" (any case), never another text (``bool``
+    of "false" is True); a float key takes a finite int or float, or the text of one (NaN and
+    ±∞ are refused: no key's range holds them); a str key takes a str.
+
+    Raises:
+        ValueError: a value of another type or out of that range (one line naming the key, the
+            value, what is allowed and the fix).
+    """
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        allowed = "a bool: true or false (TOML booleans, or the strings 'true'/'false')"
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return int(value)
+        if isinstance(value, str) and _INT_TEXT.fullmatch(value.strip()):
+            return int(value.strip())
+        allowed = "an integer (e.g. 3, or the string '3'; not a float, a bool or other text)"
+    elif kind is float:
+        number = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        elif isinstance(value, str):
+            try:
+                number = float(value.strip())
+            except ValueError:
+                number = None
+        if number is not None and math.isfinite(number):
+            return number
+        allowed = "a finite number (not NaN, ±inf, a bool or other text)"
+    elif kind is str:
+        if isinstance(value, str):
+            return value
+        allowed = "a string (quote it in the TOML)"
+    else:  # pragma: no cover - the registry's kinds are these four
+        return kind(value)
+    raise ValueError(f"run config {key}={value!r} is invalid: must be {allowed}; set {key} to such a value")
 
 
 def run_config_from_config(config) -> dict:

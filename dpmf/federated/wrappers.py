@@ -16,6 +16,16 @@ accounting is for full participation):
    whole run (all R rounds) for the unit *a whole client* (add or remove one client's data),
    with the accountant in the log line, and ``dp-client-clip-norm``, the round's ζ.
 
+Client metrics are not released: they are not privatized. Each reply's MetricRecord is replaced
+by the wrapped strategy's weighting key alone (``weighted_by_key`` = 1) before it aggregates,
+so a client's training loss or record count never reaches the returned metrics (its mean would
+be a statistic of the clients' data outside the reported ε).
+
+Every reply's update is flattened, and gets its noise coordinates, in the key order of the
+global ArrayRecord the server sent in ``configure_train`` (not the reply's own order: an
+ArrayRecord is a mapping); a reply whose arrays have other names or shapes is refused with a
+ValueError naming its node, before any noise is drawn.
+
 Adaptive clipping (``adaptive=AdaptiveClipping(...)``, ``dpmf.federated.adaptive``; Andrew et
 al., NeurIPS 2021): ``clip_norm`` is the initial norm C_1; round r clips to C_r, releases the
 count of unclipped updates with noise N(0, σ_b²) and sets C_{r+1} = C_r·exp(−η(b̄_r − γ)); the
@@ -53,6 +63,7 @@ from dpmf import seeds
 from dpmf._validation import check_int, check_real
 from dpmf.federated.adaptive import AdaptiveClipping, adjusted_noise_multiplier, geometric_update
 from dpmf.federated.clip import update_scale
+from dpmf.federated.replies import keep_weight_only, reply_updates
 
 __all__ = ["AdaptiveClipping", "CorrelatedClientDP", "EPSILON_KEY", "DELTA_KEY", "CLIP_NORM_KEY"]
 
@@ -88,10 +99,15 @@ class CorrelatedClientDP(_Base):
         adaptive: None (fixed clipping) or an ``AdaptiveClipping`` (target_clipped_quantile,
             clip_norm_lr, clipped_count_stddev — default P/20).
 
+    Client metrics are not released: they are not privatized (``aggregate_train`` keeps only
+    the strategy's weighting key of each reply; the returned metrics are the wrapper's own).
+
     Raises:
         TypeError: not a Flower strategy.
         ValueError: a strategy whose aggregate is not a mean, or a parameter out of range
-            (with ``adaptive``: σ ≥ 2σ_b, where the count alone would spend the budget).
+            (with ``adaptive``: σ ≥ 2σ_b, where the count alone would spend the budget); in
+            ``aggregate_train``, a reply whose arrays' names or shapes differ from the global
+            model's (naming its node).
     """
 
     def __init__(
@@ -227,6 +243,9 @@ class CorrelatedClientDP(_Base):
                 f"({sum(m.has_error() for m in replies)} errors) "
                 f"from {self.num_clients} clients; the round's noise is for all of them"
             )
+        key = self.strategy.arrayrecord_key
+        # every update in the global model's key order, every reply checked before any noise
+        updates = [reply_updates(msg, key, base, server_round) for msg in replies]
         if self._noise is None:
             self._build(int(sum(v.size for v in base.values())))
         self._round += 1
@@ -234,22 +253,19 @@ class CorrelatedClientDP(_Base):
         noise = self._noise.next() / len(replies)  # σ·ζ_1·sens·(C⁻¹Z)_r (z_Δ when adaptive)
         if clip != self.clip_norm:  # adaptive: the noise at this round's ζ = C_r
             noise = noise * (clip / self.clip_norm)
-        key = self.strategy.arrayrecord_key
         unclipped = 0
-        for msg in replies:
-            upd = {k: a.numpy().astype(np.float64) - base[k] for k, a in msg.content[key].items()}
+        for msg, upd in zip(replies, updates, strict=True):
             norm = math.sqrt(sum(float(np.sum(u * u)) for u in upd.values()))
             own = self._client_clip(msg, clip)
             scale = update_scale(norm, own, server_round)
             unclipped += int(norm <= own)
             out, off = {}, 0
-            for k, u in upd.items():
+            for k, u in upd.items():  # the order of ``base``: noise coordinate i, same entry for all
                 z = noise[off : off + u.size].reshape(u.shape)
                 off += u.size
                 out[k] = Array(np.asarray(base[k] + scale * u + z, dtype=np.float32))
             msg.content[key] = ArrayRecord(out)
-            for met in msg.content.metric_records.values():
-                met[self.strategy.weighted_by_key] = 1
+            keep_weight_only(msg, self.strategy.weighted_by_key)  # client metrics are not released
         arrays, metrics = self.strategy.aggregate_train(server_round, replies)
         metrics = MetricRecord({} if metrics is None else dict(metrics))
         metrics[EPSILON_KEY] = float(self._privacy.epsilon)
