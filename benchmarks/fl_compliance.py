@@ -57,7 +57,12 @@ def main(argv=None) -> int:
             print(f"  {done}/{total} cells, {time.perf_counter() - began:.0f} s", flush=True)
 
     rows = compliance_grid(
-        datasets, strategies, rounds=a.rounds, seeds=seeds, num_clients=a.clients, progress=progress,
+        datasets,
+        strategies,
+        rounds=a.rounds,
+        seeds=seeds,
+        num_clients=a.clients,
+        progress=progress,
         base=base,
     )
     cols = list(rows[0])

@@ -19,9 +19,7 @@ from dpmf.workloads import Schedule, from_schedule, prefix_sum
 
 
 def _cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "dpmf", *args], capture_output=True, text=True, timeout=300
-    )
+    return subprocess.run([sys.executable, "-m", "dpmf", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_delta_at_least_one_over_n_warns_once_and_still_accounts(caplog):
@@ -56,8 +54,21 @@ def test_huge_noise_multiplier_refused_and_the_limit_accounted():
     for acc in ("pld", "rdp"):
         r = plan.account(1e100, delta=1e-5, accountant=acc)
         assert r.epsilon == 0.0
-    out = _cli("epsilon", "--scheme", "poisson", "--noise-multiplier", "1e300", "--dataset-size", "1000",
-               "--batch-size", "10", "--steps", "100", "--delta", "1e-5")
+    out = _cli(
+        "epsilon",
+        "--scheme",
+        "poisson",
+        "--noise-multiplier",
+        "1e300",
+        "--dataset-size",
+        "1000",
+        "--batch-size",
+        "10",
+        "--steps",
+        "100",
+        "--delta",
+        "1e-5",
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "noise_multiplier" in out.stderr and len(out.stderr.strip().splitlines()) == 1
 

@@ -204,8 +204,12 @@ def test_the_plan_holds_clip_norm_accountant_and_seed_policy():
     mc = PrivatePlan(1000, 10, steps=5, scheme="fixed_order", accountant=spec)
     res = mc.account(1.0, delta=1e-3)
     assert res.accountant == "monte_carlo" and res.samples == 20_000 and res.guarantee == "estimate"
-    assert res.epsilon == mc.account(1.0, delta=1e-3, accountant="monte_carlo", samples=20_000, seed=3,
-                                     confidence=None).epsilon
+    assert (
+        res.epsilon
+        == mc.account(
+            1.0, delta=1e-3, accountant="monte_carlo", samples=20_000, seed=3, confidence=None
+        ).epsilon
+    )
     ref = pld.PLDAccountant()
     ref.compose(dpa.GaussianDpEvent(1.0), 1)  # each example in one step of the epoch
     assert res.epsilon == pytest.approx(ref.get_epsilon(1e-3), rel=0.1)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from math import lgamma
 
 import numpy as np
+
 from dpmf.mechanisms._fft import lfilter
 
 __all__ = ["InversePower", "inverse_power_form", "power_cross_terms"]
