@@ -122,3 +122,17 @@ def test_squares_prefix_against_exact_sums():
     for i in (0, 5, 999, 19_999, 24_999):
         exact = math.fsum(g[: i + 1] ** 2)
         assert D[i] == pytest.approx(exact, rel=4e-16)
+
+
+@pytest.mark.parametrize("n, p", [(1000, 1000), (3000, 3000), (3000, 700), (1025, 1025)])
+def test_divide_and_conquer_at_sizes_that_are_not_powers_of_two(n, p):
+    """The levels stop before the nodes beyond row n (padding to P = 2^k): every row, checked
+    against brute force in extended precision at several rows and a fractional power."""
+    w = Schedule("polynomial", 0.1, 1.5).values(n)
+    _, g = toeplitz_roots(w)
+    g = g[:p]
+    y = P._cross_terms(g, w)
+    gp = np.zeros(n)
+    gp[:p] = g
+    for i in (1, 9, n // 2, n - 2, n - 1):
+        assert y[i] == pytest.approx(_brute_cross_term(gp, w, i), abs=1e-14)

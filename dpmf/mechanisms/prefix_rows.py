@@ -24,7 +24,8 @@ with midpoint mid takes the pairs k ∈ [lo, mid), q ∈ [mid, hi), which add
   one convolution per block of rows.
 
 Each level costs O(P log P) by batched FFTs (direct products for the smallest blocks), so
-O(n log² n) in all with O(n) memory. When g has p < n non-zero coefficients (a banded noise)
+O(n log² n) in all with O(n) memory; a level skips the nodes that start at or after row n
+(they feed only rows beyond it), so padding n up to P costs little. When g has p < n non-zero coefficients (a banded noise)
 the recursion covers [0, p) and every later row gets Σ_δ ρ_δ w_{i−δ}, ρ the autocorrelation
 of g: O(n log n + p log² p). The same sums over n terms the O(n·p) row-by-row recursion adds,
 in another order: round-off O(ε·log n) relative per term, no cancellation beyond what the
@@ -133,7 +134,9 @@ def _cross_terms(g: np.ndarray, w: np.ndarray) -> np.ndarray:
     y = np.zeros(P)
     s = 2
     while s <= P:
-        (_level_direct if s <= _DIRECT_MAX else _level_fft)(gp, wp, s, y)
+        # nodes that start at or after row m only feed rows ≥ m: the level stops before them
+        L = min(P, -(-m // s) * s)
+        (_level_direct if s <= _DIRECT_MAX else _level_fft)(gp[:L], wp[:L], s, y[:L])
         s *= 2
     out = np.zeros(n)
     out[:m] = y[:m]
