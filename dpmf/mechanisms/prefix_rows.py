@@ -44,34 +44,43 @@ from dpmf.mechanisms.shift_basis import ShiftSeparable, shift_separable
 __all__ = ["prefix_row_norms_sq"]
 
 _DIRECT_MAX = 8  # blocks up to this size use direct products (FFT overhead dominates)
-_CHUNK = 1 << 20  # elements per batched FFT call (bounds memory at any n)
+_CHUNK = 1 << 16  # elements per batched call: temporaries small enough to be reused
 
 
 def _level_direct(g, w, s, y):
-    """One level of the recursion with direct products (small s)."""
+    """One level of the recursion with direct products (small s), over chunks of nodes (the
+    running sum over nodes carried from one chunk to the next)."""
     h = s // 2
     N = g.shape[0] // s
-    G = g.reshape(N, s)
-    W = w.reshape(N, s)
-    gL, gR = G[:, :h], G[:, h:]
-    z = np.zeros((N, h))
-    for j in range(h):
-        z += gL[:, j : j + 1] * W[:, j : j + h]
-    part = np.zeros((N, h))
-    for u in range(h):
-        part[:, u:] += gR[:, u : u + 1] * z[:, : h - u]
-    Y = y.reshape(N, s)
-    Y[:, h:] += part
-    u_ = np.zeros((N, s))  # u(δ), δ = 0..s−1
-    for j in range(h):
-        u_[:, h - j : s - j] += gL[:, j : j + 1] * gR
-    V = np.cumsum(u_, axis=0)
-    if N > 1:
-        wp = np.concatenate([np.zeros(s), w])
+    carry = np.zeros(s)  # Σ of u over the nodes before the chunk
+    step = max(1, _CHUNK // s)
+    for a in range(0, N, step):
+        b = min(N, a + step)
+        G = g[a * s : b * s].reshape(b - a, s)
+        W = w[a * s : b * s].reshape(b - a, s)
+        Y = y[a * s : b * s].reshape(b - a, s)
+        gL, gR = G[:, :h], G[:, h:]
+        z = np.zeros((b - a, h))
+        for j in range(h):
+            z += gL[:, j : j + 1] * W[:, j : j + h]
+        part = np.zeros((b - a, h))
+        for u in range(h):
+            part[:, u:] += gR[:, u : u + 1] * z[:, : h - u]
+        Y[:, h:] += part
+        u_ = np.zeros((b - a, s))  # u(δ), δ = 0..s−1
+        for j in range(h):
+            u_[:, h - j : s - j] += gL[:, j : j + 1] * gR
+        V = np.cumsum(u_, axis=0) + carry
+        prev = np.concatenate([carry[None, :], V[:-1]])  # block c gets V of node c − 1
+        carry = V[-1].copy()
+        lo = a * s - s
+        win = w[max(lo, 0) : b * s]
+        if lo < 0:
+            win = np.concatenate([np.zeros(-lo), win])
         for d in range(1, s):
-            # rows of block b ≥ 1 get V[b−1, δ]·w[b·s + t − δ]
-            shifted = wp[s - d : s - d + g.shape[0]].reshape(N, s)
-            Y[1:] += V[:-1, d : d + 1] * shifted[1:]
+            # rows of block c get V[c−1, δ]·w[c·s + t − δ]
+            shifted = win[s - d : s - d + (b - a) * s].reshape(b - a, s)
+            Y += prev[:, d : d + 1] * shifted
 
 
 def _rows(n_rows: int, width: int) -> int:
