@@ -25,8 +25,9 @@ with midpoint mid takes the pairs k ∈ [lo, mid), q ∈ [mid, hi), which add
 
 Each level costs O(P log P) by batched FFTs (direct products for the smallest blocks), so
 O(n log² n) in all with O(n) memory; a level skips the nodes that start at or after row n
-(they feed only rows beyond it), so padding n up to P costs little. When g has p < n non-zero coefficients (a banded noise)
-the recursion covers [0, p) and every later row gets Σ_δ ρ_δ w_{i−δ}, ρ the autocorrelation
+(they feed only rows beyond it), so padding n up to P costs little. When g has p < n non-zero
+coefficients (a banded noise) the recursion covers [0, p) and every later row gets
+Σ_δ ρ_δ w_{i−δ}, ρ the autocorrelation
 of g: O(n log n + p log² p). The same sums over n terms the O(n·p) row-by-row recursion adds,
 in another order: round-off O(ε·log n) relative per term, no cancellation beyond what the
 row norms themselves carry.
