@@ -648,17 +648,9 @@ def make_private(
     run = _RunArgs.check(
         dataset, batch_size, epochs, steps, target_epsilon, target_delta, noise_multiplier, clip_norm, seed
     )
-    loading = _Loading.check(num_workers, transform, collate_fn)
-    if collate_fn is not None:  # once, before any work: its rows must not couple the examples
-        fetched = dataset if transform is None else TransformedDataset(dataset, transform)
-        check_collate_independent(fetched, collate_fn)
+    loading = _Loading.check(num_workers, transform, collate_fn, dataset)
     schedule = _check_schedule(schedule)
-    flags = ExecutionFlags(
-        clipping=clipping,
-        micro_batch_size=micro_batch_size,
-        noise_keys=noise_keys,
-        distributed_mode=distributed_mode,
-    )
+    flags = _flags(clipping, micro_batch_size, noise_keys, distributed_mode)
     comm = _process_group(process_group)  # a bad group fails here, before pick and calibration
     plan = _calibrated_plan(run, factorization, scheme, schedule, accountant, max_bands, progress)
     step = _private_step(plan, module, loss_fn, optimizer, run, comm, flags)
@@ -716,13 +708,26 @@ class _Loading:
     collate_fn: object
 
     @classmethod
-    def check(cls, num_workers, transform, collate_fn):
+    def check(cls, num_workers, transform, collate_fn, dataset):
         num_workers = check_int("num_workers", num_workers, minimum=0)
         if transform is not None and not callable(transform):
             raise TypeError(
                 f"transform={transform!r} is invalid: must be callable(example) -> example, or None"
             )
+        if collate_fn is not None:  # once, before any work: its rows must not couple the examples
+            fetched = dataset if transform is None else TransformedDataset(dataset, transform)
+            check_collate_independent(fetched, collate_fn)
         return cls(num_workers, transform, collate_fn)
+
+
+def _flags(clipping, micro_batch_size, noise_keys, distributed_mode) -> ExecutionFlags:
+    """The step's execution flags (checked by ``ExecutionFlags``)."""
+    return ExecutionFlags(
+        clipping=clipping,
+        micro_batch_size=micro_batch_size,
+        noise_keys=noise_keys,
+        distributed_mode=distributed_mode,
+    )
 
 
 def _check_schedule(schedule) -> Schedule:
