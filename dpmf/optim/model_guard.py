@@ -65,6 +65,17 @@ def _groups(optimizer) -> tuple:
 _NAMED_MODULES = nn.Module.named_modules
 
 
+def _first_of_each(named: list) -> list:
+    """``named`` (name, object) pairs with each object kept under its first name only."""
+    seen: set = set()
+    out = []
+    for name, obj in named:
+        if id(obj) not in seen:
+            seen.add(id(obj))
+            out.append((name, obj))
+    return out
+
+
 class ModelWalk:
     """Every module, parameter and buffer of a model, from one walk of its module tree.
 
@@ -113,26 +124,14 @@ class ModelWalk:
     def unique_modules(self) -> list:
         """(name, module) as ``named_modules()``: each module under its first path."""
         if self._unique_modules is None:
-            seen: set = set()
-            out = []
-            for n, m in self.modules:
-                if id(m) not in seen:
-                    seen.add(id(m))
-                    out.append((n, m))
-            self._unique_modules = out
+            self._unique_modules = _first_of_each(self.modules)
         return self._unique_modules
 
     @property
     def unique_params(self) -> list:
         """(name, parameter) as ``named_parameters()``: each parameter under its first name."""
         if self._unique_params is None:
-            seen: set = set()
-            out = []
-            for n, p in self.params:
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append((n, p))
-            self._unique_params = out
+            self._unique_params = _first_of_each(self.params)
         return self._unique_params
 
     def trainable(self) -> list:
