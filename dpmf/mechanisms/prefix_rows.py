@@ -88,45 +88,101 @@ def _rows(n_rows: int, width: int) -> int:
     return max(1, _CHUNK // max(width, 1)) if n_rows else 1
 
 
-def _level_fft(g, w, s, y):
-    """One level of the recursion with batched real FFTs of size 2s, the transforms of g's
-    halves and of w's blocks shared by all four products: the shifted cross-correlation u is
-    conj(ĝ_L)·ĝ_R·(−i)^f (a shift by s/2), the running sum over nodes is taken on the spectra,
-    and a window w[(b−1)s : (b+1)s] has the spectrum ŵ_{b−1} + (−1)^f·ŵ_b."""
+def _within_exact(g, w, y, lo, h, m):
+    """The rows mid..m−1 (m < lo + 2h) of a node [lo, lo + 2h) cut by the last row, at the
+    smallest transform sizes those rows need (a level's last node: about half the work of the
+    top levels when n is not near a power of two)."""
+    mid = lo + h
+    T = m - mid
+    if T <= 0:
+        return
+    F1 = sfft.next_fast_len(h + T - 1, real=True)  # z(t), t < T: w[lo : lo + h + T − 1]
+    z = sfft.irfft(
+        np.conj(sfft.rfft(g[lo:mid], F1)) * sfft.rfft(w[lo : lo + h + T - 1], F1), F1, overwrite_x=True
+    )[:T]
+    F2 = sfft.next_fast_len(2 * T - 1, real=True)
+    y[mid:m] += sfft.irfft(sfft.rfft(g[mid:m], F2) * sfft.rfft(z, F2), F2, overwrite_x=True)[:T]
+
+
+def _feed_exact(V, w, y, lo, s, m):
+    """Rows hi..m−1 of block [hi, hi + s) (hi = lo + s, m < hi + s) get Σ_δ v(δ)·w_{i−δ}, v the
+    running sum of u over the nodes up to [lo, hi) with spectrum V (size 2s)."""
+    hi = lo + s
+    T = m - hi
+    if T <= 0:
+        return
+    v = sfft.irfft(V, 2 * s)[:s]
+    F3 = sfft.next_fast_len(s + T, real=True)
+    y[hi:m] += sfft.irfft(sfft.rfft(v, F3) * sfft.rfft(w[lo:m], F3), F3, overwrite_x=True)[s : s + T]
+
+
+def _level_fft(g, w, s, y, m):
+    """One level of the recursion (blocks of s, nodes that reach row m − 1 = n − 1 at most),
+    with batched real FFTs. Per node three transforms of size 2s (g's halves and w's block,
+    zero-padded in one reused buffer) and their even bins, which are the transforms of size s:
+    the rows mid..hi−1 (a correlation and a causal convolution) at size s, free of
+    wrap-around; the shifted cross-correlation u is conj(ĝ_L)·ĝ_R·(−i)^f (a shift by s/2), its
+    running sum over nodes is taken on the spectra, and a window w[(b−1)s : (b+1)s] has the
+    spectrum ŵ_{b−1} + (−1)^f·ŵ_b: one inverse transform of size 2s for the later rows. A
+    level's last node, when the last row cuts it and it is alone in its chunk, is done at the
+    sizes its rows need (``_within_exact``, ``_feed_exact``)."""
     h = s // 2
-    P = g.shape[0]
-    N = P // s
-    G = g.reshape(N, s)
-    W = w.reshape(N, s)
-    Y = y.reshape(N, s)
+    n_all = -(-m // s)  # blocks holding rows < m
+    n_use = -(-(m - h) // s) if m > h else 0  # nodes with a row mid..hi−1 below m
+    G = g[: n_all * s].reshape(n_all, s)
+    W = w[: n_all * s].reshape(n_all, s)
+    Y = y[: n_all * s].reshape(n_all, s)
     L = 2 * s
     f = np.arange(s + 1)
     shift = (-1j) ** (f % 4)  # e^{−2πi f h/L}
     sign = np.where(f % 2 == 0, 1.0, -1.0)  # e^{−2πi f s/L}
-    step = _rows(N, L)
+    step = _rows(n_all, L)
+    alone = step == 1
+    pad = np.zeros((min(step, max(n_use, 1)), L))  # [h:L) or [s:L) stay zero
     carry = np.zeros(s + 1, dtype=np.complex128)  # Σ of the spectra of u over earlier nodes
-    for a in range(0, N, step):
-        b = min(N, a + step)
-        GL = sfft.rfft(G[a:b, :h], L, axis=1)
-        GR = sfft.rfft(G[a:b, h:], L, axis=1)
-        Wf = sfft.rfft(W[a:b], L, axis=1)
-        cGL = np.conj(GL)
-        # z(t) = Σ_j gL_j w_{lo+j+t}, t < h; then rows mid..hi−1: Σ_{q≤i} g_q z(i − q)
-        z = sfft.irfft(cGL * Wf, L, axis=1)[:, :h]
-        Y[a:b, h:] += sfft.irfft(GR * sfft.rfft(z, L, axis=1), L, axis=1)[:, :h]
+    for a in range(0, n_use, step):
+        b = min(n_use, a + step)
+        last_block = min(b, n_all - 1)  # blocks a+1..last_block get the later rows
+        if alone and b * s > m and last_block == a:  # cut by row m, feeds nothing
+            _within_exact(g, w, y, a * s, h, m)
+            continue
+        buf = pad[: b - a]
+        buf[:, :h] = G[a:b, :h]
+        GL = sfft.rfft(buf, axis=1)
+        buf[:, :h] = G[a:b, h:]
+        GR = sfft.rfft(buf, axis=1)
+        buf[:, :s] = W[a:b]
+        Wf = sfft.rfft(buf, axis=1)
+        buf[:, h:s] = 0.0
+        cGL = np.conj(GL, out=GL)
+        # z(t) = Σ_j gL_j w_{lo+j+t}, t < h (size s: even bins); rows mid..hi−1 get
+        # Σ_{q≤i} g_q z(i − q)
+        z = sfft.irfft(cGL[:, ::2] * Wf[:, ::2], s, axis=1, overwrite_x=True)[:, :h]
+        Z = sfft.rfft(z, s, axis=1)
+        Z *= GR[:, ::2]
+        Y[a:b, h:] += sfft.irfft(Z, s, axis=1, overwrite_x=True)[:, :h]
+        if last_block <= a:
+            continue
         # V_c = Σ_{c' ≤ c} û_{c'}; rows of block c+1 get irfft(V_c · window spectrum)
-        V = np.cumsum(cGL * GR * shift, axis=0)
+        k = last_block - a
+        V = np.multiply(cGL[:k], GR[:k], out=cGL[:k])
+        V *= shift
+        np.cumsum(V, axis=0, out=V)
         V += carry
         carry = V[-1].copy()
-        # blocks a+1..b (those that exist) use V of nodes a..b−1 and windows (c, c+1)
-        hi = min(b, N - 1)
-        if hi > a:
-            if hi < b:
-                nxt = Wf[1 : hi - a + 1]
-            else:
-                nxt = np.concatenate([Wf[1:], sfft.rfft(W[b : b + 1], L, axis=1)])
-            win = Wf[: hi - a] + sign * nxt
-            Y[a + 1 : hi + 1] += sfft.irfft(V[: hi - a] * win, L, axis=1)[:, s:]
+        if alone and (last_block + 1) * s > m:  # block c+1 cut by row m
+            _feed_exact(V[0], w, y, a * s, s, m)
+            continue
+        if last_block < b:
+            nxt = Wf[1 : k + 1] * sign
+        else:
+            buf[:1, :s] = W[b : b + 1]
+            nxt = np.concatenate([Wf[1:], sfft.rfft(buf[:1], axis=1)])
+            buf[:1, :s] = 0.0
+            nxt *= sign
+        nxt += Wf[:k]
+        nxt *= V
+        Y[a + 1 : last_block + 1] += sfft.irfft(nxt, L, axis=1, overwrite_x=True)[:, s:]
 
 
 def _cross_terms(g: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -146,7 +202,10 @@ def _cross_terms(g: np.ndarray, w: np.ndarray) -> np.ndarray:
     while s <= P:
         # nodes that start at or after row m only feed rows ≥ m: the level stops before them
         L = min(P, -(-m // s) * s)
-        (_level_direct if s <= _DIRECT_MAX else _level_fft)(gp[:L], wp[:L], s, y[:L])
+        if s <= _DIRECT_MAX:
+            _level_direct(gp[:L], wp[:L], s, y[:L])
+        else:
+            _level_fft(gp[:L], wp[:L], s, y[:L], m)
         s *= 2
     out = np.zeros(n)
     out[:m] = y[:m]
