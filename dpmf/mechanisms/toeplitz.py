@@ -158,9 +158,7 @@ def inverse_sqrt_coefficients(c, structure: ShiftSeparable | None = None) -> np.
     n = c.shape[0]
     y = np.empty(n)
     y[0] = 1.0 / np.sqrt(c[0])
-    k = 1
-    while k < n:
-        m = min(2 * k, n)
+    for k, m in _newton_steps(n):
         if m <= _DIRECT_MAX:
             yy = np.concatenate([y[:k], np.zeros(m - k)])
             e = toeplitz_product(c[:m], toeplitz_product(yy, yy, m), m)  # 1 + O(x^k)
@@ -168,20 +166,30 @@ def inverse_sqrt_coefficients(c, structure: ShiftSeparable | None = None) -> np.
         else:
             size = _sfft.next_fast_len(2 * k - 1, real=True)
             Y = _sfft.rfft(y[:k], size)
-            y2 = _sfft.irfft(Y * Y, size)[: min(m, 2 * k - 1)]  # y², exact (no wrap)
+            y2 = _sfft.irfft(Y * Y, size, overwrite_x=True)[: min(m, 2 * k - 1)]  # y², no wrap
             if structure is None:
                 e = _middle_product(c[:m], y2, k, m)  # c·y² = 1 + O(x^k): its terms k..m−1
             else:
                 padded = np.zeros(m)
                 padded[: y2.shape[0]] = y2[:m]
                 e = structure.product(padded)[k:m]
-            if m - k == k:  # reuse ŷ: the correction y·e has the same length
-                corr = _sfft.irfft(Y * _sfft.rfft(e, size), size)[: m - k]
-            else:
-                corr = _low_product(y[: m - k], e, m - k)
-            y[k:m] = -0.5 * corr
-        k = m
+            # the correction's first m − k ≤ k terms from ŷ (y·e has length < 2k: no wrap)
+            E = _sfft.rfft(e, size)
+            E *= Y
+            y[k:m] = -0.5 * _sfft.irfft(E, size, overwrite_x=True)[: m - k]
     return y
+
+
+def _newton_steps(n: int) -> list[tuple[int, int]]:
+    """The (k, m) of each Newton step from 1 to n terms, m ≤ 2k: the lengths are n, ⌈n/2⌉,
+    ⌈n/4⌉, … read backwards, so every step nearly doubles and the last one ends at n (doubling
+    from 1 would end with a step from the power of two below n at almost the cost of a full
+    one, whatever the few terms it adds)."""
+    sizes = [n]
+    while sizes[-1] > 1:
+        sizes.append((sizes[-1] + 1) // 2)
+    sizes.reverse()
+    return list(zip(sizes[:-1], sizes[1:], strict=True))
 
 
 def sqrt_coefficients(c) -> np.ndarray:
