@@ -104,16 +104,35 @@ def _within_exact(g, w, y, lo, h, m):
     y[mid:m] += sfft.irfft(sfft.rfft(g[mid:m], F2) * sfft.rfft(z, F2), F2, overwrite_x=True)[:T]
 
 
-def _feed_exact(V, w, y, lo, s, m):
-    """Rows hi..m−1 of block [hi, hi + s) (hi = lo + s, m < hi + s) get Σ_δ v(δ)·w_{i−δ}, v the
-    running sum of u over the nodes up to [lo, hi) with spectrum V (size 2s)."""
+def _feed_exact(v, w, y, lo, s, m):
+    """Rows hi..m−1 of block [hi, hi + s) (hi = lo + s, m < hi + s) get Σ_δ v(δ)·w_{i−δ}, v
+    (shape (s,)) the running sum of u over the nodes up to [lo, hi), at the smallest transform
+    size free of wrap-around for those rows."""
     hi = lo + s
     T = m - hi
     if T <= 0:
         return
-    v = sfft.irfft(V, 2 * s)[:s]
     F3 = sfft.next_fast_len(s + T, real=True)
     y[hi:m] += sfft.irfft(sfft.rfft(v, F3) * sfft.rfft(w[lo:m], F3), F3, overwrite_x=True)[s : s + T]
+
+
+def _node_cut_feed(g, w, y, lo, s, m, carry):
+    """A node [lo, lo + s) alone in its chunk whose next block is cut by row m: its rows
+    mid..hi−1 and u at size s (no transform of size 2s), then ``_feed_exact``. ``carry``: the
+    spectrum (size 2s) of the running sum of u over the earlier nodes, or None."""
+    h = s // 2
+    mid, hi = lo + h, lo + s
+    cGL = np.conj(sfft.rfft(g[lo:mid], s))
+    GR = sfft.rfft(g[mid:hi], s)
+    z = sfft.irfft(cGL * sfft.rfft(w[lo:hi], s), s, overwrite_x=True)[:h]
+    Z = sfft.rfft(z, s)
+    Z *= GR
+    y[mid:hi] += sfft.irfft(Z, s, overwrite_x=True)[:h]
+    GR *= cGL
+    v = np.roll(sfft.irfft(GR, s, overwrite_x=True), h)  # u(δ) = Σ_{q−k=δ} g_k g_q
+    if carry is not None:
+        v += sfft.irfft(carry, 2 * s)[:s]
+    _feed_exact(v, w, y, lo, s, m)
 
 
 def _level_fft(g, w, s, y, m):
@@ -146,6 +165,9 @@ def _level_fft(g, w, s, y, m):
         if alone and b * s > m and last_block == a:  # cut by row m, feeds nothing
             _within_exact(g, w, y, a * s, h, m)
             continue
+        if alone and last_block > a and (a + 2) * s > m:  # feeds a block cut by row m
+            _node_cut_feed(g, w, y, a * s, s, m, carry if a > 0 else None)
+            continue
         buf = pad[: b - a]
         buf[:, :h] = G[a:b, :h]
         GL = sfft.rfft(buf, axis=1)
@@ -170,9 +192,6 @@ def _level_fft(g, w, s, y, m):
         np.cumsum(V, axis=0, out=V)
         V += carry
         carry = V[-1].copy()
-        if alone and (last_block + 1) * s > m:  # block c+1 cut by row m
-            _feed_exact(V[0], w, y, a * s, s, m)
-            continue
         if last_block < b:
             nxt = Wf[1 : k + 1] * sign
         else:
