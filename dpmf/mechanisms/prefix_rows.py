@@ -24,8 +24,13 @@ with midpoint mid takes the pairs k ∈ [lo, mid), q ∈ [mid, hi), which add
   one convolution per block of rows.
 
 Each level costs O(P log P) by batched FFTs (direct products for the smallest blocks), so
-O(n log² n) in all with O(n) memory; a level skips the nodes that start at or after row n
-(they feed only rows beyond it), so padding n up to P costs little. When g has p < n non-zero
+O(n log² n) in all with O(n) memory: per node three real transforms of size 2s, whose even
+bins are the transforms of size s that the rows mid..hi−1 need, three of size s and one
+inverse of size 2s for the later rows. A level skips the nodes whose midpoint is at or after
+row n (they feed only rows beyond it), and the node that row n cuts, or whose next block it
+cuts, is done at the transform sizes its rows need, so padding n up to P costs little (at
+n = 10⁷, P = 2²⁴, the top three levels would otherwise transform 1.7·10⁷-point blocks for
+1.6·10⁶ rows). When g has p < n non-zero
 coefficients (a banded noise) the recursion covers [0, p) and every later row gets
 Σ_δ ρ_δ w_{i−δ}, ρ the autocorrelation
 of g: O(n log n + p log² p). The same sums over n terms the O(n·p) row-by-row recursion adds,

@@ -145,9 +145,10 @@ def _low_product(a: np.ndarray, b: np.ndarray, m: int) -> np.ndarray:
 def inverse_sqrt_coefficients(c, structure: ShiftSeparable | None = None) -> np.ndarray:
     """Coefficients y with ``Toep(y) = Toep(c)^{−1/2}`` (y_0 = c_0^{−1/2} > 0), shape (n,).
 
-    Newton iteration y ← y − y·(c·y² − 1)/2. With ``structure`` (the shift-separable form of c,
-    ``shift_basis``) the products c·y² are R running sums instead of FFTs (two real FFTs per
-    step fewer: about half the work).
+    Newton iteration y ← y − y·(c·y² − 1)/2, from 1 to n correct terms through the lengths
+    ⌈n/2^j⌉ (``_newton_steps``: the last step ends at n). With ``structure`` (the
+    shift-separable form of c, ``shift_basis``) the products c·y² are R running sums instead
+    of FFTs (two real FFTs per step fewer: about half the work).
 
     Raises:
         ValueError: c empty, non-finite, or c[0] ≤ 0.
