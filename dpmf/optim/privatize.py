@@ -373,14 +373,12 @@ class Privatizer(KeyHolder):
         z = self.noise.next()
         if len(params) != len(sums):
             raise ValueError(f"sums are invalid: {len(sums)} tensors for {len(params)} parameters")
-        parts, offset = [], 0
-        for p in params:
-            k = p.numel()
-            parts.append(z[offset : offset + k].view_as(p))
-            offset += k
+        parts = [part.view(p.shape) for part, p in zip(z.split([p.numel() for p in params]), params, strict=True)]
         if z.device.type == "cpu":  # one call each (per tensor the same add_ and div_ kernels)
             torch._foreach_add_(sums, parts, alpha=self.noise_std)
-            torch._foreach_div_(sums, self.expected_batch_size)
+            # B̄ as a 0-d tensor: a Python number is copied into a tensor once per parameter
+            # (the same division: the scalar is cast to the sums' dtype either way)
+            torch._foreach_div_(sums, torch.tensor(self.expected_batch_size, dtype=sums[0].dtype))
         else:
             for s, part in zip(sums, parts, strict=True):
                 s.add_(part, alpha=self.noise_std).div_(self.expected_batch_size)
