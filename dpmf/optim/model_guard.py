@@ -67,13 +67,11 @@ _NAMED_MODULES = nn.Module.named_modules
 
 def _first_of_each(named: list) -> list:
     """``named`` (name, object) pairs with each object kept under its first name only."""
-    seen: set = set()
-    out = []
-    for name, obj in named:
-        if id(obj) not in seen:
-            seen.add(id(obj))
-            out.append((name, obj))
-    return out
+    first: dict = {}  # id → its first (name, object); a dict keeps the insertion order
+    keep = first.setdefault
+    for pair in named:
+        keep(id(pair[1]), pair)
+    return list(first.values())
 
 
 class ModelWalk:

@@ -373,7 +373,11 @@ class Privatizer(KeyHolder):
         z = self.noise.next()
         if len(params) != len(sums):
             raise ValueError(f"sums are invalid: {len(sums)} tensors for {len(params)} parameters")
-        parts = [part.view(p.shape) for part, p in zip(z.split([p.numel() for p in params]), params, strict=True)]
+        parts, offset = [], 0
+        for p in params:
+            k = p.numel()
+            parts.append(z[offset : offset + k].view_as(p))
+            offset += k
         if z.device.type == "cpu":  # one call each (per tensor the same add_ and div_ kernels)
             torch._foreach_add_(sums, parts, alpha=self.noise_std)
             # B̄ as a 0-d tensor: a Python number is copied into a tensor once per parameter
