@@ -87,7 +87,7 @@ from torch.func import functional_call, grad, vmap
 from torch.overrides import TorchFunctionMode
 
 from dpmf.optim.choices import CLIPPING_MODES
-from dpmf.optim.ghost_layers import ClippingHandler, _as, _sq, clipping_handler
+from dpmf.optim.ghost_layers import ClippingHandler, _as, _sq, clipping_handler, weighted_sum
 from dpmf.optim.ghost_tied import TiedEmbeddingLinear, tied_embedding_linear
 
 __all__ = ["CLIPPING_MODES", "GhostResult", "ghost_clipped_sum", "ghost_layer_kinds"]
@@ -573,19 +573,20 @@ class _Handler:
     def _summed(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
         m = self.layer.module
         names = self.names
+        own = m._parameters  # the attributes are the module's own parameters (no dotted path)
         if self.zero:
-            return {names[a]: torch.zeros_like(_get(m, a)) for a in self.attrs}
+            return {names[a]: torch.zeros_like(own[a]) for a in self.attrs}
         if not self.attrs:
             return {}
         c = _as(factors, self.dtype)
         h = self.layer.handler
         if h is None:
-            got = {a: torch.tensordot(c, self.state[a], dims=1) for a in self.attrs}
+            got = {a: weighted_sum(c, self.state[a]) for a in self.attrs}
         else:
             got = h.clipped_sum(m, self.state, c, list(self.attrs), self.dtype)
         out = {}
         for a in self.attrs:
-            p, g = _get(m, a), got[a]
+            p, g = own[a], got[a]
             if g.shape != p.shape:
                 g = g.reshape(p.shape)
             out[names[a]] = _as(g, p.dtype)
@@ -848,14 +849,19 @@ def ghost_clipped_sum(
                 result_grads[q] = torch.tensordot(factors.to(g.dtype), g, dims=1).to(named[q].dtype)
             for q, t in paired.items():
                 result_grads[q] = t.clipped_sum(factors).to(named[q].dtype)
-            for h in handlers:
-                # torch.func gradients (possibly with their own dropout masks) are summed from
-                # the same vectors whose norms were taken, in both methods; so is every layer
-                # under autocast, where a second backward would round differently (low
-                # precision) from the float32 vectors whose norms were taken, and an example's
-                # clipped gradient could exceed ζ
-                if method == "bk" or not h.sum_by_backward or autocast_on:
-                    result_grads.update(h.summed(factors))
+            cast: dict = {}  # the factors in each handler's dtype, converted once
+            with torch.no_grad():
+                for h in handlers:
+                    # torch.func gradients (possibly with their own dropout masks) are summed
+                    # from the same vectors whose norms were taken, in both methods; so is every
+                    # layer under autocast, where a second backward would round differently
+                    # (low precision) from the float32 vectors whose norms were taken, and an
+                    # example's clipped gradient could exceed ζ
+                    if method == "bk" or not h.sum_by_backward or autocast_on:
+                        c = cast.get(h.dtype)
+                        if c is None:
+                            c = cast[h.dtype] = _as(factors, h.dtype)
+                        result_grads.update(h.summed(c))
             handlers.clear()
             for q in unused:  # a zero sum (the noise is added to it), in both methods
                 result_grads[q] = torch.zeros_like(named[q], memory_format=torch.contiguous_format)

@@ -61,6 +61,20 @@ def _as(x: torch.Tensor, dtype) -> torch.Tensor:
     return x if x.dtype == dtype else x.to(dtype)
 
 
+def weighted_sum(c: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Σ_i c_i·w_i over dim 0 of ``w`` (b, …), shape ``w.shape[1:]``: one matrix–vector
+    product, without a copy of ``w`` (also when ``w`` is the transpose of a contiguous
+    (b, q, r) tensor, as ``LinearHandler.weight_per_example`` may return it)."""
+    b = w.shape[0]
+    if w.is_contiguous():
+        return torch.mv(w.view(b, -1).t(), c).view(w.shape[1:])
+    if w.dim() == 3:
+        wt = w.transpose(1, 2)
+        if wt.is_contiguous():
+            return torch.mv(wt.view(b, -1).t(), c).view(wt.shape[1:]).t()
+    return torch.tensordot(c, w, dims=1)
+
+
 def _total(parts):
     """The sum of an iterable of tensors without a leading 0 + (a copy of the first)."""
     out = None
@@ -116,7 +130,7 @@ class ClippingHandler:
 
     def clipped_sum(self, module, state, factors, attrs, dtype) -> dict[str, torch.Tensor]:
         """attr → Σ_i factors_i·g_i (the parameter's shape), from ``sq_norms``'s state."""
-        return {a: torch.tensordot(factors.to(state[a].dtype), state[a], dims=1) for a in attrs}
+        return {a: weighted_sum(_as(factors, state[a].dtype), state[a]) for a in attrs}
 
 
 # type (or "module.QualName") → handler
@@ -286,11 +300,7 @@ class LinearHandler(ClippingHandler):
                 _, x, g = entry
                 out[a] = self.from_ghost(module, torch.einsum("bgtp,bgtd->gpd", g * c.view(-1, 1, 1, 1), x))
             else:
-                w = entry[1]
-                if w.dim() == 3 and not w.is_contiguous() and w.transpose(1, 2).is_contiguous():
-                    out[a] = torch.tensordot(c, w.transpose(1, 2), dims=1).t()  # no copy of w
-                else:
-                    out[a] = torch.tensordot(c, w, dims=1)
+                out[a] = weighted_sum(c, entry[1])  # no copy of a transposed w
         return out
 
 

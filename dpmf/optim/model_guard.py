@@ -29,6 +29,7 @@ trainable parameters and the state snapshot all read it) and one after.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -67,13 +68,11 @@ _NAMED_MODULES = nn.Module.named_modules
 
 def _first_of_each(named: list) -> list:
     """``named`` (name, object) pairs with each object kept under its first name only."""
-    seen: set = set()
-    out = []
-    for name, obj in named:
-        if id(obj) not in seen:
-            seen.add(id(obj))
-            out.append((name, obj))
-    return out
+    first: dict = {}  # id → its first (name, object); a dict keeps the insertion order
+    keep = first.setdefault
+    for pair in named:
+        keep(id(pair[1]), pair)
+    return list(first.values())
 
 
 class ModelWalk:
@@ -261,16 +260,40 @@ def state_versions(model: nn.Module, walk: ModelWalk | None = None) -> list:
     f64 = torch.float64
     with torch.no_grad():
         out += [(n, b, b._version, b.data_ptr(), b.clone()) for n, b in buffers]
-        once: dict[int, torch.Tensor] = {}  # a tied tensor listed under several names: one sum
+        once: dict = {}  # a tied tensor listed under several names: one sum
         sums = []
         for _, p in params:
             if p.is_floating_point():
                 s = once.get(id(p))
                 if s is None:
-                    s = once[id(p)] = p.sum(dtype=f64)
+                    s = once[id(p)] = _sum64(p) if p.device.type == "cpu" else p.sum(dtype=f64)
                 sums.append(s)
-        out.append(("", None, 0, 0, torch.stack(sums) if sums else None))
+        out.append(("", None, 0, 0, _stacked(sums)))
     return out
+
+
+_NUMPY_FLOATS = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+
+
+def _sum64(p: torch.Tensor):
+    """The float64 sum of a CPU tensor's entries. numpy casts through a small buffer while it
+    sums, where ``p.sum(dtype=torch.float64)`` first makes a float64 copy of the whole tensor
+    (for a large weight, fresh pages to fault in at every check); bfloat16 takes that path."""
+    if p.dtype not in _NUMPY_FLOATS or p.layout != torch.strided:
+        return p.sum(dtype=torch.float64)
+    return float(np.add.reduce(p.detach().numpy(), axis=None, dtype=np.float64))
+
+
+def _stacked(sums: list) -> torch.Tensor | None:
+    """The sums (floats or float64 0-d tensors) as one float64 vector."""
+    if not sums:
+        return None
+    like = next((s for s in sums if isinstance(s, torch.Tensor)), None)
+    if like is None:
+        return torch.tensor(sums, dtype=torch.float64)
+    return torch.stack(
+        [torch.tensor(s, dtype=torch.float64, device=like.device) if isinstance(s, float) else s for s in sums]
+    )
 
 
 def _same_content(a, b) -> bool:

@@ -529,7 +529,10 @@ class ToeplitzInverseNoise(CorrelatedNoise):
 
     def _next(self, t: int) -> torch.Tensor:
         w_t = self._scaled_raw(t)
-        y = w_t * float(self.coeffs[0])
+        c0 = float(self.coeffs[0])
+        # a fresh tensor either way; w_t itself when nothing else is added to it (y = z_t for
+        # identity noise, no multiplication by 1)
+        y = w_t if c0 == 1.0 and self._buffer is None and min(self.bands, t + 1) == 1 else w_t * c0
         for k in range(1, min(self.bands, t + 1)):
             if self.coeffs[k] == 0.0:
                 continue

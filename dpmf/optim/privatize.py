@@ -380,7 +380,9 @@ class Privatizer(KeyHolder):
             offset += k
         if z.device.type == "cpu":  # one call each (per tensor the same add_ and div_ kernels)
             torch._foreach_add_(sums, parts, alpha=self.noise_std)
-            torch._foreach_div_(sums, self.expected_batch_size)
+            # B̄ as a 0-d tensor: a Python number is copied into a tensor once per parameter
+            # (the same division: the scalar is cast to the sums' dtype either way)
+            torch._foreach_div_(sums, torch.tensor(self.expected_batch_size, dtype=sums[0].dtype))
         else:
             for s, part in zip(sums, parts, strict=True):
                 s.add_(part, alpha=self.noise_std).div_(self.expected_batch_size)
