@@ -1,8 +1,8 @@
 """Hostile-user reproducers (round 4): each test names a weakness found in the current code.
 
-Every test here asserts what the code should do and is marked ``xfail(strict=True)`` because it
-does not do it yet: the file passes, and a fix turns the test into an unexpected pass (strict),
-which then needs the mark removed.
+Every test asserts what the code should do. The weaknesses fixed are plain tests; one not fixed
+is marked ``xfail(strict=True)``: a fix turns it into an unexpected pass, which then needs the
+mark removed.
 """
 
 import copy
@@ -70,14 +70,26 @@ def private_run(model=None, data=None, **kw):
 
 
 # -- make_private: a forward that writes a parameter through .data, keeping its sum ------------------
-# Weakness: check_state_unchanged compares a parameter's version, identity and float64 SUM; a
+# Weakness: check_state_unchanged compared a parameter's version, identity and float64 SUM; a
 # write through .data (no version bump) that keeps the sum — here a batch-dependent ordering of
-# two entries of a frozen base weight — is not seen, so the step releases a function of the batch
-# without noise.
-@pytest.mark.xfail(
-    strict=True, reason="a sum-preserving .data write to a parameter in the forward is not detected"
+# two entries of a frozen base weight — was not seen, so the step released a function of the batch
+# without noise. The checksum is now the sum of the parameter's 64-bit words: two float32 entries
+# of one word swapped change it (offset 1); two at the same offset of different words (offset 2)
+# still keep it — the limitation that remains, kept as a strict xfail.
+@pytest.mark.parametrize(
+    "partner",
+    [
+        1,
+        pytest.param(
+            2,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="a swap of two entries at one offset of different 64-bit words keeps the word sum",
+            ),
+        ),
+    ],
 )
-def test_forward_writing_a_parameter_through_data_with_the_same_sum_is_refused():
+def test_forward_writing_a_parameter_through_data_with_the_same_sum_is_refused(partner):
     private = private_run(clipping="bk")
     base = private.model.base_model.model
     w = base.transformer.wpe.weight  # frozen
@@ -85,14 +97,14 @@ def test_forward_writing_a_parameter_through_data_with_the_same_sum_is_refused()
 
     def hook(module, args, kwargs, out):
         ids = kwargs["input_ids"]
-        a, b = w.data[0, 0].clone(), w.data[0, 1].clone()
+        a, b = w.data[0, 0].clone(), w.data[0, partner].clone()
         lo, hi = torch.minimum(a, b), torch.maximum(a, b)
         first, second = (lo, hi) if int(ids[0, 0]) >= 0 else (hi, lo)  # any batch-dependent choice
-        w.data[0, 0], w.data[0, 1] = first, second
+        w.data[0, 0], w.data[0, partner] = first, second
 
     base.register_forward_hook(hook, with_kwargs=True)
     batch = next(iter(private.data_loader))
-    assert float(w[0, 0]) > float(w[0, 1])  # so the hook's (lo, hi) order is a real write
+    assert float(w[0, 0]) > float(w[0, partner])  # so the hook's (lo, hi) order is a real write
     try:
         private.backward(batch, return_loss=False)
     except ModelStateChangedError:

@@ -1,0 +1,64 @@
+"""The parameter checksum of the model-state check (``content_sum``): its value against an
+independent sum of the bytes, and a write that a float64 sum misses."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from dpmf.optim.model_guard import (
+    ModelStateChangedError,
+    check_state_unchanged,
+    content_sum,
+    state_versions,
+)
+
+pytestmark = pytest.mark.torch
+
+
+def bytes_sum(t: torch.Tensor) -> int:
+    """The sum mod 2⁶⁴ of the little-endian 64-bit words of t's bytes (a last partial word
+    as the integer of its bytes), from Python integers."""
+    raw = bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).tolist())
+    return sum(int.from_bytes(raw[i : i + 8], "little") for i in range(0, len(raw), 8)) % (1 << 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("n", [1, 2, 7, 8, 33])
+def test_the_checksum_is_the_word_sum_of_the_bytes_and_sees_every_single_entry_write(dtype, n):
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(n, generator=g) * 1e3).to(dtype)
+    assert content_sum(x) == bytes_sum(x)
+    base = content_sum(x)
+    for i in range(n):  # the smallest change of each entry, one at a time
+        y = x.clone()
+        y[i] = torch.nextafter(y[i : i + 1].float(), torch.tensor([np.inf])).to(dtype)
+        if torch.equal(y, x):  # the next float32 rounds back to this dtype's value
+            y[i] = -y[i] if y[i] != 0 else torch.tensor(1.0, dtype=dtype)
+        assert content_sum(y) != base, (dtype, n, i)
+
+
+def test_a_non_contiguous_parameter_is_summed_as_its_entries():
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    assert content_sum(x.t()) == bytes_sum(x.t())
+
+
+def test_a_data_write_below_the_float64_sums_last_bit_is_refused():
+    model = nn.Linear(4, 3)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+        model.weight[0, 0] = 1e-30
+    before = state_versions(model)
+    model.weight.data[0, 0] = 2e-30  # no version bump
+    # the premise: a float64 sum of the entries does not see this write
+    assert float(model.weight.sum(dtype=torch.float64)) == 11.0 + 1e-30
+    with pytest.raises(ModelStateChangedError, match="'weight'"):
+        check_state_unchanged(model, before, "the test's write", 0)
+
+
+def test_an_unchanged_model_with_nan_entries_passes_the_check():
+    model = nn.Linear(3, 2)
+    with torch.no_grad():
+        model.bias[0] = float("nan")
+    before = state_versions(model)
+    check_state_unchanged(model, before, "nothing", 0)
