@@ -415,6 +415,26 @@ def test_changes_to_the_model_or_optimizer_are_named():
         private.backward(xb, target=yb)
 
 
+def test_a_gradient_the_private_step_did_not_write_is_refused_by_the_optimizer_step():
+    # the optimizer holds every parameter, one of them frozen; a gradient set on it after the
+    # private backward (frozen or unfrozen meanwhile) would be applied without noise
+    for unfreeze in (False, True):
+        model = _mlp()
+        model[0].bias.requires_grad_(False)
+        private = _private(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        xb, yb = next(iter(private.data_loader))
+        private.backward(xb, target=yb)
+        model[0].bias.requires_grad_(unfreeze)
+        model[0].bias.grad = torch.ones_like(model[0].bias)
+        before = model[0].bias.detach().clone()
+        with pytest.raises(RuntimeError, match=r"shape \(8,\) has a gradient the private step did not write"):
+            private.optimizer.step()
+        assert torch.equal(model[0].bias.detach(), before)
+        model[0].bias.grad = None
+        model[0].bias.requires_grad_(False)
+        private.optimizer.step()  # the private gradients alone: accepted
+
+
 # -- 4. one live run per model ----------------------------------------------------------------------
 
 

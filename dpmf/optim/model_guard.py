@@ -172,6 +172,17 @@ class ModelStructure:
         params = [(n, id(p), p.shape, p.requires_grad) for n, p in walk.unique_params]
         return params, [(n, id(m)) for n, m in walk.unique_modules]
 
+    @property
+    def optimizer(self):
+        """The bound optimizer (None before ``bind``)."""
+        return self._optimizer
+
+    def optimizer_params(self) -> list:
+        """The parameters in the bound optimizer's groups (empty before ``bind``)."""
+        if self._optimizer is None:
+            return []
+        return [_param_of(p) for g in self._optimizer.param_groups for p in g["params"]]
+
     def bind(self, optimizer) -> None:
         """Record ``optimizer``'s parameter groups too (checked by ``check``)."""
         self._optimizer = optimizer
@@ -205,23 +216,32 @@ class ModelStructure:
                 f"{when} refused: {what} after the private step was built (its forward would run "
                 f"unchecked); {_FIX_STRUCTURE}"
             )
-        if self._optimizer is not None:
-            groups = _groups(self._optimizer)
-            if groups != self._groups:
-                if len(groups) > len(self._groups):
-                    what = (
-                        f"the optimizer has {len(groups)} parameter groups, {len(self._groups)} when it was "
-                        "bound (add_param_group after make_private?)"
-                    )
-                elif len(groups) < len(self._groups):
-                    what = (
-                        f"the optimizer has {len(groups)} parameter groups, {len(self._groups)} when it "
-                        "was bound"
-                    )
-                else:
-                    i = next(i for i, (a, b) in enumerate(zip(groups, self._groups, strict=True)) if a != b)
-                    what = f"the parameters of optimizer group {i} changed"
-                raise ModelChangedError(f"{when} refused: {what}; {_FIX_STRUCTURE}")
+        self.check_optimizer(when)
+
+    def check_optimizer(self, when: str) -> None:
+        """Raise if the bound optimizer's parameter groups changed since ``bind`` (nothing
+        without a bound optimizer).
+
+        Raises:
+            ModelChangedError: naming the change (a group added or removed, or which group's
+                parameters changed) and the fix.
+        """
+        if self._optimizer is None:
+            return
+        groups = _groups(self._optimizer)
+        if groups == self._groups:
+            return
+        if len(groups) > len(self._groups):
+            what = (
+                f"the optimizer has {len(groups)} parameter groups, {len(self._groups)} when it was "
+                "bound (add_param_group after make_private?)"
+            )
+        elif len(groups) < len(self._groups):
+            what = f"the optimizer has {len(groups)} parameter groups, {len(self._groups)} when it was bound"
+        else:
+            i = next(i for i, (a, b) in enumerate(zip(groups, self._groups, strict=True)) if a != b)
+            what = f"the parameters of optimizer group {i} changed"
+        raise ModelChangedError(f"{when} refused: {what}; {_FIX_STRUCTURE}")
 
     def _raise_params(self, params, when: str) -> None:
         old = {n: (i, s, g) for n, i, s, g in self._params}

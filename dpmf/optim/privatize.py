@@ -210,7 +210,14 @@ class Privatizer(KeyHolder):
             "call the private backward (PrivateTraining.backward or Privatizer.privatize) once "
             "before each optimizer.step(), and do not call loss.backward() yourself"
         )
-        self.structure.check("optimizer.step()")
+        # With a bound optimizer, what its step reads is checked: its groups, and that every
+        # gradient in them is one this step wrote (a model changed since the backward is refused
+        # by the next backward's own check). Without one: the model's structure.
+        optimizer = self.structure.optimizer
+        if optimizer is None:
+            self.structure.check("optimizer.step()")
+        else:
+            self.structure.check_optimizer("optimizer.step()")
         if self._written is None:
             raise RuntimeError(f"optimizer.step() refused: no private gradient for this step; {fix}")
         for p, g, version in self._written:
@@ -219,6 +226,14 @@ class Privatizer(KeyHolder):
                     "optimizer.step() refused: p.grad was replaced or modified after the private "
                     f"step wrote it (a parameter of shape {tuple(p.shape)}); {fix}"
                 )
+        if optimizer is not None:
+            written = {id(p) for p, _, _ in self._written}
+            for p in self.structure.optimizer_params():
+                if p.grad is not None and id(p) not in written:
+                    raise RuntimeError(
+                        f"optimizer.step() refused: a parameter of shape {tuple(p.shape)} has a "
+                        f"gradient the private step did not write (unfrozen after make_private?); {fix}"
+                    )
 
     def post_process(self, fn) -> None:
         """Run ``fn()``, which changes this step's private gradients in place (post-processing,
