@@ -470,6 +470,7 @@ class _RecordClients(ClientPart):
         self.runs = {}
         self._forked = None  # parallel.ForkedRuns once started; False: every run steps here
         self._retired: set = set()  # participants whose worker has ended
+        self._done: dict = {}  # participant → its round trained ahead here (or its failure)
         for j, i in enumerate(self.idx):
             x, y = data.client_x[i], data.client_y[i]
             self.runs[j] = local.PrivateLocalRun(
@@ -518,14 +519,35 @@ class _RecordClients(ClientPart):
             workers = 1 if self._retired else parallel_workers(len(self.runs))
             self._forked = ForkedRuns(self.runs, workers) if workers > 1 else False
         if self._forked:
+            jobs = list(jobs)
             self._forked.submit(jobs)
+            self._train_here(jobs)
+
+    def _train_here(self, jobs) -> None:
+        """This process's participants of the round, trained now while the workers train theirs
+        (``train`` hands out each reply when the grid asks, in node order). A round depends only
+        on its participant's own run and job, so the order of the runs changes no bit; the first
+        failure is kept and raised by ``train`` for its participant (the later ones then train
+        when asked, as they would have)."""
+        self._done = {}
+        for j, weights, steps, mu in jobs:
+            if j in self._retired or self._forked.is_remote(j):
+                continue
+            try:
+                self._done[j] = self.runs[j].train_round(weights, steps, mu)[0]
+            except Exception as err:  # noqa: BLE001 - raised by ``train`` for participant j
+                self._done[j] = err
+                return
 
     def train(self, j, weights, steps, proximal_mu, server_round):
         if j in self._retired:
             raise RuntimeError(f"participant {j}'s private run ended with its worker process")
         if self._forked and self._forked.is_remote(j):
             return self._forked.result(j), 1, float("nan")
-        new, _ = self.runs[j].train_round(weights, steps, proximal_mu)
+        done = self._done.pop(j, None)
+        if isinstance(done, Exception):
+            raise done
+        new = self.runs[j].train_round(weights, steps, proximal_mu)[0] if done is None else done
         return new, 1, float("nan")
 
     def close(self):
@@ -533,6 +555,7 @@ class _RecordClients(ClientPart):
             self._retired = {j for j in self.runs if self._forked.is_remote(j)}
             self._forked.close()
         self._forked = False
+        self._done = {}
 
 
 @register_privacy_mode
