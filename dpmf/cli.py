@@ -1136,6 +1136,11 @@ def _run_fl(args) -> int:
     _fl_files(args)
     config = _fl_config(args, noise_map)
     compliance = _fl_compliance(args, weights, config.num_clients)
+    from dpmf.federated.run import start_ahead
+
+    # the first run's background work (record mode: its accountings) runs while torch loads
+    start_ahead(config.replace(seed=None if seeds is None else seeds[0], replica=0), compliance,
+                backend=args.backend)  # fmt: skip
     import torch
 
     torch.set_num_threads(threads)

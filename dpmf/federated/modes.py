@@ -273,6 +273,15 @@ class PrivacyMode:
         """This mode's client part of one run (default: plain local SGD)."""
         return LocalSGDClients(self, config, data, idx, sigmas, ids, key)
 
+    def start_ahead(self, config, data, idx, sigmas) -> None:
+        """Start the background work of a run before it is built, from its settings alone
+        (``dpmf.federated.run.start_ahead``; default: none). The run must ask for the same work
+        and find it started: what is started here never changes a result.
+
+        Raises:
+            ValueError/TypeError: settings this mode refuses (the run refuses them too).
+        """
+
     def entry(self, config, *, subject: str, epsilon: float, accountant: str, guarantee: str,
               noise_multiplier: float, steps: int, dataset_size: int, client: str = "",
               note: str | None = None) -> PrivacyEntry:  # fmt: skip
@@ -454,6 +463,16 @@ class _RecordServer(ServerPart):
         return [self.config.local_steps] * entries
 
 
+def _record_settings(config, data, idx, sigmas) -> list:
+    """``record_privacy``'s arguments for each participant j (its σ_j and N_k)."""
+    return [
+        (float(sigmas[j]), int(data.client_y[i].shape[0]), config.local_batch_size,
+         config.rounds * config.local_steps, config.delta, config.local_scheme,
+         config.local_factorization, config.accountant)
+        for j, i in enumerate(idx)
+    ]  # fmt: skip
+
+
 class _RecordClients(ClientPart):
     """Each participant's local training over the whole run is one private run of R·L steps
     (``local.PrivateLocalRun``), kept between rounds; one ledger entry per participant. When the
@@ -483,14 +502,12 @@ class _RecordClients(ClientPart):
             )  # fmt: skip
         # every run built (its settings checked): one accounting per distinct setting, in
         # background processes while the clients train (``complete_entries`` waits for them);
-        # on every core when a privacy budget needs them before the first round
+        # on every core when a privacy budget needs them before the first round (those that
+        # ``RecordMode.start_ahead`` started are not started again)
         start_record_privacy(
-            ((float(sigmas[j]), int(data.client_y[i].shape[0]), config.local_batch_size,
-              config.rounds * config.local_steps, config.delta, config.local_scheme,
-              config.local_factorization, config.accountant)
-             for j, i in enumerate(self.idx)),
+            _record_settings(config, data, self.idx, sigmas),
             workers=None if config.max_epsilon is None else usable_cores(),
-        )  # fmt: skip
+        )
 
     def complete_entries(self):
         """One entry per participant: its run's (ε_k, δ) (awaited from the background)."""
@@ -597,6 +614,16 @@ class RecordMode(PrivacyMode):
 
     def client(self, config, data, idx, sigmas, ids, key):
         return _RecordClients(self, config, data, idx, sigmas, ids, key)
+
+    def start_ahead(self, config, data, idx, sigmas):
+        # the accountings, e.g. while the caller imports torch (``_RecordClients`` finds them
+        # started: ``record_privacy``'s results are a function of these arguments alone)
+        from dpmf.federated.prefetch import start_record_privacy, usable_cores
+
+        start_record_privacy(
+            _record_settings(config, data, idx, sigmas),
+            workers=None if config.max_epsilon is None else usable_cores(),
+        )
 
 
 # ----------------------------------------------------------------------------- client
