@@ -568,18 +568,18 @@ def start_ahead(config: FLConfig, compliance: ComplianceSet | None = None, *, ba
     the work started and waits for it; it still makes every check and refusal itself.
 
     Settings the run would refuse start nothing here (the run then refuses them with its own
-    message), nor does a backend other than ``local``.
+    message), nor does a backend other than ``local``; Flower is not imported here (the run
+    checks that it is installed).
     """
     if backend != "local":
         return
     try:
-        _check_backend(config, backend)
         compliance = example_profiles(config.num_clients) if compliance is None else compliance
         idx, sigmas = participants(config, compliance)
         data = _prepare_data(config, None, idx, lambda *_: None)
         config.mode.start_ahead(config, data, idx, sigmas)
     except (ImportError, OSError, ValueError, TypeError):
-        return  # refused by the run itself, with its message
+        return  # refused by the run itself, with its message (nothing was started)
 
 
 def _check_backend(config: FLConfig, backend: str) -> None:
