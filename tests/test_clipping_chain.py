@@ -83,8 +83,17 @@ def test_the_auto_mode_takes_the_chain_for_dpmfs_mlp(monkeypatch):
     assert got.method == "bk" and calls == [True]
 
 
+class _DoubledInput(nn.Sequential):
+    """A Sequential whose call doubles its input before the children run."""
+
+    def __call__(self, x):
+        return super().__call__(2 * x)
+
+
 def _not_a_chain():
     torch.manual_seed(0)
+    replaced = nn.Sequential(nn.Flatten(), nn.Linear(10, 4), nn.Tanh(), nn.Linear(4, 3))
+    replaced[2].forward = lambda x: 2 * x  # a forward replaced on the instance
     hooked_child = nn.Sequential(nn.Flatten(), nn.Linear(10, 4), nn.Tanh(), nn.Linear(4, 3))
     hooked_child[2].register_forward_hook(lambda m, a, out: out * 2)  # a hook changes the output
     shared = nn.Linear(10, 10)
@@ -98,6 +107,8 @@ def _not_a_chain():
             nn.Flatten(), nn.Linear(10, 4), nn.Dropout(0.5), nn.Linear(4, 3)
         ),
         "a Flatten over the batch": nn.Sequential(nn.Flatten(0), nn.Linear(120, 3)),
+        "a call of its own": _DoubledInput(nn.Flatten(), nn.Linear(10, 4), nn.Tanh(), nn.Linear(4, 3)),
+        "a forward replaced on an instance": replaced,
         "a frozen layer": nn.Sequential(
             nn.Flatten(), nn.Linear(10, 4).requires_grad_(False), nn.Tanh(), nn.Linear(4, 3)
         ),

@@ -35,7 +35,14 @@ __all__ = ["chain_layers", "chain_output_gradients"]
 _ELEMENTWISE = (nn.Tanh, nn.ReLU, nn.Sigmoid, nn.GELU, nn.SiLU, nn.LeakyReLU, nn.ELU, nn.Identity)
 
 
+# what a call of a module runs: an instance attribute of one of these names replaces it
+_CALL_ATTRS = ("forward", "_call_impl", "_wrapped_call_impl")
+
+
 def _no_hooks(m: nn.Module) -> bool:
+    """No hook on the module and its call not replaced on the instance."""
+    if any(a in m.__dict__ for a in _CALL_ATTRS):
+        return False
     return not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
 
 
@@ -46,7 +53,7 @@ def _global_hooks() -> bool:
 def _plain_child(m: nn.Module) -> bool:
     """A parameterless child of an allowed exact type, not in place, with its class's forward."""
     t = type(m)
-    if "forward" in m.__dict__ or m._parameters or m._buffers or m._modules or not _no_hooks(m):
+    if m._parameters or m._buffers or m._modules or not _no_hooks(m):
         return False
     if t is nn.Flatten:
         return isinstance(m.start_dim, int) and m.start_dim >= 1
@@ -63,9 +70,15 @@ def chain_layers(model: nn.Module, names: list[str], named: dict):
         names: the trainable parameters' names (``trainable_parameters`` order).
         named: name → parameter (``named_parameters()``).
     """
-    if not isinstance(model, nn.Sequential) or type(model).forward is not nn.Sequential.forward:
+    t = type(model)
+    if not isinstance(model, nn.Sequential) or t.forward is not nn.Sequential.forward:
         return None
-    if "forward" in model.__dict__ or model._parameters or model._buffers or not _no_hooks(model):
+    # a subclass that changes how it is called or which children it iterates is not a chain
+    if t.__call__ is not nn.Module.__call__ or t._call_impl is not nn.Module._call_impl:
+        return None
+    if t.__iter__ is not nn.Sequential.__iter__:
+        return None
+    if model._parameters or model._buffers or not _no_hooks(model):
         return None
     if _global_hooks():
         return None
@@ -77,7 +90,7 @@ def chain_layers(model: nn.Module, names: list[str], named: dict):
             return None
         if type(m) is nn.Linear:
             handler, _ = clipping_handler(m)
-            if type(handler) is not LinearHandler or "forward" in m.__dict__ or not _no_hooks(m):
+            if type(handler) is not LinearHandler or not _no_hooks(m):
                 return None
             if m._buffers or m._modules or set(m._parameters) - {"weight", "bias"}:
                 return None
