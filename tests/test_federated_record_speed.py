@@ -394,3 +394,23 @@ def test_settings_the_run_refuses_start_nothing_ahead(monkeypatch):
         run_federated(cfg, log=lambda *_: None)
     start_ahead(_uniform_config(), backend="ray")  # another backend: nothing ahead
     assert local.RECORD_PENDING == {}
+
+
+def test_forked_runs_can_keep_fewer_participants_here():
+    # record mode's keeps one fewer here (this process also serves the rounds); the first stays
+    from dpmf.federated.parallel import ForkedRuns, ServingForkedRuns
+
+    x, y = _data()
+    runs = {j: _run("dp-sgd", x, y) for j in range(5)}
+
+    class NineFewer(ForkedRuns):
+        fewer_here = 9
+
+    cases = [(ServingForkedRuns, 2, [0, 1, 0, 1, 1]), (ServingForkedRuns, 3, [0, 1, 2, 1, 2]),
+             (NineFewer, 2, [0, 1, 1, 1, 1]), (ForkedRuns, 3, [0, 1, 2, 0, 1])]  # fmt: skip
+    for cls, workers, want in cases:
+        forked = cls(runs, workers)
+        try:
+            assert [forked.owner[j] for j in range(5)] == want
+        finally:
+            forked.close()

@@ -530,11 +530,12 @@ class _RecordClients(ClientPart):
         )
 
     def start(self, jobs):
-        from dpmf.federated.parallel import ForkedRuns, parallel_workers
+        from dpmf.federated.parallel import ServingForkedRuns, parallel_workers
 
         if self._forked is None:
             workers = 1 if self._retired else parallel_workers(len(self.runs))
-            self._forked = ForkedRuns(self.runs, workers) if workers > 1 else False
+            # one participant fewer here: this process also serves the rounds meanwhile
+            self._forked = ServingForkedRuns(self.runs, workers) if workers > 1 else False
         if self._forked:
             jobs = list(jobs)
             self._forked.submit(jobs)
