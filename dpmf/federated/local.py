@@ -52,8 +52,6 @@ from dpmf.workloads import prefix_sum
 # run (``record_privacy``, ``prefetch``) start before torch is imported (``run.start_ahead``)
 torch = lazy_module("torch")
 F = lazy_module("torch.nn.functional")
-_models = lazy_module("dpmf.federated.models")
-_registry = lazy_module("dpmf.optim.registry")
 
 __all__ = [
     "aggregator_privacy",
@@ -67,7 +65,9 @@ __all__ = [
 def __getattr__(name):
     # the local optimizers are the optimizer registry's (``dpmf.optim.registry``)
     if name == "LOCAL_OPTIMIZERS":
-        return _registry.optimizer_names()
+        from dpmf.optim.registry import optimizer_names
+
+        return optimizer_names()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -312,7 +312,9 @@ class PrivateLocalRun:
         )
         self._noise_multiplier = noise_multiplier
         self._privacy = None
-        self.optimizer = _registry.get_optimizer(optimizer)  # the registry's entry (dpmf.optim.registry)
+        from dpmf.optim.registry import get_optimizer
+
+        self.optimizer = get_optimizer(optimizer)  # the registry's entry (dpmf.optim.registry)
         self.lr = check_real("lr", lr, low=0.0, low_inclusive=False)
         self._key = seed  # secret: never printed
         self.model = model
@@ -367,7 +369,8 @@ class PrivateLocalRun:
                 f"the private run has {self.sampler.steps} steps and {self.sampler.step} were taken: "
                 f"{steps} more would exceed what was accounted"
             )
-        set_weights, get_weights = _models.set_weights, _models.get_weights
+        from dpmf.federated.models import add_proximal_gradient, get_weights, set_weights
+
         set_weights(self.model, weights)
         anchor = get_weights(self.model)
         if self._opt is None:
@@ -385,9 +388,7 @@ class PrivateLocalRun:
             idx = from_numpy(batch)
             info = self.privatizer.privatize(x[idx], y[idx], example_ids=idx)
             if proximal_mu != 0.0:  # (μ = 0 adds nothing: the private gradient is stepped as written)
-                self.privatizer.post_process(
-                    lambda: _models.add_proximal_gradient(self.model, anchor, proximal_mu)
-                )
+                self.privatizer.post_process(lambda: add_proximal_gradient(self.model, anchor, proximal_mu))
             opt.step()
             for p in params:  # zero_grad(set_to_none=True), without torch's first-call import of dynamo
                 p.grad = None
@@ -482,7 +483,9 @@ class AggregatorDPSGD:
 
     def run(self, weights, steps: int):
         """The next ``steps`` server steps from ``weights``; returns the new weights."""
-        _models.set_weights(self.model, weights)
+        from dpmf.federated.models import get_weights, set_weights
+
+        set_weights(self.model, weights)
         for _ in range(steps):
             drawn_at, batch = self.step.batches.draw()
             self.step.batches.record(drawn_at, ids=batch, n=len(batch))
@@ -493,7 +496,7 @@ class AggregatorDPSGD:
             self.step.privatizer.consume()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return _models.get_weights(self.model)
+        return get_weights(self.model)
 
 
 class ClientLevelNoise:
