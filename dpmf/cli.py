@@ -1136,6 +1136,11 @@ def _run_fl(args) -> int:
     _fl_files(args)
     config = _fl_config(args, noise_map)
     compliance = _fl_compliance(args, weights, config.num_clients)
+    from dpmf.federated.run import start_ahead
+
+    # the first run's background work (record mode: its accountings) runs while torch loads
+    start_ahead(config.replace(seed=None if seeds is None else seeds[0], replica=0), compliance,
+                backend=args.backend)  # fmt: skip
     import torch
 
     torch.set_num_threads(threads)
@@ -1180,12 +1185,11 @@ def _fl_files(args) -> None:
         raise UsageError(f"--compliance {args.compliance!r} is invalid: no such file")
     if args.data_file is not None and not os.path.isfile(args.data_file):
         raise UsageError(f"--data-file {args.data_file!r} is invalid: no such file")
-    try:
-        import flwr  # noqa: F401
-    except ImportError:
-        raise UsageError(
-            "Flower is not installed: pip install 'dpmf[fl]' (flwr==1.42.0, Python >= 3.11)"
-        ) from None
+    import importlib.util
+
+    # found, not imported (the run imports it; a module set to None in sys.modules is absent)
+    if sys.modules.get("flwr", ...) is None or importlib.util.find_spec("flwr") is None:
+        raise UsageError("Flower is not installed: pip install 'dpmf[fl]' (flwr==1.42.0, Python >= 3.11)")
     if not args.overwrite and os.path.exists(os.path.join(args.out, "ledger.json")):
         raise UsageError(
             f"--out {args.out!r} is invalid: it holds an earlier federated run (ledger.json), whose "

@@ -350,3 +350,67 @@ def test_forked_runs_keep_the_first_participant_here_and_refuse_an_unsubmitted_r
             np.testing.assert_array_equal(got[k], want[k])
     finally:
         forked.close()
+
+
+# -- the accountings started ahead of the run ------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_accountings_start_before_torch_is_imported_and_the_run_finds_them_started():
+    # ``dpmf fl`` starts them before it imports torch; the run starts none again and its ledger
+    # is the in-process computation's
+    code = (
+        "import sys, json\n"
+        "from dpmf.federated import local, prefetch\n"
+        "from dpmf.federated.run import FLConfig, run_federated, start_ahead\n"
+        "cfg = FLConfig(privacy='record', num_clients=4, rounds=1, local_steps=2, seed=1,\n"
+        "               local_batch_size=8, allocation='uniform')\n"
+        "start_ahead(cfg)\n"
+        "before = ['torch' in sys.modules, len(local.RECORD_PENDING)]\n"
+        "started, real = [], prefetch.start_record_privacy\n"
+        "prefetch.start_record_privacy = lambda *a, **k: started.append(real(*a, **k)) or started[-1]\n"
+        "res = run_federated(cfg, log=lambda *_: None)\n"
+        "want = [local._record_privacy(e.noise_multiplier, e.dataset_size, 8, 2, 1e-5, 'poisson',\n"
+        "                              'identity', None).epsilon for e in res.ledger]\n"
+        "print(json.dumps([before, started, [e.epsilon for e in res.ledger] == want, len(want)]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    before, started, same, entries = json.loads(out.stdout.strip().splitlines()[-1])
+    # uniform allocation: one σ; 4 clients of 2 sizes → 2 accountings, started before torch
+    assert before == [False, 2] and started == [0] and same and entries == 4
+
+
+def test_settings_the_run_refuses_start_nothing_ahead(monkeypatch):
+    from dpmf.federated.run import FLConfig, run_federated, start_ahead
+
+    monkeypatch.setattr(local, "RECORD_PENDING", {})
+    monkeypatch.setattr(local, "RECORD_CACHE", {})
+    cfg = FLConfig(privacy="record", num_clients=4, rounds=1, local_steps=2, seed=1, local_batch_size=500)
+    start_ahead(cfg)  # no error here: the run refuses it itself
+    assert local.RECORD_PENDING == {} and local.RECORD_CACHE == {}
+    with pytest.raises(ValueError, match="local_batch_size=500 is invalid in record mode"):
+        run_federated(cfg, log=lambda *_: None)
+    start_ahead(_uniform_config(), backend="ray")  # another backend: nothing ahead
+    assert local.RECORD_PENDING == {}
+
+
+def test_forked_runs_can_keep_fewer_participants_here():
+    # record mode's keeps one fewer here (this process also serves the rounds); the first stays
+    from dpmf.federated.parallel import ForkedRuns, ServingForkedRuns
+
+    x, y = _data()
+    runs = {j: _run("dp-sgd", x, y) for j in range(5)}
+
+    class NineFewer(ForkedRuns):
+        fewer_here = 9
+
+    cases = [(ServingForkedRuns, 2, [0, 1, 0, 1, 1]), (ServingForkedRuns, 3, [0, 1, 2, 1, 2]),
+             (NineFewer, 2, [0, 1, 1, 1, 1]), (ForkedRuns, 3, [0, 1, 2, 0, 1])]  # fmt: skip
+    for cls, workers, want in cases:
+        forked = cls(runs, workers)
+        try:
+            assert [forked.owner[j] for j in range(5)] == want
+        finally:
+            forked.close()

@@ -35,25 +35,23 @@ import functools
 import math
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 from dpmf import seeds
+from dpmf._lazy import lazy_module
 from dpmf._validation import check_real
 from dpmf.accountants import ComposedEvent, PLDAccountant, PoissonGaussianEvent, PrivacyResult
 from dpmf.accountants.calibration import check_delta
-from dpmf.distributed.flags import ExecutionFlags
-from dpmf.federated.models import add_proximal_gradient, get_weights, set_weights
 from dpmf.mechanisms import parse_factorization
-from dpmf.optim import matrix_shape, route_parameters
-from dpmf.optim.clipping import trainable_parameters
-from dpmf.optim.optimizers import make_optimizer
-from dpmf.optim.registry import get_optimizer, optimizer_names
 from dpmf.plan.accounting import privacy_result
 from dpmf.plan.api import account, account_segments
 from dpmf.plan.plan import PrivatePlan, build_strategy
 from dpmf.plan.schemes import FixedOrder, Poisson, check_sigma, get_scheme
 from dpmf.workloads import prefix_sum
+
+# torch and the training pieces are imported when a run is built: the accountings of a record
+# run (``record_privacy``, ``prefetch``) start before torch is imported (``run.start_ahead``)
+torch = lazy_module("torch")
+F = lazy_module("torch.nn.functional")
 
 __all__ = [
     "aggregator_privacy",
@@ -67,6 +65,8 @@ __all__ = [
 def __getattr__(name):
     # the local optimizers are the optimizer registry's (``dpmf.optim.registry``)
     if name == "LOCAL_OPTIMIZERS":
+        from dpmf.optim.registry import optimizer_names
+
         return optimizer_names()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -312,6 +312,8 @@ class PrivateLocalRun:
         )
         self._noise_multiplier = noise_multiplier
         self._privacy = None
+        from dpmf.optim.registry import get_optimizer
+
         self.optimizer = get_optimizer(optimizer)  # the registry's entry (dpmf.optim.registry)
         self.lr = check_real("lr", lr, low=0.0, low_inclusive=False)
         self._key = seed  # secret: never printed
@@ -331,7 +333,7 @@ class PrivateLocalRun:
             model,
             F.cross_entropy,
             seed=seeds.SeedPolicy.adopt(seed, given=False),
-            flags=ExecutionFlags(noise_keys="stream"),
+            flags=_stream_flags(),
         )
         self.sampler, self.privatizer = self.step.sampler, self.step.privatizer
         self._opt = None  # the client's DP optimizer: built at the first round, reset every round
@@ -367,6 +369,8 @@ class PrivateLocalRun:
                 f"the private run has {self.sampler.steps} steps and {self.sampler.step} were taken: "
                 f"{steps} more would exceed what was accounted"
             )
+        from dpmf.federated.models import add_proximal_gradient, get_weights, set_weights
+
         set_weights(self.model, weights)
         anchor = get_weights(self.model)
         if self._opt is None:
@@ -376,11 +380,12 @@ class PrivateLocalRun:
         opt.reset_state()
         params = [p for group in opt.param_groups for p in group["params"]]
         norms = []
-        x, y = torch.from_numpy(self.x), torch.from_numpy(self.y)
+        from_numpy = torch.from_numpy
+        x, y = from_numpy(self.x), from_numpy(self.y)
         for _ in range(steps):
             drawn_at, batch = self.step.batches.draw()
             self.step.batches.record(drawn_at, ids=batch, n=len(batch))
-            idx = torch.from_numpy(batch)
+            idx = from_numpy(batch)
             info = self.privatizer.privatize(x[idx], y[idx], example_ids=idx)
             if proximal_mu != 0.0:  # (μ = 0 adds nothing: the private gradient is stepped as written)
                 self.privatizer.post_process(lambda: add_proximal_gradient(self.model, anchor, proximal_mu))
@@ -389,6 +394,13 @@ class PrivateLocalRun:
                 p.grad = None
             norms.append(info.mean_norm)
         return get_weights(self.model), float(np.mean(norms)) if norms else 0.0
+
+
+def _stream_flags():
+    """The execution flags of the federated private steps: the single-stream noise keys."""
+    from dpmf.distributed.flags import ExecutionFlags
+
+    return ExecutionFlags(noise_keys="stream")
 
 
 def _segments(sigmas) -> tuple:
@@ -409,6 +421,10 @@ def local_optimizer(spec, model, *, lr: float, key: int):
     parameters (EMA β = 0.95) and updates the vectors and the degenerate matrices (a single row
     or column) by DP-SGD; an optimizer that draws probes gets the seed
     ``derive_int(key, "probes")`` (public probes, independent of the noise)."""
+    from dpmf.optim import matrix_shape, route_parameters
+    from dpmf.optim.clipping import trainable_parameters
+    from dpmf.optim.optimizers import make_optimizer
+
     kwargs = dict(lr=lr, weight_decay=0.0, momentum=0.0, filter=None)
     if spec.probes:
         kwargs["probe_seed"] = seeds.derive_int(int(key), "probes", bits=63)
@@ -454,7 +470,7 @@ class AggregatorDPSGD:
             model,
             F.cross_entropy,
             seed=seeds.SeedPolicy.adopt(seed, given=False),
-            flags=ExecutionFlags(noise_keys="stream"),
+            flags=_stream_flags(),
         )
         self.sampler = self.step.sampler
         self.clip_norm, self.lr = float(clip_norm), float(lr)
@@ -467,6 +483,8 @@ class AggregatorDPSGD:
 
     def run(self, weights, steps: int):
         """The next ``steps`` server steps from ``weights``; returns the new weights."""
+        from dpmf.federated.models import get_weights, set_weights
+
         set_weights(self.model, weights)
         for _ in range(steps):
             drawn_at, batch = self.step.batches.draw()

@@ -273,6 +273,15 @@ class PrivacyMode:
         """This mode's client part of one run (default: plain local SGD)."""
         return LocalSGDClients(self, config, data, idx, sigmas, ids, key)
 
+    def start_ahead(self, config, data, idx, sigmas) -> None:
+        """Start the background work of a run before it is built, from its settings alone
+        (``dpmf.federated.run.start_ahead``; default: none). The run must ask for the same work
+        and find it started: what is started here never changes a result.
+
+        Raises:
+            ValueError/TypeError: settings this mode refuses (the run refuses them too).
+        """
+
     def entry(self, config, *, subject: str, epsilon: float, accountant: str, guarantee: str,
               noise_multiplier: float, steps: int, dataset_size: int, client: str = "",
               note: str | None = None) -> PrivacyEntry:  # fmt: skip
@@ -454,6 +463,16 @@ class _RecordServer(ServerPart):
         return [self.config.local_steps] * entries
 
 
+def _record_settings(config, data, idx, sigmas) -> list:
+    """``record_privacy``'s arguments for each participant j (its σ_j and N_k)."""
+    return [
+        (float(sigmas[j]), int(data.client_y[i].shape[0]), config.local_batch_size,
+         config.rounds * config.local_steps, config.delta, config.local_scheme,
+         config.local_factorization, config.accountant)
+        for j, i in enumerate(idx)
+    ]  # fmt: skip
+
+
 class _RecordClients(ClientPart):
     """Each participant's local training over the whole run is one private run of R·L steps
     (``local.PrivateLocalRun``), kept between rounds; one ledger entry per participant. When the
@@ -470,6 +489,7 @@ class _RecordClients(ClientPart):
         self.runs = {}
         self._forked = None  # parallel.ForkedRuns once started; False: every run steps here
         self._retired: set = set()  # participants whose worker has ended
+        self._done: dict = {}  # participant → its round trained ahead here (or its failure)
         for j, i in enumerate(self.idx):
             x, y = data.client_x[i], data.client_y[i]
             self.runs[j] = local.PrivateLocalRun(
@@ -482,14 +502,12 @@ class _RecordClients(ClientPart):
             )  # fmt: skip
         # every run built (its settings checked): one accounting per distinct setting, in
         # background processes while the clients train (``complete_entries`` waits for them);
-        # on every core when a privacy budget needs them before the first round
+        # on every core when a privacy budget needs them before the first round (those that
+        # ``RecordMode.start_ahead`` started are not started again)
         start_record_privacy(
-            ((float(sigmas[j]), int(data.client_y[i].shape[0]), config.local_batch_size,
-              config.rounds * config.local_steps, config.delta, config.local_scheme,
-              config.local_factorization, config.accountant)
-             for j, i in enumerate(self.idx)),
+            _record_settings(config, data, self.idx, sigmas),
             workers=None if config.max_epsilon is None else usable_cores(),
-        )  # fmt: skip
+        )
 
     def complete_entries(self):
         """One entry per participant: its run's (ε_k, δ) (awaited from the background)."""
@@ -512,20 +530,42 @@ class _RecordClients(ClientPart):
         )
 
     def start(self, jobs):
-        from dpmf.federated.parallel import ForkedRuns, parallel_workers
+        from dpmf.federated.parallel import ServingForkedRuns, parallel_workers
 
         if self._forked is None:
             workers = 1 if self._retired else parallel_workers(len(self.runs))
-            self._forked = ForkedRuns(self.runs, workers) if workers > 1 else False
+            # one participant fewer here: this process also serves the rounds meanwhile
+            self._forked = ServingForkedRuns(self.runs, workers) if workers > 1 else False
         if self._forked:
+            jobs = list(jobs)
             self._forked.submit(jobs)
+            self._train_here(jobs)
+
+    def _train_here(self, jobs) -> None:
+        """This process's participants of the round, trained now while the workers train theirs
+        (``train`` hands out each reply when the grid asks, in node order). A round depends only
+        on its participant's own run and job, so the order of the runs changes no bit; the first
+        failure is kept and raised by ``train`` for its participant (the later ones then train
+        when asked, as they would have)."""
+        self._done = {}
+        for j, weights, steps, mu in jobs:
+            if j in self._retired or self._forked.is_remote(j):
+                continue
+            try:
+                self._done[j] = self.runs[j].train_round(weights, steps, mu)[0]
+            except Exception as err:  # noqa: BLE001 - raised by ``train`` for participant j
+                self._done[j] = err
+                return
 
     def train(self, j, weights, steps, proximal_mu, server_round):
         if j in self._retired:
             raise RuntimeError(f"participant {j}'s private run ended with its worker process")
         if self._forked and self._forked.is_remote(j):
             return self._forked.result(j), 1, float("nan")
-        new, _ = self.runs[j].train_round(weights, steps, proximal_mu)
+        done = self._done.pop(j, None)
+        if isinstance(done, Exception):
+            raise done
+        new = self.runs[j].train_round(weights, steps, proximal_mu)[0] if done is None else done
         return new, 1, float("nan")
 
     def close(self):
@@ -533,6 +573,7 @@ class _RecordClients(ClientPart):
             self._retired = {j for j in self.runs if self._forked.is_remote(j)}
             self._forked.close()
         self._forked = False
+        self._done = {}
 
 
 @register_privacy_mode
@@ -574,6 +615,16 @@ class RecordMode(PrivacyMode):
 
     def client(self, config, data, idx, sigmas, ids, key):
         return _RecordClients(self, config, data, idx, sigmas, ids, key)
+
+    def start_ahead(self, config, data, idx, sigmas):
+        # the accountings, e.g. while the caller imports torch (``_RecordClients`` finds them
+        # started: ``record_privacy``'s results are a function of these arguments alone)
+        from dpmf.federated.prefetch import start_record_privacy, usable_cores
+
+        start_record_privacy(
+            _record_settings(config, data, idx, sigmas),
+            workers=None if config.max_epsilon is None else usable_cores(),
+        )
 
 
 # ----------------------------------------------------------------------------- client

@@ -2,12 +2,13 @@
 
 The participants of a ``record`` run are independent within a round: each trains its own
 private run (``local.PrivateLocalRun``: sampler, noise stream, privatizer, optimizer) from the
-same global weights. ``ForkedRuns`` forks W − 1 worker processes once the runs are built; worker
-w owns the participants j whose rank k (in ascending j) has k mod W = w, and this process the
-rest (k mod W = 0: the first participant always stays here). Each round, this process sends
-every worker the jobs of its participants (one message), trains its own, then receives each
-worker's replies (one message): the sends never wait on a reply, so no pipe can fill up in both
-directions at once.
+same global weights. ``ForkedRuns`` forks W − 1 worker processes once the runs are built;
+worker w owns the participants j whose rank k (in ascending j) has k mod W = w, and this
+process the rest (k mod W = 0: the first participant always stays here); ``ServingForkedRuns``,
+record mode's, hands one of this process's share to the workers, since this process also serves
+the rounds meanwhile. Each round, this process sends every worker the jobs of its participants
+(one message), trains its own, then receives each worker's replies (one message): the sends
+never wait on a reply, so no pipe can fill up in both directions at once.
 
 Every participant's round is the very same computation in whichever process runs it (one torch
 thread, the same state, the same operations), and the server receives the replies in node
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import multiprocessing
 
-__all__ = ["ForkedRuns", "parallel_workers"]
+__all__ = ["ForkedRuns", "ServingForkedRuns", "parallel_workers"]
 
 
 def parallel_workers(participants: int) -> int:
@@ -63,6 +64,20 @@ def _serve(conn, runs: dict) -> None:
         conn.send(("ok", out))
 
 
+def _owners(order: list, workers: int, fewer_here: int) -> dict:
+    """Participant → its process (0: this one), for ``ForkedRuns``."""
+    share = -(-len(order) // workers)  # the ranks k with k mod W = 0
+    here = max(1, share - fewer_here)
+    owner, turn = {}, 0
+    for k, j in enumerate(order):
+        if k % workers == 0 and k // workers < here:
+            owner[j] = 0
+        else:
+            owner[j] = 1 + turn % (workers - 1)
+            turn += 1
+    return owner
+
+
 class ForkedRuns:
     """Worker processes stepping some of the participants' private runs (see the module).
 
@@ -71,15 +86,22 @@ class ForkedRuns:
             process.
         workers: W ≥ 2, the processes stepping them (this one included).
 
+    Class attribute:
+        fewer_here: this process steps that many participants fewer than its share (the first
+            one stays here). Its participants are then the first ranks k with k mod W = 0;
+            every other rank goes to the workers in turn (0: exactly the k mod W rule).
+
     Raises:
         ValueError: fewer than 2 processes.
     """
+
+    fewer_here: int = 0
 
     def __init__(self, runs: dict, workers: int):
         if int(workers) < 2:
             raise ValueError(f"workers={workers!r} is invalid: must be >= 2 (this process and a worker)")
         order = sorted(runs)
-        self.owner = {j: k % int(workers) for k, j in enumerate(order)}
+        self.owner = _owners(order, int(workers), int(self.fewer_here))
         self._conns: dict[int, object] = {}
         self._procs: dict[int, multiprocessing.Process] = {}
         self._waiting: dict[int, int] = {}  # participant → the worker whose reply holds it
@@ -160,3 +182,11 @@ class ForkedRuns:
             self._conns[w].close()
         self._conns.clear()
         self._procs.clear()
+
+
+class ServingForkedRuns(ForkedRuns):
+    """``ForkedRuns`` for a process that also serves the rounds (record mode's local grid):
+    one participant fewer here, so that the workers do not wait for the next round while this
+    process aggregates and evaluates (the same results: only who steps whom changes)."""
+
+    fewer_here = 1

@@ -53,7 +53,7 @@ from dpmf.federated.modes import PRIVACY_MODES, get_privacy_mode, privacy_modes
 from dpmf.federated.strategies import STRATEGIES, make_strategy
 from dpmf.plan.schemes import Poisson
 
-__all__ = ["ALLOCATIONS", "BACKENDS", "FLConfig", "FLResult", "run_federated", "participants"]
+__all__ = ["ALLOCATIONS", "BACKENDS", "FLConfig", "FLResult", "run_federated", "participants", "start_ahead"]
 
 BACKENDS = ("local", "ray")
 ALLOCATIONS = ("weighted", "uniform")
@@ -559,6 +559,27 @@ def run_federated(
         time.perf_counter() - began,
         stopped,
     )
+
+
+def start_ahead(config: FLConfig, compliance: ComplianceSet | None = None, *, backend: str = "local") -> None:
+    """Start the background work of ``run_federated(config, compliance=…, backend=…)`` now
+    (``PrivacyMode.start_ahead``; record mode: its accountings), so that it runs while the
+    caller goes on (``dpmf fl`` imports torch meanwhile: nothing here imports it). The run finds
+    the work started and waits for it; it still makes every check and refusal itself.
+
+    Settings the run would refuse start nothing here (the run then refuses them with its own
+    message), nor does a backend other than ``local``; Flower is not imported here (the run
+    checks that it is installed).
+    """
+    if backend != "local":
+        return
+    try:
+        compliance = example_profiles(config.num_clients) if compliance is None else compliance
+        idx, sigmas = participants(config, compliance)
+        data = _prepare_data(config, None, idx, lambda *_: None)
+        config.mode.start_ahead(config, data, idx, sigmas)
+    except (ImportError, OSError, ValueError, TypeError):
+        return  # refused by the run itself, with its message (nothing was started)
 
 
 def _check_backend(config: FLConfig, backend: str) -> None:

@@ -15,82 +15,87 @@ evaluation plan for the training loop (``dpmf.optim.lookahead``); Newton–Schul
 orthogonalization and its bias correction.
 """
 
-# The private gradient.
-# Optimizers and their building blocks.
-from dpmf.optim.batches import BatchCheckError, DrawnBatches
-from dpmf.optim.bias_correction import bias_corrected, newton_schulz_bc, richardson_weights
-from dpmf.optim.clipping import (
-    NonFiniteGradientError,
-    check_per_example_safe,
-    clipped_sum,
-    per_example_gradients,
-)
-from dpmf.optim.disk import DiskLookahead
-from dpmf.optim.filters import (
-    FILTERS,
-    Disk,
-    Doppler,
-    disk_extrapolation_weight,
-    make_filter,
-    single_pass_gamma,
-)
-from dpmf.optim.ghost_layers import ClippingHandler, register_clipping_layer, registered_clipping_layers
-from dpmf.optim.lookahead import EvaluationPoint
-from dpmf.optim.matrix import aspect_factor, check_matrix_parameter, matrix_shape, matrix_view
-from dpmf.optim.model_guard import ModelChangedError, ModelStateChangedError
-from dpmf.optim.newton_schulz import QUINTIC_COEFFICIENTS, newton_schulz
-from dpmf.optim.noise import (
-    BandedSqrtNoise,
-    BLTNoise,
-    CorrelatedNoise,
-    DenseInverseNoise,
-    ToeplitzInverseNoise,
-    identity_noise,
-    noise_for_factorization,
-)
-from dpmf.optim.optimizers import (
-    DPSGD,
-    PLACEHOLDER_RULES,
-    DPAdam,
-    DPMuon,
-    DPMuonBC,
-    DPMuonS,
-    DPOptimizer,
-    build_transform,
-    dp_adam,
-    dp_muon,
-    dp_muon_bc,
-    dp_muon_s,
-    dp_sgd,
-    make_optimizer,
-)
-from dpmf.optim.power_iteration import top_singular_value
-from dpmf.optim.privatize import PrivateStep, Privatizer
-from dpmf.optim.registry import (
-    OPTIMIZERS,
-    OptimizerSpec,
-    get_optimizer,
-    optimizer_names,
-    register_optimizer,
-)
-from dpmf.optim.routing import route_parameters, rule_of
-from dpmf.optim.schedules import LearningRateSchedule, lr_scheduler
-from dpmf.optim.transforms import (
-    AddDecayedWeights,
-    Chain,
-    EmaMomentum,
-    HeavyBall,
-    Identity,
-    Orthogonalize,
-    OrthogonalizeBiasCorrected,
-    Scale,
-    ScaleByAdam,
-    ScaleByShape,
-    ScaleBySpectralNorm,
-    StepContext,
-    Transform,
-    chain,
-)
+import importlib
+
+# Every name is imported from its module on first use (PEP 562): importing a torch-free module
+# of this package (the optimizer registry) does not import torch.
+_HOMES = {
+    "BatchCheckError": "dpmf.optim.batches",
+    "DrawnBatches": "dpmf.optim.batches",
+    "bias_corrected": "dpmf.optim.bias_correction",
+    "newton_schulz_bc": "dpmf.optim.bias_correction",
+    "richardson_weights": "dpmf.optim.bias_correction",
+    "NonFiniteGradientError": "dpmf.optim.clipping",
+    "check_per_example_safe": "dpmf.optim.clipping",
+    "clipped_sum": "dpmf.optim.clipping",
+    "per_example_gradients": "dpmf.optim.clipping",
+    "DiskLookahead": "dpmf.optim.disk",
+    "FILTERS": "dpmf.optim.filters",
+    "Disk": "dpmf.optim.filters",
+    "Doppler": "dpmf.optim.filters",
+    "disk_extrapolation_weight": "dpmf.optim.filters",
+    "make_filter": "dpmf.optim.filters",
+    "single_pass_gamma": "dpmf.optim.filters",
+    "ClippingHandler": "dpmf.optim.ghost_layers",
+    "register_clipping_layer": "dpmf.optim.ghost_layers",
+    "registered_clipping_layers": "dpmf.optim.ghost_layers",
+    "EvaluationPoint": "dpmf.optim.lookahead",
+    "aspect_factor": "dpmf.optim.matrix",
+    "check_matrix_parameter": "dpmf.optim.matrix",
+    "matrix_shape": "dpmf.optim.matrix",
+    "matrix_view": "dpmf.optim.matrix",
+    "ModelChangedError": "dpmf.optim.model_guard",
+    "ModelStateChangedError": "dpmf.optim.model_guard",
+    "QUINTIC_COEFFICIENTS": "dpmf.optim.newton_schulz",
+    "newton_schulz": "dpmf.optim.newton_schulz",
+    "BandedSqrtNoise": "dpmf.optim.noise",
+    "BLTNoise": "dpmf.optim.noise",
+    "CorrelatedNoise": "dpmf.optim.noise",
+    "DenseInverseNoise": "dpmf.optim.noise",
+    "ToeplitzInverseNoise": "dpmf.optim.noise",
+    "identity_noise": "dpmf.optim.noise",
+    "noise_for_factorization": "dpmf.optim.noise",
+    "DPSGD": "dpmf.optim.optimizers",
+    "PLACEHOLDER_RULES": "dpmf.optim.optimizers",
+    "DPAdam": "dpmf.optim.optimizers",
+    "DPMuon": "dpmf.optim.optimizers",
+    "DPMuonBC": "dpmf.optim.optimizers",
+    "DPMuonS": "dpmf.optim.optimizers",
+    "DPOptimizer": "dpmf.optim.optimizers",
+    "build_transform": "dpmf.optim.optimizers",
+    "dp_adam": "dpmf.optim.optimizers",
+    "dp_muon": "dpmf.optim.optimizers",
+    "dp_muon_bc": "dpmf.optim.optimizers",
+    "dp_muon_s": "dpmf.optim.optimizers",
+    "dp_sgd": "dpmf.optim.optimizers",
+    "make_optimizer": "dpmf.optim.optimizers",
+    "top_singular_value": "dpmf.optim.power_iteration",
+    "PrivateStep": "dpmf.optim.privatize",
+    "Privatizer": "dpmf.optim.privatize",
+    "OPTIMIZERS": "dpmf.optim.registry",
+    "OptimizerSpec": "dpmf.optim.registry",
+    "get_optimizer": "dpmf.optim.registry",
+    "optimizer_names": "dpmf.optim.registry",
+    "register_optimizer": "dpmf.optim.registry",
+    "route_parameters": "dpmf.optim.routing",
+    "rule_of": "dpmf.optim.routing",
+    "LearningRateSchedule": "dpmf.optim.schedules",
+    "lr_scheduler": "dpmf.optim.schedules",
+    "AddDecayedWeights": "dpmf.optim.transforms",
+    "Chain": "dpmf.optim.transforms",
+    "EmaMomentum": "dpmf.optim.transforms",
+    "HeavyBall": "dpmf.optim.transforms",
+    "Identity": "dpmf.optim.transforms",
+    "Orthogonalize": "dpmf.optim.transforms",
+    "OrthogonalizeBiasCorrected": "dpmf.optim.transforms",
+    "Scale": "dpmf.optim.transforms",
+    "ScaleByAdam": "dpmf.optim.transforms",
+    "ScaleByShape": "dpmf.optim.transforms",
+    "ScaleBySpectralNorm": "dpmf.optim.transforms",
+    "StepContext": "dpmf.optim.transforms",
+    "Transform": "dpmf.optim.transforms",
+    "chain": "dpmf.optim.transforms",
+}
 
 __all__ = [
     # private gradient
@@ -184,4 +189,11 @@ def __getattr__(name):
         from dpmf.optim import optimizers
 
         return getattr(optimizers, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -87,6 +87,7 @@ from torch.func import functional_call, grad, vmap
 from torch.overrides import TorchFunctionMode
 
 from dpmf.optim.choices import CLIPPING_MODES
+from dpmf.optim.ghost_chain import chain_layers, chain_output_gradients
 from dpmf.optim.ghost_layers import ClippingHandler, _as, _sq, clipping_handler, weighted_sum
 from dpmf.optim.ghost_tied import TiedEmbeddingLinear, tied_embedding_linear
 
@@ -729,6 +730,10 @@ def ghost_clipped_sum(
     device = lead.device
     b = int(lead.shape[0])
     autocast_on = torch.is_autocast_enabled(device.type)
+    if method == "bk" and plan is None and not autocast_on and isinstance(inputs, torch.Tensor):
+        chain = _chain_clipped_sum(model, loss_fn, inputs, targets, clip_norm, names, named, dtype)
+        if chain is not None:  # a plain chain of linear layers: no hooks needed (ghost_chain)
+            return chain
     modules = None if walk is None else walk.unique_modules
     with torch.enable_grad(), _Engine(model, names, named, modules) as engine:
         if b > 1:
@@ -879,6 +884,34 @@ def ghost_clipped_sum(
                             result_grads[n] = g if n not in result_grads else result_grads[n] + g
                             k += 1
     return GhostResult(result_grads, norms, sq, fallback)
+
+
+def _chain_clipped_sum(model, loss_fn, inputs, targets, clip_norm, names, named, dtype):
+    """``ghost_clipped_sum`` ("bk", one point) of a plain chain of Linear layers and elementwise
+    activations (``dpmf.optim.ghost_chain``): the same recorded tensors and the same handler
+    arithmetic as the engine, without its hooks; None when the model is not such a chain."""
+    chain = chain_layers(model, names, named)
+    if chain is None:
+        return None
+    children, linears = chain
+    with torch.enable_grad():
+        recorded = chain_output_gradients(children, inputs, loss_fn, targets, per_example_losses)
+    if recorded is None:
+        return None
+    handlers, sq = [], {}
+    for (m, weight, bias), (a, g) in zip(linears, recorded, strict=True):
+        params = [(weight, "weight")] + ([] if bias is None else [(bias, "bias")])
+        h = _Handler(_Layer(weight, m, clipping_handler(m)[0], params, [_Call(0, (a,), g)]), dtype)
+        sq.update(h.sq_norms())
+        handlers.append(h)
+    norms = torch.sqrt(torch.stack([sq[n] for n in names]).sum(0))
+    if not bool(torch.isfinite(norms).all()):
+        return GhostResult({}, norms, sq, {})
+    factors = norms.new_tensor(clip_norm) / torch.clamp(norms, min=clip_norm)
+    grads: dict = {}
+    for h in handlers:
+        grads.update(h.summed(factors))
+    return GhostResult(grads, norms, sq, {})
 
 
 def _tied_pairs(engine, dtype) -> dict[str, TiedEmbeddingLinear]:
