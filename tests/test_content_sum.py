@@ -62,3 +62,24 @@ def test_an_unchanged_model_with_nan_entries_passes_the_check():
         model.bias[0] = float("nan")
     before = state_versions(model)
     check_state_unchanged(model, before, "nothing", 0)
+
+
+def test_kept_word_views_give_the_same_sums_after_writes_and_replaced_storage():
+    from dpmf.optim.model_guard import WordViews
+
+    views = WordViews()
+    lin = nn.Linear(5, 3)  # weight: 15 float32 entries (a last partial word)
+    p = lin.weight
+    assert views.sum(p) == content_sum(p) == bytes_sum(p)
+    p.data[1, 2] += 1.0  # a write through .data: the kept view sees the memory itself
+    assert views.sum(p) == content_sum(p) == bytes_sum(p)
+    p.data = torch.randn(3, 5)  # other memory: the view is made again
+    assert views.sum(p) == content_sum(p) == bytes_sum(p)
+    p.data = torch.randn(5, 3, dtype=torch.float64)  # other shape and dtype
+    assert views.sum(p) == content_sum(p) == bytes_sum(p)
+    q = torch.randn(4)
+    views.sum(q)
+    views.prune()
+    views.sum(p)
+    views.prune()  # q was not summed since the last prune: its view is dropped
+    assert [e[0] for e in views._views.values()] == [p]

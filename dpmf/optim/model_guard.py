@@ -267,7 +267,7 @@ class ModelStructure:
         )
 
 
-def state_versions(model: nn.Module, walk: ModelWalk | None = None) -> list:
+def state_versions(model: nn.Module, walk: ModelWalk | None = None, views: WordViews | None = None) -> list:
     """(name, tensor, version, storage address, content) of every parameter and buffer of
     ``model``: the snapshot ``check_state_unchanged`` compares with. The content is a copy of a
     buffer, and a checksum of a parameter's entries (writes through ``.data`` keep the version):
@@ -275,9 +275,12 @@ def state_versions(model: nn.Module, walk: ModelWalk | None = None) -> list:
 
     Args:
         walk: a ``ModelWalk`` of ``model`` taken now (None: a new one).
+        views: a ``WordViews`` kept from one check to the next (the same sums, without making
+            the parameters' word views again); None: made for this call.
     """
     walk = ModelWalk(model) if walk is None else walk
     params, buffers = walk.params, walk.buffers
+    summed = content_sum if views is None else views.sum
     out = [(n, p, p._version, p.data_ptr(), None) for n, p in params]
     with torch.no_grad():
         out += [(n, b, b._version, b.data_ptr(), b.clone()) for n, b in buffers]
@@ -287,7 +290,7 @@ def state_versions(model: nn.Module, walk: ModelWalk | None = None) -> list:
             if p.is_floating_point():
                 s = once.get(id(p))
                 if s is None:
-                    s = once[id(p)] = content_sum(p)
+                    s = once[id(p)] = summed(p)
                 sums.append(s)
         out.append(("", None, 0, 0, sums))
     return out
@@ -311,6 +314,11 @@ def content_sum(p: torch.Tensor):
     """
     if p.device.type != "cpu" or p.layout != torch.strided:
         return p.sum(dtype=torch.float64)
+    return _sum_words(*_words(p))
+
+
+def _words(p: torch.Tensor) -> tuple:
+    """(the whole 64-bit words of a CPU tensor's bytes as a uint64 array, its last bytes)."""
     x = p.detach()
     if not x.is_contiguous():
         x = x.contiguous()
@@ -320,10 +328,46 @@ def content_sum(p: torch.Tensor):
         a = x.reshape(-1).view(torch.uint8).numpy()
     whole = a.nbytes - a.nbytes % 8
     if whole == a.nbytes:
-        return int(np.add.reduce(a.view(_WORD)))
+        return a.view(_WORD), None
     raw = a.view(np.uint8)
-    head = int(np.add.reduce(raw[:whole].view(_WORD))) if whole else 0
-    return (head + int.from_bytes(raw[whole:].tobytes(), "little")) % (1 << 64)
+    return raw[:whole].view(_WORD), raw[whole:]
+
+
+def _sum_words(words, tail) -> int:
+    head = int(np.add.reduce(words)) if words.size else 0
+    if tail is None:
+        return head
+    return (head + int.from_bytes(tail.tobytes(), "little")) % (1 << 64)
+
+
+class WordViews:
+    """``content_sum`` with each CPU parameter's word view kept between calls: a view is
+    reused while the parameter is the same tensor on the same memory (address, shape, strides
+    and dtype unchanged), else made again; views of tensors not summed in the last call are
+    dropped (nothing replaced stays alive)."""
+
+    __slots__ = ("_views", "_seen")
+
+    def __init__(self):
+        self._views: dict = {}
+        self._seen: set = set()
+
+    def sum(self, p: torch.Tensor):
+        """``content_sum(p)``."""
+        if p.device.type != "cpu" or p.layout != torch.strided or not p.is_contiguous():
+            return content_sum(p)
+        key = (p.data_ptr(), p.shape, p.dtype)
+        entry = self._views.get(id(p))
+        if entry is None or entry[0] is not p or entry[1] != key:
+            entry = self._views[id(p)] = (p, key, *_words(p))
+        self._seen.add(id(p))
+        return _sum_words(entry[2], entry[3])
+
+    def prune(self) -> None:
+        """Drop the views of tensors not summed since the last ``prune``."""
+        for k in [k for k in self._views if k not in self._seen]:
+            del self._views[k]
+        self._seen = set()
 
 
 _NUMPY = {
@@ -366,18 +410,21 @@ def _changed_parameter(model: nn.Module, before: list, after: list) -> str:
     return "a parameter"
 
 
-def check_state_unchanged(model: nn.Module, before: list, during: str, step: int | None = None) -> None:
+def check_state_unchanged(
+    model: nn.Module, before: list, during: str, step: int | None = None, views: WordViews | None = None
+) -> None:
     """Raise if a parameter or buffer of ``model`` was written, replaced or added since
     ``before = state_versions(model)``.
 
     Args:
         during: what ran in between, for the message (e.g. ``"the private forward/backward"``).
         step: the step, for the message.
+        views: the ``WordViews`` ``before`` was taken with (None: made for this call).
 
     Raises:
         ModelStateChangedError: naming the tensor, why it matters and the fix.
     """
-    after = state_versions(model)
+    after = state_versions(model, views=views)
     changed = None
     if len(after) != len(before):
         names = {n for n, *_ in before}

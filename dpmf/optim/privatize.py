@@ -37,6 +37,7 @@ from dpmf.optim.model_guard import (
     ModelStateChangedError,
     ModelStructure,
     ModelWalk,
+    WordViews,
     check_state_unchanged,
     state_versions,
 )
@@ -181,6 +182,7 @@ class Privatizer(KeyHolder):
             )
         self.noise = noise
         self.structure = ModelStructure(model)
+        self._views = WordViews()  # the parameters' word views, kept between state checks
         self.drawn: DrawnBatches | None = None
         self._micro_batch_given = micro_batch_size is not None
         entries = sum(p.numel() for _, p in named)  # one per-example gradient
@@ -328,7 +330,7 @@ class Privatizer(KeyHolder):
                 self.drawn.check(t, inputs, targets, example_ids)
             else:
                 self.drawn.check(t, handed_out, None, example_ids)
-        before = state_versions(self.model, walk)
+        before = state_versions(self.model, walk, self._views)
         named = trainable_parameters(self.model, walk)
         try:
             summed = clipped_sum(
@@ -346,7 +348,7 @@ class Privatizer(KeyHolder):
                 walk=walk,
             )
         except RuntimeError as err:  # torch.func refuses some in-place writes itself
-            check_state_unchanged(self.model, before, "the private forward/backward", t)
+            check_state_unchanged(self.model, before, "the private forward/backward", t, self._views)
             text = str(err)
             if "in-place" in text or "inplace" in text or "mutate" in text:
                 raise ModelStateChangedError(
@@ -355,7 +357,8 @@ class Privatizer(KeyHolder):
                     "forward releases the batch without noise: remove the write from the forward"
                 ) from err
             raise
-        check_state_unchanged(self.model, before, "the private forward/backward", t)
+        check_state_unchanged(self.model, before, "the private forward/backward", t, self._views)
+        self._views.prune()
         # the parameters of the sums: those of the walk (the check above saw every parameter
         # still in place; a requires_grad changed meanwhile is refused by the optimizer's step)
         params = [p for _, p in named]
