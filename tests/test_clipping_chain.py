@@ -165,26 +165,19 @@ RECORDED_EPSILONS = [4.161990548514188, 4.001550486698737, 2.2139941067422857, 1
 
 def test_a_record_run_keeps_its_recorded_model_and_epsilons(monkeypatch):
     pytest.importorskip("flwr")
-    from dpmf.federated import run as run_mod
+    from test_federated_record_speed import _final_model
+
     from dpmf.federated.run import FLConfig
 
-    seen = {}
-    evaluate = run_mod._Server._evaluate
-
-    def spy(self, weights):
-        seen["w"] = {k: np.asarray(v).copy() for k, v in weights.items()}
-        return evaluate(self, weights)
-
-    monkeypatch.setattr(run_mod._Server, "_evaluate", spy)
     calls = _count_chain(monkeypatch)
     cfg = FLConfig(privacy="record", num_clients=6, rounds=3, local_steps=3, local_batch_size=8, seed=7)
-    result = run_mod.run_federated(cfg, log=lambda *_: None)
+    weights, result = _final_model(monkeypatch, cfg)
     assert [e.epsilon for e in result.ledger] == RECORDED_EPSILONS
     assert calls and all(calls)  # this process's participants took the chain path
     if torch.backends.cpu.get_cpu_capability() != "AVX512" or not torch.__version__.startswith("2.13"):
         pytest.skip("the model hash was recorded with torch 2.13's AVX512 kernels")
     h = hashlib.sha256()
-    for k in sorted(seen["w"]):
+    for k in sorted(weights):
         h.update(k.encode())
-        h.update(np.ascontiguousarray(seen["w"][k], dtype=np.float32).tobytes())
+        h.update(np.ascontiguousarray(weights[k], dtype=np.float32).tobytes())
     assert h.hexdigest() == RECORDED_MODEL_SHA256
