@@ -81,3 +81,37 @@ def test_the_chain_is_refused_when_torchs_code_is_replaced(monkeypatch, where):
     calls.clear()
     clipped_sum(model, F.cross_entropy, x, y, clip_norm=0.5, clipping="bk")
     assert calls == []  # not a chain: the general engine decides
+
+
+# -- optimizer.step(): a non-private gradient written through p.grad.data ------------------------
+# Weakness: check_gradients compared p.grad's identity and version with those the private step
+# wrote; a write through ``p.grad.data`` (its own version counter) kept both, so here the plain
+# (unclipped, noiseless) gradient of the batch was applied by step(). The gradient's address and
+# content checksum are now recorded too.
+@pytest.mark.parametrize("how", ["copy", "assign"])
+def test_step_refuses_a_gradient_written_through_data(how):
+    import copy
+
+    import dpmf
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    ds = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = dpmf.make_private(
+        model, opt, ds, loss_fn=F.cross_entropy, batch_size=8, steps=2, noise_multiplier=1.0,
+        factorization="identity", scheme="poisson",
+    )
+    x, y = next(iter(run.data_loader))
+    run.backward(x, target=y, return_loss=False)
+    plain = copy.deepcopy(model)
+    F.cross_entropy(plain(x), y).backward()
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        if how == "copy":
+            p.grad.data.copy_(q.grad)
+        else:
+            p.grad.data = q.grad.clone()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="p.grad was replaced or modified"):
+        run.optimizer.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
