@@ -115,3 +115,38 @@ def test_step_refuses_a_gradient_written_through_data(how):
     with pytest.raises(RuntimeError, match="p.grad was replaced or modified"):
         run.optimizer.step()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
+# -- the model-state check: a frozen integer, bool or complex parameter written by the forward ------
+# Weakness: state_versions summed only floating-point parameters; a frozen parameter of another
+# dtype written through ``.data`` during the private forward (its version unchanged) — here the
+# count of the batch's examples with x₀ > 0 — was not seen, and the step went on: a function of
+# the batch kept in the model without noise. Every parameter's content is now summed.
+class _Spy(nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.spy = nn.Parameter(torch.zeros(4, dtype=dtype), requires_grad=False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.spy.data[0] = ((x[:, 0] > 0).sum() + 1).to(self.spy.dtype)  # never 0: always a change
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64])
+def test_a_forward_writing_a_non_float_parameter_is_refused(dtype):
+    import dpmf
+    from dpmf.optim.model_guard import ModelStateChangedError
+
+    torch.manual_seed(0)
+    model = _Spy(dtype)
+    ds = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    opt = torch.optim.SGD(model.lin.parameters(), lr=0.1)
+    run = dpmf.make_private(
+        model, opt, ds, loss_fn=F.cross_entropy, batch_size=8, steps=2, noise_multiplier=1.0,
+        factorization="identity", scheme="poisson", clipping="bk",
+    )
+    x, y = next(iter(run.data_loader))
+    with pytest.raises(ModelStateChangedError, match="'spy'"):
+        run.backward(x, target=y, return_loss=False)
