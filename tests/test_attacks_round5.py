@@ -175,3 +175,30 @@ def test_vmap_leaves_a_layer_used_twice_with_its_parameters():
     torch.testing.assert_close(got.norms, ref.norms, rtol=1e-5, atol=1e-6)
     for a, b in zip(got.grads, ref.grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# -- make_private: the user's own optimizer stepped directly --------------------------------------
+# Weakness: make_private returned a guarded wrapper, but the optimizer the user passed in (and
+# still holds) stepped on anything: a plain loss.backward() then optimizer.step() trained on the
+# unclipped, noiseless gradient. Its step now runs only from the wrapper's.
+def test_the_wrapped_optimizer_refuses_a_direct_step():
+    import dpmf
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    ds = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = dpmf.make_private(
+        model, opt, ds, loss_fn=F.cross_entropy, batch_size=8, steps=2, noise_multiplier=1.0,
+        factorization="identity", scheme="poisson",
+    )
+    x, y = next(iter(run.data_loader))
+    F.cross_entropy(model(x), y).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="SGD.step\\(\\) refused"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    opt.zero_grad()
+    run.backward(x, target=y, return_loss=False)
+    run.optimizer.step()  # the private step still steps the wrapped optimizer
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
