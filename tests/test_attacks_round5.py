@@ -64,7 +64,9 @@ def _center(f):
     return lambda *a, **k: (lambda out: out - out.mean(0))(f(*a, **k))
 
 
-@pytest.mark.parametrize("where", ["Tanh.forward", "Tanh.__call__", "Module.__call__", "Module._call_impl", "F.linear"])
+@pytest.mark.parametrize(
+    "where", ["Tanh.forward", "Tanh.__call__", "Module.__call__", "Module._call_impl", "F.linear"]
+)
 def test_the_chain_is_refused_when_torchs_code_is_replaced(monkeypatch, where):
     model, (x, y) = _model(), _batch()
     calls = _chain_calls(monkeypatch)
@@ -99,8 +101,15 @@ def test_step_refuses_a_gradient_written_through_data(how):
     ds = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     run = dpmf.make_private(
-        model, opt, ds, loss_fn=F.cross_entropy, batch_size=8, steps=2, noise_multiplier=1.0,
-        factorization="identity", scheme="poisson",
+        model,
+        opt,
+        ds,
+        loss_fn=F.cross_entropy,
+        batch_size=8,
+        steps=2,
+        noise_multiplier=1.0,
+        factorization="identity",
+        scheme="poisson",
     )
     x, y = next(iter(run.data_loader))
     run.backward(x, target=y, return_loss=False)
@@ -144,8 +153,16 @@ def test_a_forward_writing_a_non_float_parameter_is_refused(dtype):
     ds = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
     opt = torch.optim.SGD(model.lin.parameters(), lr=0.1)
     run = dpmf.make_private(
-        model, opt, ds, loss_fn=F.cross_entropy, batch_size=8, steps=2, noise_multiplier=1.0,
-        factorization="identity", scheme="poisson", clipping="bk",
+        model,
+        opt,
+        ds,
+        loss_fn=F.cross_entropy,
+        batch_size=8,
+        steps=2,
+        noise_multiplier=1.0,
+        factorization="identity",
+        scheme="poisson",
+        clipping="bk",
     )
     x, y = next(iter(run.data_loader))
     with pytest.raises(ModelStateChangedError, match="'spy'"):
@@ -170,7 +187,9 @@ def test_vmap_leaves_a_layer_used_twice_with_its_parameters():
     for i in range(8):  # explicit per-example gradient norms
         g = torch.autograd.grad(F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]), [weight, bias])
         norms.append(float(torch.sqrt(sum((t**2).sum() for t in g))))
-    torch.testing.assert_close(ref.norms.double(), torch.tensor(norms, dtype=torch.float64), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        ref.norms.double(), torch.tensor(norms, dtype=torch.float64), rtol=1e-5, atol=0
+    )
     got = clipped_sum(model, F.cross_entropy, x, y, clip_norm=0.5, clipping="bk")
     torch.testing.assert_close(got.norms, ref.norms, rtol=1e-5, atol=1e-6)
     for a, b in zip(got.grads, ref.grads, strict=True):
@@ -189,8 +208,15 @@ def test_the_wrapped_optimizer_refuses_a_direct_step():
     ds = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     run = dpmf.make_private(
-        model, opt, ds, loss_fn=F.cross_entropy, batch_size=8, steps=2, noise_multiplier=1.0,
-        factorization="identity", scheme="poisson",
+        model,
+        opt,
+        ds,
+        loss_fn=F.cross_entropy,
+        batch_size=8,
+        steps=2,
+        noise_multiplier=1.0,
+        factorization="identity",
+        scheme="poisson",
     )
     x, y = next(iter(run.data_loader))
     F.cross_entropy(model(x), y).backward()

@@ -206,7 +206,10 @@ def clipping_handler(module: nn.Module) -> tuple[ClippingHandler | None, str | N
         if t.forward is not cls.forward:
             return None, f"{t.__name__} overrides the forward of the registered {cls.__name__}"
         if t.forward is not _FORWARD.get(key, cls.forward):
-            return None, f"the forward of {cls.__name__} was replaced after its clipping handler was registered"
+            return (
+                None,
+                f"the forward of {cls.__name__} was replaced after its clipping handler was registered",
+            )
         reason = handler.check(module)
         if reason is not None:
             return None, reason
