@@ -13,7 +13,8 @@ One ``PrivatePlan`` (dataset size, batch size, steps, scheme, strategy, schedule
 sampler behind ``data_loader``, the noise stream and the accounting, so they cannot disagree.
 ``factorization="auto"`` runs ``pick`` for the run (and ``scheme="auto"`` takes pick's scheme).
 The returned optimizer wraps the user's (any ``torch.optim.Optimizer``, or a dpmf DP optimizer):
-its ``step()`` refuses gradients that did not come from ``backward`` for this step. Everything
+its ``step()`` refuses gradients that did not come from ``backward`` for this step, and the
+user's optimizer itself steps only from it (a step pre-hook refuses a direct call). Everything
 after the noise is post-processing. ``export`` writes the weights and the privacy ledger, and
 none of the secrets (seed, noise buffers, sampler state); ``state_dict`` (for resuming) holds
 them and must stay private.
