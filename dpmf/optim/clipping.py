@@ -33,9 +33,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad, vmap
+from torch.func import grad, vmap
 
 from dpmf._validation import check_choice, check_int, check_real
+from dpmf.optim.func_call import functional_call
 from dpmf.optim.ghost import CLIPPING_MODES, ghost_clipped_sum
 from dpmf.optim.model_guard import ModelWalk
 

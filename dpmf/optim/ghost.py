@@ -83,10 +83,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, grad, vmap
+from torch.func import grad, vmap
 from torch.overrides import TorchFunctionMode
 
 from dpmf.optim.choices import CLIPPING_MODES
+from dpmf.optim.func_call import functional_call
 from dpmf.optim.ghost_chain import chain_layers, chain_output_gradients
 from dpmf.optim.ghost_layers import ClippingHandler, _as, _sq, clipping_handler, weighted_sum
 from dpmf.optim.ghost_tied import TiedEmbeddingLinear, tied_embedding_linear

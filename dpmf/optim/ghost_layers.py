@@ -136,6 +136,9 @@ class ClippingHandler:
 # type (or "module.QualName") → handler
 _REGISTRY: dict[object, ClippingHandler] = {}
 _BUILTIN: dict[object, ClippingHandler] = {}  # the handlers this module registers
+# the forward of each type registered as a class, as it was then: a forward replaced on the class
+# afterwards (``nn.Linear.forward = ...``) is not the computation the handler's formulas assume
+_FORWARD: dict[object, object] = {}
 
 
 def _key_of(cls) -> str:
@@ -179,6 +182,10 @@ def register_clipping_layer(module_type, handler: ClippingHandler, *, replace: b
             "pass replace=True to replace it (the per-example norms decide the clipping)"
         )
     _REGISTRY[key] = handler
+    if isinstance(module_type, type):
+        _FORWARD[key] = module_type.forward
+    else:
+        _FORWARD.pop(key, None)
 
 
 def registered_clipping_layers() -> dict[str, str]:
@@ -192,11 +199,17 @@ def clipping_handler(module: nn.Module) -> tuple[ClippingHandler | None, str | N
     for cls in t.__mro__:
         if cls is nn.Module or cls is object:
             break
-        handler = _REGISTRY.get(_key_of(cls))
+        key = _key_of(cls)
+        handler = _REGISTRY.get(key)
         if handler is None:
             continue
         if t.forward is not cls.forward:
             return None, f"{t.__name__} overrides the forward of the registered {cls.__name__}"
+        if t.forward is not _FORWARD.get(key, cls.forward):
+            return (
+                None,
+                f"the forward of {cls.__name__} was replaced after its clipping handler was registered",
+            )
         reason = handler.check(module)
         if reason is not None:
             return None, reason

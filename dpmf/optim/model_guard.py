@@ -286,12 +286,11 @@ def state_versions(model: nn.Module, walk: ModelWalk | None = None, views: WordV
         out += [(n, b, b._version, b.data_ptr(), b.clone()) for n, b in buffers]
         once: dict = {}  # a tied tensor listed under several names: one sum
         sums = []
-        for _, p in params:
-            if p.is_floating_point():
-                s = once.get(id(p))
-                if s is None:
-                    s = once[id(p)] = summed(p)
-                sums.append(s)
+        for _, p in params:  # every dtype: a frozen integer, bool or complex parameter too
+            s = once.get(id(p))
+            if s is None:
+                s = once[id(p)] = summed(p)
+            sums.append(s)
         out.append(("", None, 0, 0, sums))
     return out
 
@@ -310,9 +309,14 @@ def content_sum(p: torch.Tensor):
     float64 reduction of float32 entries, a fifth of ``sum(dtype=float64)``). Writes that change
     several words by amounts summing to 0 mod 2⁶⁴ are not seen (as with any sum; a swap of two
     entries at the same offset within their words, for example). On another device: the
-    float64 sum, a 0-d tensor (no copy to the host).
+    float64 sum, a 0-d tensor (no copy to the host); of an integer or bool tensor the int64 sum
+    (exact modulo 2⁶⁴), of a complex one the float64 sum of its real and imaginary parts.
     """
     if p.device.type != "cpu" or p.layout != torch.strided:
+        if p.is_complex():
+            return torch.view_as_real(p.detach()).sum(dtype=torch.float64)
+        if not p.is_floating_point():
+            return p.detach().sum(dtype=torch.int64)
         return p.sum(dtype=torch.float64)
     return _sum_words(*_words(p))
 
@@ -403,7 +407,7 @@ def _same_content(a, b) -> bool:
 
 
 def _changed_parameter(model: nn.Module, before: list, after: list) -> str:
-    names = [n for n, p in model.named_parameters(remove_duplicate=False) if p.is_floating_point()]
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     for n, a, b in zip(names, before, after, strict=False):
         if not _same_sums([a], [b]):
             return n

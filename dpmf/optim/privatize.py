@@ -38,7 +38,9 @@ from dpmf.optim.model_guard import (
     ModelStructure,
     ModelWalk,
     WordViews,
+    _same_sums,
     check_state_unchanged,
+    content_sum,
     state_versions,
 )
 from dpmf.optim.noise import CorrelatedNoise
@@ -87,6 +89,19 @@ def _clip_norm_of(plan, clip_norm) -> float:
             "of the guarantee, so give it to the plan only"
         )
     return clip_norm
+
+
+def _grad_mark(g: torch.Tensor, before: tuple | None = None) -> tuple:
+    """(version, address, ``content_sum``) of a private gradient ``g``; with ``before`` (its mark
+    when written): ``before`` itself when ``g`` is unchanged, else the new mark.
+
+    The version alone misses writes through ``g.data`` (``g.data.copy_(…)``, ``g.data = …``):
+    ``.data`` has its own version counter, so a non-private gradient written that way kept the
+    private one's identity and version."""
+    mark = (g._version, g.data_ptr(), content_sum(g))
+    if before is not None and mark[:2] == before[:2] and _same_sums([mark[2]], [before[2]]):
+        return before
+    return mark
 
 
 class Privatizer(KeyHolder):
@@ -222,8 +237,8 @@ class Privatizer(KeyHolder):
             self.structure.check_optimizer("optimizer.step()")
         if self._written is None:
             raise RuntimeError(f"optimizer.step() refused: no private gradient for this step; {fix}")
-        for p, g, version in self._written:
-            if p.grad is not g or g._version != version:
+        for p, g, mark in self._written:
+            if p.grad is not g or _grad_mark(g, mark) is not mark:
                 raise RuntimeError(
                     "optimizer.step() refused: p.grad was replaced or modified after the private "
                     f"step wrote it (a parameter of shape {tuple(p.shape)}); {fix}"
@@ -246,7 +261,7 @@ class Privatizer(KeyHolder):
         """
         self.check_gradients()
         fn()
-        self._written = [(p, p.grad, p.grad._version) for p, _, _ in self._written]
+        self._written = [(p, p.grad, _grad_mark(p.grad)) for p, _, _ in self._written]
 
     def consume(self) -> None:
         """Mark this step's private gradients as used (the next ``step()`` needs a new one)."""
@@ -366,7 +381,7 @@ class Privatizer(KeyHolder):
         batch_size, clipped, norm_sum = self._batch_figures(summed)
         scale = self.noise_std
         fresh = scale * abs(self.noise.innovation(t)) / self.expected_batch_size
-        self._written = [(p, p.grad, p.grad._version) for p in written]
+        self._written = [(p, p.grad, _grad_mark(p.grad)) for p in written]
         if self.drawn is not None:
             self.drawn.consume(t)
         self.last_step = PrivateStep(

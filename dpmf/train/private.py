@@ -13,7 +13,8 @@ One ``PrivatePlan`` (dataset size, batch size, steps, scheme, strategy, schedule
 sampler behind ``data_loader``, the noise stream and the accounting, so they cannot disagree.
 ``factorization="auto"`` runs ``pick`` for the run (and ``scheme="auto"`` takes pick's scheme).
 The returned optimizer wraps the user's (any ``torch.optim.Optimizer``, or a dpmf DP optimizer):
-its ``step()`` refuses gradients that did not come from ``backward`` for this step. Everything
+its ``step()`` refuses gradients that did not come from ``backward`` for this step, and the
+user's optimizer itself steps only from it (a step pre-hook refuses a direct call). Everything
 after the noise is post-processing. ``export`` writes the weights and the privacy ledger, and
 none of the secrets (seed, noise buffers, sampler state); ``state_dict`` (for resuming) holds
 them and must stay private.
@@ -146,6 +147,14 @@ class PrivateOptimizer(seeds.KeyHolder, torch.optim.Optimizer):
         self.original = optimizer
         self.privatizer = privatizer
         self.lr_multipliers = lr_multipliers
+        # the user still holds the wrapped optimizer: its own step() runs only from this one's
+        # (a plain loss.backward() then optimizer.step() would train without clipping or noise);
+        # a later make_private with the same optimizer replaces the guard
+        self._inside = False
+        guard = getattr(optimizer, "_dpmf_step_guard", None)
+        if guard is not None:
+            guard.remove()
+        optimizer._dpmf_step_guard = optimizer.register_step_pre_hook(self._guard)
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
         self._optimizer_state_dict_pre_hooks = {}
@@ -178,6 +187,14 @@ class PrivateOptimizer(seeds.KeyHolder, torch.optim.Optimizer):
     def defaults(self, value):
         self.original.defaults = value
 
+    def _guard(self, optimizer, args, kwargs) -> None:
+        if not self._inside:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() refused: this optimizer was given to make_private, "
+                "so nothing shows that p.grad holds private gradients; call private.backward(...) and "
+                "private.optimizer.step() instead"
+            )
+
     def step(self, closure=None):
         """The wrapped optimizer's step on this step's private gradients (checked first)."""
         if closure is not None:
@@ -190,9 +207,11 @@ class PrivateOptimizer(seeds.KeyHolder, torch.optim.Optimizer):
         lrs = [g["lr"] for g in self.param_groups]
         for g in self.param_groups:
             g["lr"] = g["lr"] * chi
+        self._inside = True
         try:
             loss = self.original.step()
         finally:
+            self._inside = False
             for g, lr in zip(self.param_groups, lrs, strict=True):
                 g["lr"] = lr
         self.privatizer.consume()
