@@ -291,3 +291,18 @@ def test_scheme_names_are_written_only_in_the_scheme_registry_and_the_cli():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 assert node.value not in names, f"{path}:{node.lineno} spells the scheme {node.value!r}"
+
+
+def test_a_name_exported_from_its_own_submodule_stays_the_export_after_that_submodule_is_imported():
+    # dpmf.optim imports its names on first use; importing the submodule dpmf.optim.newton_schulz
+    # first must not replace the package's function newton_schulz by the module
+    code = (
+        "import dpmf.optim.newton_schulz\n"
+        "from dpmf.optim import newton_schulz\n"
+        "import dpmf.optim\n"
+        "print(callable(newton_schulz), dpmf.optim.newton_schulz is newton_schulz)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.split() == ["True", "True"]
