@@ -6,9 +6,9 @@ Every test asserts what the code should do; a weakness not fixed is marked ``xfa
 import pytest
 import torch
 import torch.nn.functional as F
+from test_clipping_chain import _count_chain
 from torch import nn
 
-from dpmf.optim import ghost, ghost_chain
 from dpmf.optim.clipping import clipped_sum
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -24,17 +24,26 @@ def _batch():
     return torch.randn(8, 10, generator=g) * 3, torch.randint(0, 3, (8,), generator=g)
 
 
-def _chain_calls(monkeypatch):
-    calls = []
-    real = ghost_chain.chain_output_gradients
+def _small_private_run():
+    """(model, the optimizer given, the private run) of a small MLP through make_private."""
+    import dpmf
 
-    def spy(*a, **k):
-        got = real(*a, **k)
-        calls.append(got is not None)
-        return got
-
-    monkeypatch.setattr(ghost, "chain_output_gradients", spy)
-    return calls
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    ds = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = dpmf.make_private(
+        model,
+        opt,
+        ds,
+        loss_fn=F.cross_entropy,
+        batch_size=8,
+        steps=2,
+        noise_multiplier=1.0,
+        factorization="identity",
+        scheme="poisson",
+    )
+    return model, opt, run
 
 
 # -- bk clipping: nn.Linear's forward replaced on the class --------------------------------------
@@ -69,7 +78,7 @@ def _center(f):
 )
 def test_the_chain_is_refused_when_torchs_code_is_replaced(monkeypatch, where):
     model, (x, y) = _model(), _batch()
-    calls = _chain_calls(monkeypatch)
+    calls = _count_chain(monkeypatch)
     clipped_sum(model, F.cross_entropy, x, y, clip_norm=0.5, clipping="bk")
     assert calls == [True]  # the plain model is a chain
     owner, name = {
@@ -94,23 +103,7 @@ def test_the_chain_is_refused_when_torchs_code_is_replaced(monkeypatch, where):
 def test_step_refuses_a_gradient_written_through_data(how):
     import copy
 
-    import dpmf
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
-    ds = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    run = dpmf.make_private(
-        model,
-        opt,
-        ds,
-        loss_fn=F.cross_entropy,
-        batch_size=8,
-        steps=2,
-        noise_multiplier=1.0,
-        factorization="identity",
-        scheme="poisson",
-    )
+    model, opt, run = _small_private_run()
     x, y = next(iter(run.data_loader))
     run.backward(x, target=y, return_loss=False)
     plain = copy.deepcopy(model)
@@ -201,23 +194,7 @@ def test_vmap_leaves_a_layer_used_twice_with_its_parameters():
 # still holds) stepped on anything: a plain loss.backward() then optimizer.step() trained on the
 # unclipped, noiseless gradient. Its step now runs only from the wrapper's.
 def test_the_wrapped_optimizer_refuses_a_direct_step():
-    import dpmf
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
-    ds = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    run = dpmf.make_private(
-        model,
-        opt,
-        ds,
-        loss_fn=F.cross_entropy,
-        batch_size=8,
-        steps=2,
-        noise_multiplier=1.0,
-        factorization="identity",
-        scheme="poisson",
-    )
+    model, opt, run = _small_private_run()
     x, y = next(iter(run.data_loader))
     F.cross_entropy(model(x), y).backward()
     before = [p.detach().clone() for p in model.parameters()]
