@@ -24,14 +24,15 @@ def _batch():
     return torch.randn(8, 10, generator=g) * 3, torch.randint(0, 3, (8,), generator=g)
 
 
-def _small_private_run():
-    """(model, the optimizer given, the private run) of a small MLP through make_private."""
+def _small_private_run(model=None, params=None, **kw):
+    """(model, the optimizer given, the private run) of ``model`` (default: a small MLP) through
+    make_private, the optimizer over ``params`` (default: all of the model's)."""
     import dpmf
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)) if model is None else model
     ds = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters() if params is None else params, lr=0.1)
     run = dpmf.make_private(
         model,
         opt,
@@ -42,6 +43,7 @@ def _small_private_run():
         noise_multiplier=1.0,
         factorization="identity",
         scheme="poisson",
+        **kw,
     )
     return model, opt, run
 
@@ -138,25 +140,11 @@ class _Spy(nn.Module):
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64])
 def test_a_forward_writing_a_non_float_parameter_is_refused(dtype):
-    import dpmf
     from dpmf.optim.model_guard import ModelStateChangedError
 
     torch.manual_seed(0)
-    model = _Spy(dtype)
-    ds = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
-    opt = torch.optim.SGD(model.lin.parameters(), lr=0.1)
-    run = dpmf.make_private(
-        model,
-        opt,
-        ds,
-        loss_fn=F.cross_entropy,
-        batch_size=8,
-        steps=2,
-        noise_multiplier=1.0,
-        factorization="identity",
-        scheme="poisson",
-        clipping="bk",
-    )
+    spy = _Spy(dtype)
+    model, _, run = _small_private_run(spy, spy.lin.parameters(), clipping="bk")
     x, y = next(iter(run.data_loader))
     with pytest.raises(ModelStateChangedError, match="'spy'"):
         run.backward(x, target=y, return_loss=False)
