@@ -39,6 +39,7 @@ __all__ = [
     "ModelChangedError",
     "ModelStateChangedError",
     "ModelStructure",
+    "StateSnapshot",
     "state_versions",
     "check_state_unchanged",
 ]
@@ -267,32 +268,97 @@ class ModelStructure:
         )
 
 
-def state_versions(model: nn.Module, walk: ModelWalk | None = None, views: WordViews | None = None) -> list:
-    """(name, tensor, version, storage address, content) of every parameter and buffer of
-    ``model``: the snapshot ``check_state_unchanged`` compares with. The content is a copy of a
+def _state_tensors(model: nn.Module, walk: ModelWalk | None = None) -> tuple[list, list]:
+    """(parameters, buffers) of every module, listed as ``ModelWalk`` lists them (a tensor
+    reachable by several paths under each), without building their names."""
+    if walk is not None:
+        return [p for _, p in walk.params], [b for _, b in walk.buffers]
+    params, buffers = [], []
+    stack = [model]
+    pop, push = stack.pop, stack.extend
+    while stack:
+        m = pop()
+        if type(m).named_modules is not _NAMED_MODULES:  # its own notion of its submodules
+            for _, sub in m.named_modules(None, "", False):
+                _add_own(sub, params, buffers)
+            continue
+        _add_own(m, params, buffers)
+        if m._modules:
+            push([c for c in reversed(m._modules.values()) if c is not None])
+    return params, buffers
+
+
+def _add_own(m: nn.Module, params: list, buffers: list) -> None:
+    if m._parameters:
+        params += [p for p in m._parameters.values() if p is not None]
+    if m._buffers:
+        buffers += [b for b in m._buffers.values() if b is not None]
+
+
+class StateSnapshot:
+    """What ``check_state_unchanged`` compares: every parameter and buffer of a model (as
+    ``ModelWalk`` lists them), with its version, storage address and content (a copy of each
+    buffer, a ``content_sum`` of each parameter)."""
+
+    __slots__ = ("tensors", "marks", "copies", "sums", "host")
+
+    def __init__(self, params: list, buffers: list, views: WordViews | None):
+        summed = content_sum if views is None else views.sum
+        self.tensors = params + buffers
+        self.marks = [(t._version, t.data_ptr()) for t in self.tensors]
+        with torch.no_grad():
+            self.copies = [b.clone() for b in buffers]
+            once: dict = {}  # a tied tensor listed under several names: one sum
+            sums = []
+            for p in params:  # every dtype: a frozen integer, bool or complex parameter too
+                s = once.get(id(p))
+                if s is None:
+                    s = once[id(p)] = summed(p)
+                sums.append(s)
+        self.sums = sums
+        self.host = all(type(s) is int for s in sums)  # CPU checksums: compared as a list
+
+    def changed(self, after: StateSnapshot) -> int | None:
+        """The position (in ``tensors``) of the first tensor written, replaced, added or
+        removed between this snapshot and ``after`` (``len(tensors)`` for a tensor added at the
+        end), or None."""
+        mine, theirs = self.tensors, after.tensors
+        n_params = len(self.sums)
+        if len(mine) != len(theirs) or n_params != len(after.sums):
+            return next(
+                (k for k, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a is not b),
+                min(len(mine), len(theirs)),
+            )
+        if self.marks != after.marks or any(a is not b for a, b in zip(mine, theirs, strict=True)):
+            return next(
+                k
+                for k, (a, b, m, m2) in enumerate(zip(mine, theirs, self.marks, after.marks, strict=True))
+                if a is not b or m != m2
+            )
+        same = self.sums == after.sums if self.host and after.host else _same_sums(self.sums, after.sums)
+        if not same:
+            return next(k for k in range(n_params) if not _same_sums([self.sums[k]], [after.sums[k]]))
+        for k, (c, c2) in enumerate(zip(self.copies, after.copies, strict=True)):
+            if not _same_content(c, c2):  # a buffer written through .data
+                return n_params + k
+        return None
+
+
+def state_versions(
+    model: nn.Module, walk: ModelWalk | None = None, views: WordViews | None = None
+) -> StateSnapshot:
+    """The snapshot ``check_state_unchanged`` compares with: the version counter, storage
+    address and content of every parameter and buffer of ``model``. The content is a copy of a
     buffer, and a checksum of a parameter's entries (writes through ``.data`` keep the version):
     see ``content_sum``.
 
     Args:
-        walk: a ``ModelWalk`` of ``model`` taken now (None: a new one).
+        walk: a ``ModelWalk`` of ``model`` taken now (None: the module tree is walked again).
         views: a ``WordViews`` kept from one check to the next (the same sums, without making
             the parameters' word views again); None: made for this call.
     """
-    walk = ModelWalk(model) if walk is None else walk
-    params, buffers = walk.params, walk.buffers
-    summed = content_sum if views is None else views.sum
-    out = [(n, p, p._version, p.data_ptr(), None) for n, p in params]
-    with torch.no_grad():
-        out += [(n, b, b._version, b.data_ptr(), b.clone()) for n, b in buffers]
-        once: dict = {}  # a tied tensor listed under several names: one sum
-        sums = []
-        for _, p in params:  # every dtype: a frozen integer, bool or complex parameter too
-            s = once.get(id(p))
-            if s is None:
-                s = once[id(p)] = summed(p)
-            sums.append(s)
-        out.append(("", None, 0, 0, sums))
-    return out
+    params, buffers = _state_tensors(model, walk)
+    return StateSnapshot(params, buffers, views)
 
 
 _WORD = np.dtype(np.uint64)
@@ -358,14 +424,25 @@ class WordViews:
 
     def sum(self, p: torch.Tensor):
         """``content_sum(p)``."""
-        if p.device.type != "cpu" or p.layout != torch.strided or not p.is_contiguous():
-            return content_sum(p)
-        key = (p.data_ptr(), p.shape, p.dtype)
         entry = self._views.get(id(p))
-        if entry is None or entry[0] is not p or entry[1] != key:
-            entry = self._views[id(p)] = (p, key, *_words(p))
+        if (
+            entry is None
+            or entry[0] is not p
+            or entry[1] != p.data_ptr()
+            or entry[2] != p.shape
+            or entry[3] != p.dtype
+            or not p.is_cpu
+            or p.layout != torch.strided
+            or not p.is_contiguous()
+        ):
+            if not p.is_cpu or p.layout != torch.strided or not p.is_contiguous():
+                return content_sum(p)
+            entry = self._views[id(p)] = (p, p.data_ptr(), p.shape, p.dtype, *_words(p))
         self._seen.add(id(p))
-        return _sum_words(entry[2], entry[3])
+        words, tail = entry[4], entry[5]
+        if tail is None:
+            return int(np.add.reduce(words))
+        return _sum_words(words, tail)
 
     def prune(self) -> None:
         """Drop the views of tensors not summed since the last ``prune``."""
@@ -406,19 +483,18 @@ def _same_content(a, b) -> bool:
     return bool(((a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else (a == b)).all())
 
 
-def _changed_parameter(model: nn.Module, before: list, after: list) -> str:
-    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    for n, a, b in zip(names, before, after, strict=False):
-        if not _same_sums([a], [b]):
-            return n
-    return "a parameter"
-
-
 def check_state_unchanged(
-    model: nn.Module, before: list, during: str, step: int | None = None, views: WordViews | None = None
+    model: nn.Module,
+    before: StateSnapshot,
+    during: str,
+    step: int | None = None,
+    views: WordViews | None = None,
 ) -> None:
     """Raise if a parameter or buffer of ``model`` was written, replaced or added since
     ``before = state_versions(model)``.
+
+    The module tree is walked again (a tensor added or replaced during the forward is seen);
+    names are built only to report a change.
 
     Args:
         during: what ran in between, for the message (e.g. ``"the private forward/backward"``).
@@ -428,23 +504,13 @@ def check_state_unchanged(
     Raises:
         ModelStateChangedError: naming the tensor, why it matters and the fix.
     """
-    after = state_versions(model, views=views)
-    changed = None
-    if len(after) != len(before):
-        names = {n for n, *_ in before}
-        changed = next((n for n, *_ in after if n not in names), "a tensor")
-    else:
-        for (n, t, v, ptr, _c), (n2, t2, v2, ptr2, _c2) in zip(before, after, strict=True):
-            if n != n2 or t is not t2 or v != v2 or ptr != ptr2:
-                changed = n2
-                break
-        else:
-            for (n, *_, c), (*_, c2) in zip(before, after, strict=True):
-                if c is None and c2 is None:  # a parameter: its content is in the sums (last entry)
-                    continue
-                if not (_same_sums(c, c2) if n == "" else _same_content(c, c2)):  # a write through .data
-                    changed = n or _changed_parameter(model, before[-1][4], after[-1][4])
-                    break
+    params, buffers = _state_tensors(model)
+    position = before.changed(StateSnapshot(params, buffers, views))
+    if position is None:
+        return
+    walk = ModelWalk(model)
+    names = [n for n, _ in walk.params] + [n for n, _ in walk.buffers]
+    changed = names[position] if position < len(names) else "a tensor"
     if changed is None:
         return
     at = "" if step is None else f" at step {step}"
