@@ -299,6 +299,34 @@ def test_empty_batch_and_non_finite_overflow_under_ghost(method):
     torch.testing.assert_close(out.grads[0], torch.full((1, 4), 1.0))
 
 
+@pytest.mark.parametrize("method", ["ghost", "bk"])
+@pytest.mark.parametrize(("d", "p", "t", "scale"), [(2, 2, 4, 1e30), (64, 64, 2, 1e20)])
+def test_finite_gradients_whose_float32_squares_overflow_get_float64_norms(method, d, p, t, scale):
+    # (2, 2, 4): the gradient is instantiated (T·(d+p) ≥ p·d), its float32 norm overflows;
+    # (64, 64, 2): ghost norms, whose float32 Gram products overflow. Both are recomputed in
+    # float64 from what the layer kept, and equal the float64 per-example gradients' norms.
+    torch.manual_seed(0)
+    lin = nn.Linear(d, p, bias=False)
+    x = torch.randn(3, t, d) * scale
+    out = clipped_sum(lin, lambda o, y: o.sum(), x, torch.zeros(3), clip_norm=1.0, clipping=method)
+    ref = nn.Linear(d, p, bias=False).double()
+    with torch.no_grad():
+        ref.weight.copy_(lin.weight.double())
+    per = torch.stack(
+        [
+            torch.func.grad(lambda w, xi: torch.func.functional_call(ref, {"weight": w}, (xi,)).sum())(
+                ref.weight, xi
+            )
+            for xi in x.double()
+        ]
+    )
+    norms = per.reshape(3, -1).norm(dim=1)
+    assert bool(torch.isfinite(out.norms).all())
+    torch.testing.assert_close(out.norms, norms, rtol=1e-5, atol=0)
+    want = (per / norms.view(-1, 1, 1)).sum(0).float()  # every example clipped to ζ = 1
+    torch.testing.assert_close(out.grads[0], want, rtol=1e-4, atol=1e-6)
+
+
 def test_bf16_autocast_takes_norms_and_sums_in_float32():
     model = build("seq", torch.float32)
     x, y = inputs_for("seq", 8, torch.float32)

@@ -65,7 +65,12 @@ that changes its own state in the forward sees it once more.
 Mixed precision: under ``torch.autocast`` the recorded activations and output gradients are in
 the low precision; every norm, Gram matrix and sum here is computed in float32 (float64 for a
 float64 model, and for a layer whose float32 squares overflow) with autocast disabled, and the
-per-layer squared norms are combined in float64.
+per-layer squared norms are combined in float64. Linear layers (``nn.Linear``, GPT-2's
+``Conv1D``, convolutions) leave their norms pending in the backward: all layers' norms are
+widened and squared in one batch at its end, and a norm that is not finite is recomputed in
+float64 from what its layer kept (the instantiated per-example gradient, or the recorded
+tensors of a ghost norm); an instantiated gradient whose entries themselves overflow float32
+is not finite, and the step raises ``NonFiniteGradientError`` (compute in float64).
 
 Assumptions, as for any per-example method: the examples do not interact in the forward
 (``check_per_example_safe`` refuses BatchNorm), and each layer sees the examples in the
@@ -89,7 +94,15 @@ from torch.overrides import TorchFunctionMode
 from dpmf.optim.choices import CLIPPING_MODES
 from dpmf.optim.func_call import functional_call
 from dpmf.optim.ghost_chain import chain_layers, chain_output_gradients
-from dpmf.optim.ghost_layers import ClippingHandler, _as, _sq, clipping_handler, weighted_sum
+from dpmf.optim.ghost_layers import (
+    ClippingHandler,
+    PendingNorm,
+    _as,
+    _sq,
+    clipping_handler,
+    squares,
+    weighted_sum,
+)
 from dpmf.optim.ghost_tied import TiedEmbeddingLinear, tied_embedding_linear
 
 __all__ = ["CLIPPING_MODES", "GhostResult", "ghost_clipped_sum", "ghost_layer_kinds"]
@@ -480,6 +493,30 @@ def _unsqueeze(tree):
     return type(tree)(_unsqueeze(v) for v in tree)
 
 
+def _settled_norms(sq: dict, names: list, handlers) -> tuple[dict, torch.Tensor]:
+    """(squared norms with every ``PendingNorm`` squared, ‖g_i‖₂ over ``names``). When a norm
+    is not finite, the entries of handlers that take pending norms and are not finite are
+    recomputed in float64 from their state (a float32 square that overflowed); a NaN/inf
+    gradient stays non-finite."""
+    sq = squares(sq)
+    norms = torch.sqrt(torch.stack([sq[n] for n in names]).sum(0))
+    if bool(torch.isfinite(norms).all()):
+        return sq, norms
+    redone = False
+    for h in handlers:
+        if not h.pending or h.zero:
+            continue
+        for a in h.attrs:
+            q = h.names[a]
+            if q in sq and not bool(torch.isfinite(sq[q]).all()):
+                with torch.no_grad():
+                    sq[q] = h.sq_float64(a)
+                redone = True
+    if redone:
+        norms = torch.sqrt(torch.stack([sq[n] for n in names]).sum(0))
+    return sq, norms
+
+
 class _Handler:
     """One layer's per-example squared norms, then its clipped sum, through its handler (the
     registry's, or torch.func on the module alone for a layer without one)."""
@@ -520,12 +557,17 @@ class _Handler:
         if not self.attrs:
             return {}
         out = self._sq(self.dtype, calls)
+        names = self.names
+        if self.pending:  # squared, and checked, with every layer's (_settled_norms)
+            return {
+                names[a]: v if isinstance(v, PendingNorm) or v.dtype == torch.float64 else v.double()
+                for a, v in out.items()
+            }
         # one check for all: a sum of squared norms (≥ 0, no cancellation) is finite iff each is
         finite = not out or math.isfinite(float(_total_sum(out.values())))
         if not finite and self.dtype != torch.float64:
             self.dtype = torch.float64
             out = self._sq(self.dtype, calls)  # overflow of a finite gradient's square
-        names = self.names
         return {names[a]: v if v.dtype == torch.float64 else v.double() for a, v in out.items()}
 
     def _sq(self, dtype, calls):
@@ -538,8 +580,21 @@ class _Handler:
             per = {a: sums[a].to(dtype) for a in self.attrs}
             self.state = per
             return {a: _sq(v.reshape(v.shape[0], -1), 1) for a, v in per.items()}
-        sq, self.state = h.sq_norms(m, calls, list(self.attrs), dtype)
+        if self.pending:
+            sq, self.state = h.sq_norms(m, calls, list(self.attrs), dtype, pending=True)
+        else:
+            sq, self.state = h.sq_norms(m, calls, list(self.attrs), dtype)
         return sq
+
+    @property
+    def pending(self) -> bool:
+        """Whether the handler gives ``PendingNorm``s (squared and checked with all layers')."""
+        h = self.layer.handler
+        return h is not None and getattr(h, "takes_pending", False)
+
+    def sq_float64(self, attr) -> torch.Tensor:
+        """attr's squared norms recomputed in float64 from the handler's state."""
+        return self.layer.handler.sq_norms_float64(self.layer.module, self.state, attr)
 
     @torch.no_grad()
     def per_example(self, attr) -> torch.Tensor:
@@ -844,7 +899,7 @@ def ghost_clipped_sum(
                 if not bool(torch.isfinite(part).all()):
                     part = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64)
                 sq[n] = part.double() ** 2
-            norms = torch.sqrt(torch.stack([sq[n] for n in names]).sum(0))
+            sq, norms = _settled_norms(sq, names, handlers)
             result_grads = {}
             if not bool(torch.isfinite(norms).all()):
                 return GhostResult({}, norms, sq, fallback)
@@ -905,7 +960,7 @@ def _chain_clipped_sum(model, loss_fn, inputs, targets, clip_norm, names, named,
         h = _Handler(_Layer(weight, m, clipping_handler(m)[0], params, [_Call(0, (a,), g)]), dtype)
         sq.update(h.sq_norms())
         handlers.append(h)
-    norms = torch.sqrt(torch.stack([sq[n] for n in names]).sum(0))
+    sq, norms = _settled_norms(sq, names, handlers)
     if not bool(torch.isfinite(norms).all()):
         return GhostResult({}, norms, sq, {})
     factors = norms.new_tensor(clip_norm) / torch.clamp(norms, min=clip_norm)

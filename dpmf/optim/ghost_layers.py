@@ -56,6 +56,34 @@ def _sq(x: torch.Tensor, dim) -> torch.Tensor:
     return torch.linalg.vector_norm(x, dim=dim).double().square()
 
 
+class PendingNorm:
+    """A per-example norm (shape (b,), in the computation's dtype) whose float64 square is taken
+    later, together with the other layers' (``squares``): the same values as ``_sq``, one
+    widening and one square for all layers instead of two torch dispatches per layer."""
+
+    __slots__ = ("norm",)
+
+    def __init__(self, norm: torch.Tensor):
+        self.norm = norm
+
+
+def squares(entries: dict) -> dict:
+    """``entries`` (name → float64 squared norms or ``PendingNorm``) with every pending norm
+    squared in float64: one stack, widening and square per dtype and device (bit for bit
+    ``norm.double().square()`` of each)."""
+    groups: dict = {}
+    for k, v in entries.items():
+        if isinstance(v, PendingNorm):
+            groups.setdefault((v.norm.dtype, v.norm.device, v.norm.shape), []).append(k)
+    if not groups:
+        return entries
+    out = dict(entries)
+    for keys in groups.values():
+        rows = torch.stack([entries[k].norm for k in keys]).double().square().unbind(0)
+        out.update(zip(keys, rows, strict=True))
+    return out
+
+
 def _as(x: torch.Tensor, dtype) -> torch.Tensor:
     """``x`` in ``dtype`` (itself when it already is: no dispatch)."""
     return x if x.dtype == dtype else x.to(dtype)
@@ -251,7 +279,10 @@ class LinearHandler(ClippingHandler):
         transpose of A_iᵀG_i: the GEMM with the longer rows runs faster)."""
         x, g = _as(call.inputs[0], dtype), _as(call.grad, dtype)
         b = x.shape[0]
-        x, g = x.reshape(b, -1, x.shape[-1]), g.reshape(b, -1, g.shape[-1])
+        if x.dim() != 3:
+            x = x.reshape(b, -1, x.shape[-1])
+        if g.dim() != 3:
+            g = g.reshape(b, -1, g.shape[-1])
         if g.shape[-1] > x.shape[-1]:
             return torch.bmm(x.transpose(1, 2), g).transpose(1, 2)
         return torch.bmm(g.transpose(1, 2), x)
@@ -272,8 +303,14 @@ class LinearHandler(ClippingHandler):
             out["bias"] = _total(self.bias_per_example(module, c, dtype) for c in calls)
         return out
 
-    def sq_norms(self, module, calls, attrs, dtype):
+    takes_pending = True  # sq_norms(..., pending=True) and sq_norms_float64 (the engine's)
+
+    def sq_norms(self, module, calls, attrs, dtype, *, pending: bool = False):
+        """As ``ClippingHandler.sq_norms``; with ``pending``, an instantiated gradient's entry is a
+        ``PendingNorm`` (squared later by ``squares``) and no entry is checked for overflow here
+        (``sq_norms_float64`` recomputes a non-finite one from the state)."""
         out, state = {}, {}
+        norm = PendingNorm if pending else None
         if len(calls) == 1:
             t, d, p = self.dims(module, calls[0])
         else:
@@ -296,13 +333,23 @@ class LinearHandler(ClippingHandler):
                     w = self.weight_per_example(module, calls[0], dtype)
                 else:
                     w = _total(self.weight_per_example(module, c, dtype) for c in calls)
-                out["weight"] = _sq(w, tuple(range(1, w.dim())))  # no copy of a transposed view
+                dims = tuple(range(1, w.dim()))  # no copy of a transposed view
+                out["weight"] = norm(torch.linalg.vector_norm(w, dim=dims)) if norm else _sq(w, dims)
                 state["weight"] = ("inst", w)
         if "bias" in attrs:
             gb = _total(self.bias_per_example(module, c, dtype) for c in calls)
-            out["bias"] = _sq(gb, 1)
+            out["bias"] = norm(torch.linalg.vector_norm(gb, dim=1)) if norm else _sq(gb, 1)
             state["bias"] = ("inst", gb)
         return out, state
+
+    def sq_norms_float64(self, module, state, attr) -> torch.Tensor:
+        """attr's squared norms computed in float64 from ``sq_norms``'s state (for an entry
+        whose float32 square overflowed: the per-example gradient itself is finite)."""
+        entry = state[attr]
+        if entry[0] == "ghost":
+            return _gram_sq(entry[1].double(), entry[2].double())
+        w = entry[1]
+        return torch.linalg.vector_norm(w, dim=tuple(range(1, w.dim())), dtype=torch.float64).square()
 
     def clipped_sum(self, module, state, factors, attrs, dtype):
         out = {}
