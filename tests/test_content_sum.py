@@ -83,3 +83,28 @@ def test_kept_word_views_give_the_same_sums_after_writes_and_replaced_storage():
     views.sum(p)
     views.prune()  # q was not summed since the last prune: its view is dropped
     assert [e[0] for e in views._views.values()] == [p]
+
+
+def test_content_mark_sees_data_writes_storage_swaps_and_reshapes_of_a_gradient():
+    from dpmf.optim.model_guard import ContentMark
+
+    g = torch.randn(4, 3)
+    mark = ContentMark(g)
+    assert mark.unchanged(g)
+    old = float(g[2, 1])
+    g.data[2, 1] += 1.0  # through .data: the version of g is unchanged
+    assert g._version == 0 and not mark.unchanged(g)
+    g.data[2, 1] = old  # the same bits again
+    assert mark.unchanged(g)
+    h = torch.randn(4, 3)
+    mark = ContentMark(h)
+    h.data = h.data.clone()  # other memory, same values
+    assert not mark.unchanged(h)
+    k = torch.randn(3, 3)
+    mark = ContentMark(k)
+    k.data = k.data.t()  # same memory and shape, other layout
+    assert not mark.unchanged(k)
+    k2 = torch.randn(6)
+    mark = ContentMark(k2)
+    k2.add_(0.0)  # an in-place write: the version moves
+    assert not mark.unchanged(k2)

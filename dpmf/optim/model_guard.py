@@ -39,6 +39,7 @@ __all__ = [
     "ModelChangedError",
     "ModelStateChangedError",
     "ModelStructure",
+    "ContentMark",
     "StateSnapshot",
     "state_versions",
     "check_state_unchanged",
@@ -389,7 +390,7 @@ def content_sum(p: torch.Tensor):
 
 def _words(p: torch.Tensor) -> tuple:
     """(the whole 64-bit words of a CPU tensor's bytes as a uint64 array, its last bytes)."""
-    x = p.detach()
+    x = p.detach() if p.requires_grad else p
     if not x.is_contiguous():
         x = x.contiguous()
     if x.dtype in _NUMPY:
@@ -408,6 +409,37 @@ def _sum_words(words, tail) -> int:
     if tail is None:
         return head
     return (head + int.from_bytes(tail.tobytes(), "little")) % (1 << 64)
+
+
+class ContentMark:
+    """A tensor's version, storage address, shape, strides, dtype and ``content_sum``, taken now; its word
+    view is kept (a CPU tensor), so that checking the tensor again reads its memory once more
+    without making the view again.
+
+    Args:
+        t: the tensor (e.g. a private gradient just written).
+    """
+
+    __slots__ = ("_meta", "_sum", "_view")
+
+    def __init__(self, t: torch.Tensor):
+        self._meta = (t._version, t.data_ptr(), t.shape, t.stride(), t.dtype)
+        if t.is_cpu and t.layout == torch.strided and t.is_contiguous():
+            self._view = _words(t)
+            self._sum = _sum_words(*self._view)
+        else:
+            self._view = None
+            self._sum = content_sum(t)
+
+    def unchanged(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (the tensor marked) has the same version, address, layout, dtype and
+        content as when marked — a write through ``t.data`` keeps the version but not the
+        content."""
+        if (t._version, t.data_ptr(), t.shape, t.stride(), t.dtype) != self._meta:
+            return False
+        if self._view is not None and t.is_cpu and t.is_contiguous():
+            return _sum_words(*self._view) == self._sum
+        return _same_sums([content_sum(t)], [self._sum])
 
 
 class WordViews:

@@ -34,13 +34,12 @@ from dpmf.optim.batches import DrawnBatches
 from dpmf.optim.clipping import check_per_example_safe, clipped_sum, trainable_parameters
 from dpmf.optim.ghost import CLIPPING_MODES
 from dpmf.optim.model_guard import (
+    ContentMark,
     ModelStateChangedError,
     ModelStructure,
     ModelWalk,
     WordViews,
-    _same_sums,
     check_state_unchanged,
-    content_sum,
     state_versions,
 )
 from dpmf.optim.noise import CorrelatedNoise
@@ -89,19 +88,6 @@ def _clip_norm_of(plan, clip_norm) -> float:
             "of the guarantee, so give it to the plan only"
         )
     return clip_norm
-
-
-def _grad_mark(g: torch.Tensor, before: tuple | None = None) -> tuple:
-    """(version, address, ``content_sum``) of a private gradient ``g``; with ``before`` (its mark
-    when written): ``before`` itself when ``g`` is unchanged, else the new mark.
-
-    The version alone misses writes through ``g.data`` (``g.data.copy_(…)``, ``g.data = …``):
-    ``.data`` has its own version counter, so a non-private gradient written that way kept the
-    private one's identity and version."""
-    mark = (g._version, g.data_ptr(), content_sum(g))
-    if before is not None and mark[:2] == before[:2] and _same_sums([mark[2]], [before[2]]):
-        return before
-    return mark
 
 
 class Privatizer(KeyHolder):
@@ -170,7 +156,7 @@ class Privatizer(KeyHolder):
         _check_noise_matches_plan(noise, plan)
         self.plan = plan
         self.last_step: PrivateStep | None = None
-        self._written: list | None = None  # (param, grad tensor, its version) of the last step
+        self._written: list | None = None  # (param, grad tensor, its ContentMark) of the last step
         self.model = model
         self.loss_fn = loss_fn
         self.clip_norm = _clip_norm_of(plan, clip_norm)
@@ -238,7 +224,8 @@ class Privatizer(KeyHolder):
         if self._written is None:
             raise RuntimeError(f"optimizer.step() refused: no private gradient for this step; {fix}")
         for p, g, mark in self._written:
-            if p.grad is not g or _grad_mark(g, mark) is not mark:
+            # the mark has the content too: a write through p.grad.data keeps the version
+            if p.grad is not g or not mark.unchanged(g):
                 raise RuntimeError(
                     "optimizer.step() refused: p.grad was replaced or modified after the private "
                     f"step wrote it (a parameter of shape {tuple(p.shape)}); {fix}"
@@ -261,7 +248,7 @@ class Privatizer(KeyHolder):
         """
         self.check_gradients()
         fn()
-        self._written = [(p, p.grad, _grad_mark(p.grad)) for p, _, _ in self._written]
+        self._written = [(p, p.grad, ContentMark(p.grad)) for p, _, _ in self._written]
 
     def consume(self) -> None:
         """Mark this step's private gradients as used (the next ``step()`` needs a new one)."""
@@ -381,7 +368,7 @@ class Privatizer(KeyHolder):
         batch_size, clipped, norm_sum = self._batch_figures(summed)
         scale = self.noise_std
         fresh = scale * abs(self.noise.innovation(t)) / self.expected_batch_size
-        self._written = [(p, p.grad, _grad_mark(p.grad)) for p in written]
+        self._written = [(p, p.grad, ContentMark(p.grad)) for p in written]
         if self.drawn is not None:
             self.drawn.consume(t)
         self.last_step = PrivateStep(
@@ -406,11 +393,10 @@ class Privatizer(KeyHolder):
         z = self.noise.next()
         if len(params) != len(sums):
             raise ValueError(f"sums are invalid: {len(sums)} tensors for {len(params)} parameters")
-        parts, offset = [], 0
-        for p in params:
-            k = p.numel()
-            parts.append(z[offset : offset + k].view_as(p))
-            offset += k
+        sizes = [p.numel() for p in params]
+        if sum(sizes) != z.numel():
+            raise ValueError(f"noise is invalid: {z.numel()} entries for {sum(sizes)} parameter entries")
+        parts = [part.view(p.shape) for part, p in zip(torch.split(z, sizes), params, strict=True)]
         if z.device.type == "cpu":  # one call each (per tensor the same add_ and div_ kernels)
             torch._foreach_add_(sums, parts, alpha=self.noise_std)
             # B̄ as a 0-d tensor: a Python number is copied into a tensor once per parameter
