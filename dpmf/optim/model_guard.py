@@ -304,18 +304,12 @@ class StateSnapshot:
     __slots__ = ("tensors", "marks", "copies", "sums", "host")
 
     def __init__(self, params: list, buffers: list, views: WordViews | None):
-        summed = content_sum if views is None else views.sum
         self.tensors = params + buffers
         self.marks = [(t._version, t.data_ptr()) for t in self.tensors]
         with torch.no_grad():
             self.copies = [b.clone() for b in buffers]
-            once: dict = {}  # a tied tensor listed under several names: one sum
-            sums = []
-            for p in params:  # every dtype: a frozen integer, bool or complex parameter too
-                s = once.get(id(p))
-                if s is None:
-                    s = once[id(p)] = summed(p)
-                sums.append(s)
+            # every dtype: a frozen integer, bool or complex parameter too
+            sums = (views if views is not None else WordViews()).sums(params)
         self.sums = sums
         self.host = all(type(s) is int for s in sums)  # CPU checksums: compared as a list
 
@@ -444,9 +438,9 @@ class ContentMark:
 
 class WordViews:
     """``content_sum`` with each CPU parameter's word view kept between calls: a view is
-    reused while the parameter is the same tensor on the same memory (address, shape, strides
-    and dtype unchanged), else made again; views of tensors not summed in the last call are
-    dropped (nothing replaced stays alive)."""
+    reused while the parameter is the same tensor on the same memory (contiguous, at the same
+    address, of the same size), else made again; views of tensors not summed since the last
+    ``prune`` are dropped then (nothing replaced stays alive)."""
 
     __slots__ = ("_views", "_seen")
 
@@ -469,12 +463,41 @@ class WordViews:
         ):
             if not p.is_cpu or p.layout != torch.strided or not p.is_contiguous():
                 return content_sum(p)
-            entry = self._views[id(p)] = (p, p.data_ptr(), p.shape, p.dtype, *_words(p))
+            entry = self._views[id(p)] = (p, p.data_ptr(), p.shape, p.dtype, *_words(p), p.nbytes)
         self._seen.add(id(p))
-        words, tail = entry[4], entry[5]
+        words, tail = entry[4], entry[5]  # entry[6]: the size in bytes (``sums``' check)
         if tail is None:
             return int(np.add.reduce(words))
         return _sum_words(words, tail)
+
+    def sums(self, tensors: list) -> list:
+        """``[content_sum(t) for t in tensors]``, one sum per tensor listed several times (a
+        tied parameter under each of its names). A kept view is reused while the tensor is
+        strided on the CPU, contiguous, at the same address and of the same size in bytes —
+        the view is then exactly its memory."""
+        views, seen, once, out = self._views, self._seen, {}, []
+        reduce, strided = np.add.reduce, torch.strided
+        for t in tensors:
+            k = id(t)
+            s = once.get(k)
+            if s is None:
+                e = views.get(k)
+                if (
+                    e is not None
+                    and e[0] is t
+                    and t.layout == strided
+                    and t.is_cpu
+                    and t.data_ptr() == e[1]
+                    and t.nbytes == e[6]
+                    and t.is_contiguous()
+                ):
+                    s = int(reduce(e[4])) if e[5] is None else _sum_words(e[4], e[5])
+                    seen.add(k)
+                else:
+                    s = self.sum(t)
+                once[k] = s
+            out.append(s)
+        return out
 
     def prune(self) -> None:
         """Drop the views of tensors not summed since the last ``prune``."""
