@@ -493,15 +493,16 @@ def _unsqueeze(tree):
     return type(tree)(_unsqueeze(v) for v in tree)
 
 
-def _settled_norms(sq: dict, names: list, handlers) -> tuple[dict, torch.Tensor]:
-    """(squared norms with every ``PendingNorm`` squared, ‖g_i‖₂ over ``names``). When a norm
-    is not finite, the entries of handlers that take pending norms and are not finite are
-    recomputed in float64 from their state (a float32 square that overflowed); a NaN/inf
-    gradient stays non-finite."""
-    sq = squares(sq)
-    norms = torch.sqrt(torch.stack([sq[n] for n in names]).sum(0))
+def _settled_norms(sq: dict, names: list, handlers) -> tuple[dict, torch.Tensor, bool]:
+    """(squared norms with every ``PendingNorm`` squared, ‖g_i‖₂ over ``names``, whether every
+    norm is finite). When a norm is not finite, the entries of handlers that take pending norms
+    and are not finite are recomputed in float64 from their state (a float32 square that
+    overflowed); a NaN/inf gradient stays non-finite."""
+    sq, block = squares(sq, names)
+    stacked = block if block is not None else torch.stack([sq[n] for n in names])
+    norms = torch.sqrt(stacked.sum(0))
     if bool(torch.isfinite(norms).all()):
-        return sq, norms
+        return sq, norms, True
     redone = False
     for h in handlers:
         if not h.pending or h.zero:
@@ -514,7 +515,7 @@ def _settled_norms(sq: dict, names: list, handlers) -> tuple[dict, torch.Tensor]
                 redone = True
     if redone:
         norms = torch.sqrt(torch.stack([sq[n] for n in names]).sum(0))
-    return sq, norms
+    return sq, norms, bool(torch.isfinite(norms).all())
 
 
 class _Handler:
@@ -899,9 +900,9 @@ def ghost_clipped_sum(
                 if not bool(torch.isfinite(part).all()):
                     part = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64)
                 sq[n] = part.double() ** 2
-            sq, norms = _settled_norms(sq, names, handlers)
+            sq, norms, finite = _settled_norms(sq, names, handlers)
             result_grads = {}
-            if not bool(torch.isfinite(norms).all()):
+            if not finite:
                 return GhostResult({}, norms, sq, fallback)
             factors = norms.new_tensor(clip_norm) / torch.clamp(norms, min=clip_norm)
             for n, g in per_example.items():
@@ -960,8 +961,8 @@ def _chain_clipped_sum(model, loss_fn, inputs, targets, clip_norm, names, named,
         h = _Handler(_Layer(weight, m, clipping_handler(m)[0], params, [_Call(0, (a,), g)]), dtype)
         sq.update(h.sq_norms())
         handlers.append(h)
-    sq, norms = _settled_norms(sq, names, handlers)
-    if not bool(torch.isfinite(norms).all()):
+    sq, norms, finite = _settled_norms(sq, names, handlers)
+    if not finite:
         return GhostResult({}, norms, sq, {})
     factors = norms.new_tensor(clip_norm) / torch.clamp(norms, min=clip_norm)
     grads: dict = {}

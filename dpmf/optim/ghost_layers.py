@@ -67,21 +67,30 @@ class PendingNorm:
         self.norm = norm
 
 
-def squares(entries: dict) -> dict:
-    """``entries`` (name → float64 squared norms or ``PendingNorm``) with every pending norm
-    squared in float64: one stack, widening and square per dtype and device (bit for bit
-    ``norm.double().square()`` of each)."""
+def squares(entries: dict, order: list) -> tuple[dict, torch.Tensor | None]:
+    """(``entries`` — name → float64 squared norms or ``PendingNorm`` — with every pending norm
+    squared in float64, and the (len(order), b) block of the squares in ``order`` when every
+    entry in ``order`` was pending, in one dtype and device, else None). One stack, widening
+    and square per dtype and device: bit for bit ``norm.double().square()`` of each."""
     groups: dict = {}
-    for k, v in entries.items():
+    for k in order:  # the names to combine first, then any other pending entry
+        v = entries[k]
         if isinstance(v, PendingNorm):
             groups.setdefault((v.norm.dtype, v.norm.device, v.norm.shape), []).append(k)
+    listed = set(order)
+    for k, v in entries.items():
+        if k not in listed and isinstance(v, PendingNorm):
+            groups.setdefault((v.norm.dtype, v.norm.device, v.norm.shape), []).append(k)
     if not groups:
-        return entries
+        return entries, None
     out = dict(entries)
+    block = None
     for keys in groups.values():
-        rows = torch.stack([entries[k].norm for k in keys]).double().square().unbind(0)
-        out.update(zip(keys, rows, strict=True))
-    return out
+        stacked = torch.stack([entries[k].norm for k in keys]).double().square()
+        out.update(zip(keys, stacked.unbind(0), strict=True))
+        if keys == order:
+            block = stacked
+    return out, block
 
 
 def _as(x: torch.Tensor, dtype) -> torch.Tensor:
