@@ -419,7 +419,10 @@ def clipped_sum(
                     p, g = named[k][1], grads[n]
                     if g.dtype != p.dtype or g.shape != p.shape:
                         g = g.to(p.dtype).reshape(p.shape)
-                    sums[k] = g.contiguous() if sums[k] is None else sums[k].add_(g)
+                    if sums[k] is None:
+                        sums[k] = g if g.is_contiguous() else g.contiguous()
+                    else:
+                        sums[k].add_(g)
                 all_norms.append(norms[0])
                 start = stop
                 continue
