@@ -19,14 +19,15 @@ is counted in its peak. Times are medians over interleaved rounds (each method o
 in a shuffled order, so a load on a shared machine hits all alike), with one torch thread by
 default; the process's CPU time of each step is reported beside the wall time (on a loaded
 machine it varies less, since time spent waiting for a core is not in it). Peak memory is
-measured per method in a fresh process: the increase of the peak resident set size (VmHWM,
+measured per method in fresh processes (the median of ``--memory-repeat`` of them, interleaved
+across the methods): the increase of the peak resident set size (VmHWM,
 reset through ``/proc/self/clear_refs``) over the process after setup and one warm-up step, through 2 steps,
 with glibc's malloc returning every block of 64 KiB or more to the system when freed
 (``MALLOC_MMAP_THRESHOLD_``), so that the resident set follows the live tensors (Linux only).
 
 Usage:
     python benchmarks/bench_hf.py [--batch-size 32] [--seq-len 32] [--width 64] [--layers 2]
-        [--vocab 1000] [--repeat 10] [--threads 1] [--no-memory]
+        [--vocab 1000] [--repeat 60] [--threads 1] [--no-memory] [--memory-repeat 3]
 """
 
 from __future__ import annotations
@@ -212,6 +213,17 @@ def memory_of(method, args) -> float:
     return (_status_kb("VmHWM") - before) / 1024
 
 
+def _memory_run(method: str, argv) -> float:
+    """One fresh process's ``memory_of(method)`` (NaN when it fails)."""
+    cmd = [sys.executable, __file__, "--memory-of", method] + (argv if argv is not None else sys.argv[1:])
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+    try:
+        return json.loads(res.stdout.strip().splitlines()[-1])["mb"]
+    except (IndexError, ValueError, KeyError):
+        return float("nan")
+
+
 def _prepare(step) -> None:
     """Untimed work before a step (dpmf: drawing the plan's batch from its data loader)."""
     prepare = getattr(step, "prepare", None)
@@ -234,14 +246,20 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=1000)
-    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--repeat", type=int, default=60)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument(
+        "--memory-repeat", type=int, default=3, help="fresh processes per method for the peak memory (median)"
+    )
     ap.add_argument(
         "--methods", default=",".join(METHODS), help="a comma-separated subset of " + ", ".join(METHODS)
     )
     ap.add_argument("--memory-of", default=None, help=argparse.SUPPRESS)  # the child process
     args = ap.parse_args(argv)
+    for name in ("repeat", "memory_repeat", "threads"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid: must be ≥ 1")
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     import logging
@@ -287,14 +305,11 @@ def main(argv=None) -> int:
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     mem = {}
     if not args.no_memory:
-        for k in fns:
-            cmd = [sys.executable, __file__, "--memory-of", k] + (argv if argv is not None else sys.argv[1:])
-            env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-            res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
-            try:
-                mem[k] = json.loads(res.stdout.strip().splitlines()[-1])["mb"]
-            except (IndexError, ValueError, KeyError):
-                mem[k] = float("nan")
+        runs: dict = {k: [] for k in fns}
+        for _ in range(args.memory_repeat):  # interleaved: each round measures every method once
+            for k in fns:
+                runs[k].append(_memory_run(k, argv))
+        mem = {k: statistics.median(v) for k, v in runs.items()}
     for k, v in med.items():
         extra = f", peak +{mem[k]:7.1f} MB" if k in mem else ""
         print(f"  {k:<17} median {1000 * v:8.1f} ms (CPU {1000 * med_cpu[k]:7.1f} ms){extra}")
