@@ -417,3 +417,30 @@ def test_a_training_run_is_the_same_with_book_keeping_and_with_vmap(tmp_path):
         out = train(config, str(tmp_path / method), progress=False, log=lambda *a: None)
         weights[method] = torch.cat([p.detach().flatten() for p in out.model.parameters()])
     torch.testing.assert_close(weights["bk"], weights["vmap"], rtol=1e-4, atol=1e-5)
+
+
+def test_a_linear_handler_subclass_with_its_own_sq_norms_keeps_the_old_contract():
+    # a registered subclass overriding sq_norms(module, calls, attrs, dtype) is called without
+    # the engine's pending keyword, and its squares are used as they are
+    from dpmf.optim.ghost_layers import LinearHandler, register_clipping_layer
+
+    calls = []
+
+    class Doubled(nn.Linear):
+        pass
+
+    class Own(LinearHandler):
+        def sq_norms(self, module, calls_, attrs, dtype):
+            calls.append(len(attrs))
+            return super().sq_norms(module, calls_, attrs, dtype)
+
+    register_clipping_layer(Doubled, Own())
+    torch.manual_seed(0)
+    model = nn.Sequential(Doubled(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    x, y = torch.randn(5, 2, 4), torch.zeros(5)
+    got = clipped_sum(model, lambda o, t: o.sum(), x, y, clip_norm=0.5, clipping="bk")
+    ref = clipped_sum(model, lambda o, t: o.sum(), x, y, clip_norm=0.5, clipping="vmap")
+    assert calls and not Own().takes_pending and LinearHandler().takes_pending
+    torch.testing.assert_close(got.norms, ref.norms, rtol=1e-5, atol=1e-7)
+    for a, b in zip(got.grads, ref.grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

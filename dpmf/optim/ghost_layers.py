@@ -312,7 +312,12 @@ class LinearHandler(ClippingHandler):
             out["bias"] = _total(self.bias_per_example(module, c, dtype) for c in calls)
         return out
 
-    takes_pending = True  # sq_norms(..., pending=True) and sq_norms_float64 (the engine's)
+    @property
+    def takes_pending(self) -> bool:
+        """Whether the engine may ask for ``PendingNorm``s (``sq_norms(..., pending=True)`` and
+        ``sq_norms_float64``): this class's own methods, not a subclass's override of them."""
+        cls, base = type(self), LinearHandler
+        return cls.sq_norms is base.sq_norms and cls.sq_norms_float64 is base.sq_norms_float64
 
     def sq_norms(self, module, calls, attrs, dtype, *, pending: bool = False):
         """As ``ClippingHandler.sq_norms``; with ``pending``, an instantiated gradient's entry is a
