@@ -46,3 +46,33 @@ def test_a_forward_re_laying_out_a_frozen_parameter_is_refused(how):
     with pytest.raises(ModelStateChangedError, match="'spy'"):
         run.backward(x, target=y, return_loss=False)
     assert torch.equal(spy.spy.detach().reshape(-1).view(torch.int32), words)  # same words: only the layout changed
+
+
+# -- bk/auto/ghost clipping: a per-example norm beyond float32's range --------------------------
+# Weakness (bk, auto: new with the pending norms): a Linear layer whose float32 Gram norm
+# overflowed had its squared norms recomputed in float64, but its clipped sum was still taken in
+# float32, where the factor ζ/‖g_i‖ (≈ 2.2e-45 here) is a subnormal rounded to nearest — up to
+# 2.8e-45: the example's clipped gradient had norm 1.27·ζ. (ghost: the same through the factors
+# of its second backward, already before.) The layer is now widened to float64 with its norms,
+# and factors cast to a lower precision are rounded towards 0.
+def _huge_norm_case(norm):
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8, bias=False)
+    a = 1e22  # one example of two tokens: per-example gradient 2·k·a·1 (8×8), norm 16·k·a
+    k = norm / (16 * a)
+    return lin, (lambda out, y: (out * k).sum()), torch.full((1, 2, 8), a), torch.zeros(1)
+
+
+@pytest.mark.parametrize("clipping", ["bk", "auto", "ghost"])
+@pytest.mark.parametrize("norm", [4.545e44, 3e44])
+def test_a_clipped_example_beyond_float32_range_stays_within_the_clip_norm(clipping, norm):
+    from dpmf.optim.clipping import clipped_sum
+
+    lin, loss, x, y = _huge_norm_case(norm)
+    got = clipped_sum(lin, loss, x, y, clip_norm=1.0, clipping=clipping)
+    assert got.norms.item() == pytest.approx(norm, rel=1e-6)
+    (g,) = got.grads
+    assert g.double().norm().item() <= 1.0 + 1e-6  # one example: its clipped gradient
+    if clipping != "ghost":  # taken in float64: ζ itself, all entries equal
+        assert g.double().norm().item() == pytest.approx(1.0, rel=1e-6)
+        torch.testing.assert_close(g, torch.full_like(g, 1 / 8))
