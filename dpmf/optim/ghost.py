@@ -69,7 +69,9 @@ per-layer squared norms are combined in float64. Linear layers (``nn.Linear``, G
 ``Conv1D``, convolutions) leave their norms pending in the backward: all layers' norms are
 widened and squared in one batch at its end, and a norm that is not finite is recomputed in
 float64 from what its layer kept (the instantiated per-example gradient, or the recorded
-tensors of a ghost norm); an instantiated gradient whose entries themselves overflow float32
+tensors of a ghost norm), and that layer's clipped sum is then taken in float64 too (clip
+factors ζ/‖g_i‖ of such norms are subnormal in float32; factors cast to a lower precision, as
+for the second backward, are rounded towards 0, never above ζ/‖g_i‖); an instantiated gradient whose entries themselves overflow float32
 is not finite, and the step raises ``NonFiniteGradientError`` (compute in float64).
 
 Assumptions, as for any per-example method: the examples do not interact in the forward
