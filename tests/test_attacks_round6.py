@@ -45,7 +45,8 @@ def test_a_forward_re_laying_out_a_frozen_parameter_is_refused(how):
     x, y = next(iter(run.data_loader))
     with pytest.raises(ModelStateChangedError, match="'spy'"):
         run.backward(x, target=y, return_loss=False)
-    assert torch.equal(spy.spy.detach().reshape(-1).view(torch.int32), words)  # same words: only the layout changed
+    # the same words: only the layout changed
+    assert torch.equal(spy.spy.detach().reshape(-1).view(torch.int32), words)
 
 
 # -- bk/auto/ghost clipping: a per-example norm beyond float32's range --------------------------

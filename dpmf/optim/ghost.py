@@ -71,8 +71,9 @@ widened and squared in one batch at its end, and a norm that is not finite is re
 float64 from what its layer kept (the instantiated per-example gradient, or the recorded
 tensors of a ghost norm), and that layer's clipped sum is then taken in float64 too (clip
 factors ζ/‖g_i‖ of such norms are subnormal in float32; factors cast to a lower precision, as
-for the second backward, are rounded towards 0, never above ζ/‖g_i‖); an instantiated gradient whose entries themselves overflow float32
-is not finite, and the step raises ``NonFiniteGradientError`` (compute in float64).
+for the second backward, are rounded towards 0, never above ζ/‖g_i‖); an instantiated
+gradient whose entries themselves overflow float32 is not finite, and the step raises
+``NonFiniteGradientError`` (compute in float64).
 
 Assumptions, as for any per-example method: the examples do not interact in the forward
 (``check_per_example_safe`` refuses BatchNorm), and each layer sees the examples in the
@@ -495,6 +496,15 @@ def _unsqueeze(tree):
     return type(tree)(_unsqueeze(v) for v in tree)
 
 
+def _widened(entry):
+    """A handler's state entry with its tensors in float64."""
+    if isinstance(entry, torch.Tensor):
+        return entry.double()
+    if isinstance(entry, tuple):
+        return tuple(v.double() if isinstance(v, torch.Tensor) else v for v in entry)
+    return entry
+
+
 def _factors_down(factors: torch.Tensor, dtype) -> torch.Tensor:
     """The float64 clip factors in ``dtype``, each rounded towards 0 (never above ζ/‖g_i‖): a
     factor of a norm beyond float32's range is a subnormal there, which rounding to nearest can
@@ -612,10 +622,7 @@ class _Handler:
         rounded up by as much as a third: an example's clipped gradient above ζ)."""
         if self.dtype != torch.float64:
             self.dtype = torch.float64
-            self.state = {
-                a: tuple(v.double() if isinstance(v, torch.Tensor) else v for v in e) if isinstance(e, tuple) else e
-                for a, e in self.state.items()
-            }
+            self.state = {a: _widened(e) for a, e in self.state.items()}
         return self.layer.handler.sq_norms_float64(self.layer.module, self.state, attr)
 
     @torch.no_grad()
@@ -929,7 +936,8 @@ def ghost_clipped_sum(
             for n, g in per_example.items():
                 result_grads[n] = torch.tensordot(_factors_down(factors, g.dtype), g, dims=1)
             for q, g in tied_per.items():
-                result_grads[q] = torch.tensordot(_factors_down(factors, g.dtype), g, dims=1).to(named[q].dtype)
+                c = _factors_down(factors, g.dtype)
+                result_grads[q] = torch.tensordot(c, g, dims=1).to(named[q].dtype)
             for q, t in paired.items():
                 result_grads[q] = t.clipped_sum(factors).to(named[q].dtype)
             cast: dict = {}  # the factors in each handler's dtype, converted once

@@ -298,8 +298,8 @@ def _add_own(m: nn.Module, params: list, buffers: list) -> None:
 
 class StateSnapshot:
     """What ``check_state_unchanged`` compares: every parameter and buffer of a model (as
-    ``ModelWalk`` lists them), with its version, storage address, shape, strides, dtype and content (a copy of each
-    buffer, a ``content_sum`` of each parameter)."""
+    ``ModelWalk`` lists them), with its version, storage address, shape, strides, dtype and
+    content (a copy of each buffer, a ``content_sum`` of each parameter)."""
 
     __slots__ = ("tensors", "marks", "copies", "sums", "host")
 
