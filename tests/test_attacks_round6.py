@@ -95,3 +95,34 @@ def test_step_refuses_a_private_gradient_reinterpreted_as_another_dtype():
     with pytest.raises(RuntimeError, match="p.grad was replaced or modified"):
         run.optimizer.step()
     assert all(torch.equal(a, q) for a, q in zip(before, model.parameters(), strict=True))
+
+
+# -- bk/ghost clipping: cancellation in a float32 Gram ghost norm ---------------------------------
+# Weakness (not new today; not fixed): a Linear layer's ghost norm ‖Σ_t g_t a_tᵀ‖² is computed in
+# float32 as Σ_{t,s} ⟨a_t, a_s⟩⟨g_t, g_s⟩. Two tokens with nearly equal activations (1e4 and 1e4+1)
+# and opposite output gradients make the terms ~1e10 cancel to ~20: the float32 sum is 0, the
+# example counts as unclipped, and its whole gradient (norm 4.5 = 4.5·ζ, vmap's 4.51) is released.
+# A fix needs a cancellation guard: each example's terms are bounded by (Σ_t ‖a_t‖‖g_t‖)²; where
+# the result is below (float32 error) × that bound, recompute in float64 / instantiate the
+# gradient, or add the error bound to the squared norm (over-clipping, safe).
+@pytest.mark.xfail(
+    strict=True, reason="float32 Gram ghost norm cancels to 0: an example above ζ released unclipped"
+)
+@pytest.mark.parametrize("clipping", ["bk", "ghost"])
+def test_a_ghost_norm_that_cancels_in_float32_still_clips_the_example(clipping):
+    from dpmf.optim.clipping import clipped_sum
+
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8, bias=False)
+    x = torch.zeros(1, 2, 8)
+    x[0, 0, 0], x[0, 1, 0] = 1e4, 1e4 + 1  # two tokens, T(d+p) < dp: the ghost (Gram) norm
+    gdir = torch.randn(8) * 3
+    y = torch.zeros(1)
+
+    def loss(out, y):
+        return (out[:, 0] * gdir).sum() - (out[:, 1] * gdir).sum()  # g_1 = -g_2
+
+    true = gdir.double().norm().item()  # the per-example gradient is -gdir·e₀ᵀ
+    got = clipped_sum(lin, loss, x, y, clip_norm=1.0, clipping=clipping)
+    assert got.norms.item() == pytest.approx(true, rel=1e-3)
+    assert got.grads[0].double().norm().item() <= 1.0 + 1e-6
