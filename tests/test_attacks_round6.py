@@ -101,7 +101,8 @@ def test_step_refuses_a_private_gradient_reinterpreted_as_another_dtype():
 # Weakness (not new today; not fixed): a Linear layer's ghost norm ‖Σ_t g_t a_tᵀ‖² is computed in
 # float32 as Σ_{t,s} ⟨a_t, a_s⟩⟨g_t, g_s⟩. Two tokens with nearly equal activations (1e4 and 1e4+1)
 # and opposite output gradients make the terms ~1e10 cancel to ~20: the float32 sum is 0, the
-# example counts as unclipped, and its whole gradient (norm 4.5 = 4.5·ζ, vmap's 4.51) is released.
+# example counts as unclipped, and its whole gradient is released (norm 4.5·ζ as float32 sums
+# it; exactly 8.24·ζ).
 # A fix needs a cancellation guard: each example's terms are bounded by (Σ_t ‖a_t‖‖g_t‖)²; where
 # the result is below (float32 error) × that bound, recompute in float64 / instantiate the
 # gradient, or add the error bound to the squared norm (over-clipping, safe).
