@@ -69,8 +69,11 @@ per-layer squared norms are combined in float64. Linear layers (``nn.Linear``, G
 ``Conv1D``, convolutions) leave their norms pending in the backward: all layers' norms are
 widened and squared in one batch at its end, and a norm that is not finite is recomputed in
 float64 from what its layer kept (the instantiated per-example gradient, or the recorded
-tensors of a ghost norm); an instantiated gradient whose entries themselves overflow float32
-is not finite, and the step raises ``NonFiniteGradientError`` (compute in float64).
+tensors of a ghost norm), and that layer's clipped sum is then taken in float64 too (clip
+factors ζ/‖g_i‖ of such norms are subnormal in float32; factors cast to a lower precision, as
+for the second backward, are rounded towards 0, never above ζ/‖g_i‖); an instantiated
+gradient whose entries themselves overflow float32 is not finite, and the step raises
+``NonFiniteGradientError`` (compute in float64).
 
 Assumptions, as for any per-example method: the examples do not interact in the forward
 (``check_per_example_safe`` refuses BatchNorm), and each layer sees the examples in the
@@ -493,6 +496,25 @@ def _unsqueeze(tree):
     return type(tree)(_unsqueeze(v) for v in tree)
 
 
+def _widened(entry):
+    """A handler's state entry with its tensors in float64."""
+    if isinstance(entry, torch.Tensor):
+        return entry.double()
+    if isinstance(entry, tuple):
+        return tuple(v.double() if isinstance(v, torch.Tensor) else v for v in entry)
+    return entry
+
+
+def _factors_down(factors: torch.Tensor, dtype) -> torch.Tensor:
+    """The float64 clip factors in ``dtype``, each rounded towards 0 (never above ζ/‖g_i‖): a
+    factor of a norm beyond float32's range is a subnormal there, which rounding to nearest can
+    raise by a third (an example's clipped gradient above ζ)."""
+    c = factors.to(dtype)
+    if c.dtype == factors.dtype:
+        return c
+    return torch.where(c.to(factors.dtype) > factors, torch.nextafter(c, torch.zeros_like(c)), c)
+
+
 def _settled_norms(sq: dict, names: list, handlers) -> tuple[dict, torch.Tensor, bool]:
     """(squared norms with every ``PendingNorm`` squared, ‖g_i‖₂ over ``names``, whether every
     norm is finite). When a norm is not finite, the entries of handlers that take pending norms
@@ -594,7 +616,13 @@ class _Handler:
         return h is not None and getattr(h, "takes_pending", False)
 
     def sq_float64(self, attr) -> torch.Tensor:
-        """attr's squared norms recomputed in float64 from the handler's state."""
+        """attr's squared norms recomputed in float64 from the handler's state — which is
+        widened to float64 first, with the layer's dtype: its clipped sum is then taken in
+        float64 too (factors ζ/‖g_i‖ of a norm above float32's range are float32 subnormals,
+        rounded up by as much as a third: an example's clipped gradient above ζ)."""
+        if self.dtype != torch.float64:
+            self.dtype = torch.float64
+            self.state = {a: _widened(e) for a, e in self.state.items()}
         return self.layer.handler.sq_norms_float64(self.layer.module, self.state, attr)
 
     @torch.no_grad()
@@ -906,9 +934,10 @@ def ghost_clipped_sum(
                 return GhostResult({}, norms, sq, fallback)
             factors = norms.new_tensor(clip_norm) / torch.clamp(norms, min=clip_norm)
             for n, g in per_example.items():
-                result_grads[n] = torch.tensordot(factors.to(g.dtype), g, dims=1)
+                result_grads[n] = torch.tensordot(_factors_down(factors, g.dtype), g, dims=1)
             for q, g in tied_per.items():
-                result_grads[q] = torch.tensordot(factors.to(g.dtype), g, dims=1).to(named[q].dtype)
+                c = _factors_down(factors, g.dtype)
+                result_grads[q] = torch.tensordot(c, g, dims=1).to(named[q].dtype)
             for q, t in paired.items():
                 result_grads[q] = t.clipped_sum(factors).to(named[q].dtype)
             cast: dict = {}  # the factors in each handler's dtype, converted once
@@ -930,7 +959,7 @@ def ghost_clipped_sum(
             if method == "ghost":
                 wanted = [n for n in names if n not in result_grads]
                 if wanted:
-                    c = factors.to(losses[0].dtype)
+                    c = _factors_down(factors, losses[0].dtype)
                     second = sum(w * (c * ell).sum() for (w, _), ell in zip(points, losses, strict=True))
                     inputs_ = [leaf[n] for leaf in leaves for n in wanted]
                     gs = torch.autograd.grad(second, inputs_, allow_unused=True)

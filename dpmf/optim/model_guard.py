@@ -298,14 +298,16 @@ def _add_own(m: nn.Module, params: list, buffers: list) -> None:
 
 class StateSnapshot:
     """What ``check_state_unchanged`` compares: every parameter and buffer of a model (as
-    ``ModelWalk`` lists them), with its version, storage address and content (a copy of each
-    buffer, a ``content_sum`` of each parameter)."""
+    ``ModelWalk`` lists them), with its version, storage address, shape, strides, dtype and
+    content (a copy of each buffer, a ``content_sum`` of each parameter)."""
 
     __slots__ = ("tensors", "marks", "copies", "sums", "host")
 
     def __init__(self, params: list, buffers: list, views: WordViews | None):
         self.tensors = params + buffers
-        self.marks = [(t._version, t.data_ptr()) for t in self.tensors]
+        # the layout and dtype too: ``p.data = p.data.view(...)`` keeps the address, size and
+        # words (so the checksum) but changes what the model computes with
+        self.marks = [(t._version, t.data_ptr(), t.shape, t.stride(), t.dtype) for t in self.tensors]
         with torch.no_grad():
             self.copies = [b.clone() for b in buffers]
             # every dtype: a frozen integer, bool or complex parameter too
