@@ -69,11 +69,14 @@ per-layer squared norms are combined in float64. Linear layers (``nn.Linear``, G
 ``Conv1D``, convolutions) leave their norms pending in the backward: all layers' norms are
 widened and squared in one batch at its end, and a norm that is not finite is recomputed in
 float64 from what its layer kept (the instantiated per-example gradient, or the recorded
-tensors of a ghost norm), and that layer's clipped sum is then taken in float64 too (clip
-factors ζ/‖g_i‖ of such norms are subnormal in float32; factors cast to a lower precision, as
-for the second backward, are rounded towards 0, never above ζ/‖g_i‖); an instantiated
-gradient whose entries themselves overflow float32 is not finite, and the step raises
-``NonFiniteGradientError`` (compute in float64).
+tensors of a ghost norm); when a clip factor ζ/‖g_i‖ is below float32's normal range (a norm
+above about 8·10³⁷·ζ), the layers whose state is known take their clipped sums in float64 and
+any other the factors rounded towards 0, as does the second backward (never above ζ/‖g_i‖);
+an instantiated gradient whose entries themselves overflow float32 is not finite, and the step
+raises ``NonFiniteGradientError`` (compute in float64). A ghost norm of several tokens,
+⟨AAᵀ, GGᵀ⟩, can cancel: its Gram matrices are taken in float64 and a bound on the rounding
+added, so that it is never below the norm of the vector book-keeping sums
+(``ghost_layers._gram_sq``).
 
 Assumptions, as for any per-example method: the examples do not interact in the forward
 (``check_per_example_safe`` refuses BatchNorm), and each layer sees the examples in the
@@ -515,6 +518,27 @@ def _factors_down(factors: torch.Tensor, dtype) -> torch.Tensor:
     return torch.where(c.to(factors.dtype) > factors, torch.nextafter(c, torch.zeros_like(c)), c)
 
 
+def _subnormal_in_float32(factors: torch.Tensor) -> bool:
+    """Whether a clip factor ζ/‖g_i‖ (float64) is below float32's smallest normal number (a
+    norm above about 8·10³⁷·ζ): in float32 it would be a subnormal, rounded by up to a third."""
+    return bool(factors.numel()) and float(factors.min()) < torch.finfo(torch.float32).tiny
+
+
+def _factors_for(h, factors: torch.Tensor, cast: dict, tiny: bool) -> torch.Tensor:
+    """The clip factors for handler ``h``'s sum, in its dtype (converted once per dtype in
+    ``cast``). With a factor that is subnormal in float32 (``tiny``), a layer whose state is
+    known is summed in float64 (exactly its share of ζ); any other takes the factors rounded
+    towards 0 (never above ζ/‖g_i‖)."""
+    if tiny and h.dtype != factors.dtype:
+        if not h.can_widen:
+            return _factors_down(factors, h.dtype)
+        h.widen()
+    c = cast.get(h.dtype)
+    if c is None:
+        c = cast[h.dtype] = _as(factors, h.dtype)
+    return c
+
+
 def _settled_norms(sq: dict, names: list, handlers) -> tuple[dict, torch.Tensor, bool]:
     """(squared norms with every ``PendingNorm`` squared, ‖g_i‖₂ over ``names``, whether every
     norm is finite). When a norm is not finite, the entries of handlers that take pending norms
@@ -620,10 +644,19 @@ class _Handler:
         widened to float64 first, with the layer's dtype: its clipped sum is then taken in
         float64 too (factors ζ/‖g_i‖ of a norm above float32's range are float32 subnormals,
         rounded up by as much as a third: an example's clipped gradient above ζ)."""
+        self.widen()
+        return self.layer.handler.sq_norms_float64(self.layer.module, self.state, attr)
+
+    @property
+    def can_widen(self) -> bool:
+        """Whether ``widen`` knows this layer's state (the Linear family's, or torch.func's)."""
+        return self.pending or self.layer.handler is None
+
+    def widen(self) -> None:
+        """Take this layer's clipped sum in float64: its state and dtype widened."""
         if self.dtype != torch.float64:
             self.dtype = torch.float64
             self.state = {a: _widened(e) for a, e in self.state.items()}
-        return self.layer.handler.sq_norms_float64(self.layer.module, self.state, attr)
 
     @torch.no_grad()
     def per_example(self, attr) -> torch.Tensor:
@@ -941,6 +974,7 @@ def ghost_clipped_sum(
             for q, t in paired.items():
                 result_grads[q] = t.clipped_sum(factors).to(named[q].dtype)
             cast: dict = {}  # the factors in each handler's dtype, converted once
+            tiny = _subnormal_in_float32(factors)
             with torch.no_grad():
                 for h in handlers:
                     # torch.func gradients (possibly with their own dropout masks) are summed
@@ -949,10 +983,7 @@ def ghost_clipped_sum(
                     # (low precision) from the float32 vectors whose norms were taken, and an
                     # example's clipped gradient could exceed ζ
                     if method == "bk" or not h.sum_by_backward or autocast_on:
-                        c = cast.get(h.dtype)
-                        if c is None:
-                            c = cast[h.dtype] = _as(factors, h.dtype)
-                        result_grads.update(h.summed(c))
+                        result_grads.update(h.summed(_factors_for(h, factors, cast, tiny)))
             handlers.clear()
             for q in unused:  # a zero sum (the noise is added to it), in both methods
                 result_grads[q] = torch.zeros_like(named[q], memory_format=torch.contiguous_format)
@@ -995,8 +1026,10 @@ def _chain_clipped_sum(model, loss_fn, inputs, targets, clip_norm, names, named,
         return GhostResult({}, norms, sq, {})
     factors = norms.new_tensor(clip_norm) / torch.clamp(norms, min=clip_norm)
     grads: dict = {}
+    cast: dict = {}
+    tiny = _subnormal_in_float32(factors)
     for h in handlers:
-        grads.update(h.summed(factors))
+        grads.update(h.summed(_factors_for(h, factors, cast, tiny)))
     return GhostResult(grads, norms, sq, {})
 
 

@@ -257,13 +257,42 @@ def clipping_handler(module: nn.Module) -> tuple[ClippingHandler | None, str | N
 # -- built-in handlers ----------------------------------------------------------------------
 
 
+def _gamma(n: int, u: float) -> float:
+    """γ_n = n·u / (1 − n·u): the relative bound on the rounding error of a sum or dot product
+    of n terms in any order, unit roundoff u (Higham, "Accuracy and Stability of Numerical
+    Algorithms", 2nd ed., Lemma 3.1 and §3.1)."""
+    return n * u / (1.0 - n * u)
+
+
 def _gram_sq(a, g):
-    """Σ_groups ⟨A Aᵀ, G Gᵀ⟩ per example, shape (b,)."""
+    """Σ_groups ‖G_iᵀA_i‖² per example, shape (b,), float64, never below the squared norm of
+    the per-example gradient that book-keeping sums (up to rounding at the level of that norm).
+
+    a, g: (b, groups, T, d) and (b, groups, T, p) recorded inputs and output gradients.
+
+    One token (T = 1): ‖a‖²‖g‖², no cancellation. Several: the ghost norm ⟨AAᵀ, GGᵀ⟩, whose T²
+    terms (a_t·a_s)(g_t·g_s) can cancel — in float32 an example of norm 8 came out 0 and was
+    released unclipped. The Gram matrices are therefore taken in float64 (the float32 products
+    are exact there) and the result bounded from above (Higham, Lemma 3.1 / eq. 3.5): with
+    M_i = Σ_groups Σ_t ‖a_t‖‖g_t‖, ‖W_i‖² ≤ S_i + γ_{d+p+T²+2}(u₆₄)·M_i² for the computed S_i,
+    and the clipped sum Σ_i c_i W_i, taken by one contraction over b·T terms in a's dtype, moves
+    each example's share by at most c_i·γ_{bT+1}(u)·M_i; the returned value is
+    (√(S_i + γ₆₄M_i²) + γ_{bT+1}(u)·M_i)², so that c_i = ζ / max(ζ, its root) keeps each
+    example's share within ζ. For ordinary data M_i ≈ √T‖W_i‖ and the second term is a relative
+    10⁻⁴–10⁻³ at T = 128 (float32).
+    """
     if a.shape[2] == 1:
         return (_sq(a, -1) * _sq(g, -1)).sum((1, 2))
-    aa = a @ a.transpose(-1, -2)
-    gg = g @ g.transpose(-1, -2)
-    return (aa * gg).sum((1, 2, 3))
+    b, _, t, d = a.shape
+    p = g.shape[-1]
+    u = torch.finfo(a.dtype).eps / 2
+    a64, g64 = a.double(), g.double()
+    aa = a64 @ a64.transpose(-1, -2)
+    gg = g64 @ g64.transpose(-1, -2)
+    s = (aa * gg).sum((1, 2, 3)).clamp(min=0.0)
+    m = (torch.linalg.vector_norm(a64, dim=-1) * torch.linalg.vector_norm(g64, dim=-1)).sum((1, 2))
+    root = torch.sqrt(s + _gamma(d + p + t * t + 2, 2.0**-53) * m.square()) + _gamma(b * t + 1, u) * m
+    return root.square()
 
 
 class LinearHandler(ClippingHandler):
