@@ -63,7 +63,7 @@ CONFIGS = {
     ),
     "sgd-disk-2ep": (
         dict(filter="disk", factorization="bsr:2", scheme="fixed_order", epochs=2),
-        "e25db0b08fb7bfddccd1de28e6ab4f4cee1ec9220d967eced2904c3530158df1",
+        "38fe4a9fc8d83bc2252aeeb5a7be60d09243734d46ba3906033556c9ae271ea9",
     ),
     "muon-bc-2ep": (
         dict(optimizer="dp-muon-bc", epochs=2),
