@@ -450,54 +450,34 @@ class WordViews:
         self._views: dict = {}
         self._seen: set = set()
 
+    def _kept(self, t: torch.Tensor):
+        """(t, address, size in bytes, words, tail) of a strided contiguous CPU tensor — the kept
+        entry while it is exactly ``t``'s memory, else made again — or None for any other tensor."""
+        if t.layout != torch.strided or not t.is_cpu or not t.is_contiguous():
+            return None
+        k = id(t)
+        e = self._views.get(k)
+        if e is None or e[0] is not t or e[1] != t.data_ptr() or e[2] != t.nbytes:
+            e = self._views[k] = (t, t.data_ptr(), t.nbytes, *_words(t))
+        self._seen.add(k)
+        return e
+
     def sum(self, p: torch.Tensor):
         """``content_sum(p)``."""
-        entry = self._views.get(id(p))
-        if (
-            entry is None
-            or entry[0] is not p
-            or entry[1] != p.data_ptr()
-            or entry[2] != p.shape
-            or entry[3] != p.dtype
-            or not p.is_cpu
-            or p.layout != torch.strided
-            or not p.is_contiguous()
-        ):
-            if not p.is_cpu or p.layout != torch.strided or not p.is_contiguous():
-                return content_sum(p)
-            entry = self._views[id(p)] = (p, p.data_ptr(), p.shape, p.dtype, *_words(p), p.nbytes)
-        self._seen.add(id(p))
-        words, tail = entry[4], entry[5]  # entry[6]: the size in bytes (``sums``' check)
-        if tail is None:
-            return int(np.add.reduce(words))
-        return _sum_words(words, tail)
+        e = self._kept(p)
+        if e is None:
+            return content_sum(p)
+        return int(np.add.reduce(e[3])) if e[4] is None else _sum_words(e[3], e[4])
 
     def sums(self, tensors: list) -> list:
         """``[content_sum(t) for t in tensors]``, one sum per tensor listed several times (a
-        tied parameter under each of its names). A kept view is reused while the tensor is
-        strided on the CPU, contiguous, at the same address and of the same size in bytes —
-        the view is then exactly its memory."""
-        views, seen, once, out = self._views, self._seen, {}, []
-        reduce, strided = np.add.reduce, torch.strided
+        tied parameter under each of its names)."""
+        once: dict = {}
+        out = []
         for t in tensors:
-            k = id(t)
-            s = once.get(k)
+            s = once.get(id(t))
             if s is None:
-                e = views.get(k)
-                if (
-                    e is not None
-                    and e[0] is t
-                    and t.layout == strided
-                    and t.is_cpu
-                    and t.data_ptr() == e[1]
-                    and t.nbytes == e[6]
-                    and t.is_contiguous()
-                ):
-                    s = int(reduce(e[4])) if e[5] is None else _sum_words(e[4], e[5])
-                    seen.add(k)
-                else:
-                    s = self.sum(t)
-                once[k] = s
+                s = once[id(t)] = self.sum(t)
             out.append(s)
         return out
 
