@@ -18,7 +18,17 @@ Opacus its per-example gradients) from one step into the next: what a step holds
 is counted in its peak. Times are medians over interleaved rounds (each method once per round,
 in a shuffled order, so a load on a shared machine hits all alike), with one torch thread by
 default; the process's CPU time of each step is reported beside the wall time (on a loaded
-machine it varies less, since time spent waiting for a core is not in it). Peak memory is
+machine it varies less, since time spent waiting for a core is not in it), and the page faults
+of each step (their median).
+
+The methods share one process, so by default glibc's malloc is told to keep the memory it
+frees (``--malloc steady``: ``mallopt`` with a trim threshold of 1 GiB and an mmap threshold
+of 32 MiB, the policy of a caching allocator such as jemalloc or TCMalloc, which PyTorch's CPU
+performance guide advises). With glibc's default policy (``--malloc default``) the top of the
+heap is returned to the system whenever more than a threshold of it is free, and mapped again
+at the next large allocation (here the 4 MB logits and their gradients): a step then takes
+0–6 000 page faults (1–5 ms), a number set by the heap that the method run before it left,
+which no interleaving cancels. Each method alone in its own process shows the same spread. Peak memory is
 measured per method in fresh processes (the median of ``--memory-repeat`` of them, interleaved
 across the methods): the increase of the peak resident set size (VmHWM,
 reset through ``/proc/self/clear_refs``) over the process after setup and one warm-up step, through 2 steps,
@@ -28,14 +38,17 @@ with glibc's malloc returning every block of 64 KiB or more to the system when f
 Usage:
     python benchmarks/bench_hf.py [--batch-size 32] [--seq-len 32] [--width 64] [--layers 2]
         [--vocab 1000] [--repeat 60] [--threads 1] [--no-memory] [--memory-repeat 3]
+        [--malloc steady|default]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -231,6 +244,26 @@ def _prepare(step) -> None:
         prepare()
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+def steady_malloc() -> bool:
+    """Tell glibc's malloc to keep what it frees (no trim below 1 GiB, no mmap below 32 MiB);
+    False where the C library is not glibc (nothing changed)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None:
+        return False
+    return bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30)) and bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20))
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _status_kb(key: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -255,6 +288,12 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--methods", default=",".join(METHODS), help="a comma-separated subset of " + ", ".join(METHODS)
     )
+    ap.add_argument(
+        "--malloc",
+        choices=("steady", "default"),
+        default="steady",
+        help="glibc's malloc policy for the timed steps: keep freed memory (steady) or its default",
+    )
     ap.add_argument("--memory-of", default=None, help=argparse.SUPPRESS)  # the child process
     args = ap.parse_args(argv)
     for name in ("repeat", "memory_repeat", "threads"):
@@ -268,6 +307,9 @@ def main(argv=None) -> int:
     if args.memory_of:
         print(json.dumps({"mb": memory_of(args.memory_of, args)}))
         return 0
+    malloc = args.malloc
+    if malloc == "steady" and not steady_malloc():
+        malloc = "default (the C library is not glibc)"
     import opacus
     import peft
     import transformers
@@ -276,7 +318,7 @@ def main(argv=None) -> int:
         f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, "
         f"opacus {opacus.__version__}; threads {torch.get_num_threads()}, CPU; GPT-2 {args.layers} layers, "
         f"width {args.width}, vocab {args.vocab}; batch {args.batch_size} × {args.seq_len} tokens; "
-        f"LoRA r=8 on c_attn/c_proj; {args.repeat} interleaved rounds"
+        f"LoRA r=8 on c_attn/c_proj; {args.repeat} interleaved rounds; malloc {malloc}"
     )
     batch = make_batch(args)
     fns = {}
@@ -290,6 +332,7 @@ def main(argv=None) -> int:
             print(f"  {method} unavailable ({type(exc).__name__}: {str(exc).splitlines()[0][:90]})")
     times = {k: [] for k in fns}
     cpu = {k: [] for k in fns}
+    faults = {k: [] for k in fns}
     order = random.Random(0)
     for _ in range(args.repeat):
         keys = list(fns)
@@ -297,10 +340,11 @@ def main(argv=None) -> int:
         for k in keys:
             fn = fns[k]
             _prepare(fn)
-            t0, c0 = time.perf_counter(), time.process_time()
+            f0, t0, c0 = _faults(), time.perf_counter(), time.process_time()
             fn()
             times[k].append(time.perf_counter() - t0)
             cpu[k].append(time.process_time() - c0)
+            faults[k].append(_faults() - f0)
     med = {k: statistics.median(v) for k, v in times.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     mem = {}
@@ -312,7 +356,9 @@ def main(argv=None) -> int:
         mem = {k: statistics.median(v) for k, v in runs.items()}
     for k, v in med.items():
         extra = f", peak +{mem[k]:7.1f} MB" if k in mem else ""
-        print(f"  {k:<17} median {1000 * v:8.1f} ms (CPU {1000 * med_cpu[k]:7.1f} ms){extra}")
+        flt = statistics.median(faults[k])
+        cpu_ms = 1000 * med_cpu[k]
+        print(f"  {k:<17} median {1000 * v:8.1f} ms (CPU {cpu_ms:7.1f} ms, {flt:5.0f} page faults){extra}")
     opacus_done = [k for k in med if k.startswith("opacus")]
     if opacus_done:
         best = min(opacus_done, key=med.get)
