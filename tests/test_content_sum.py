@@ -85,6 +85,32 @@ def test_kept_word_views_give_the_same_sums_after_writes_and_replaced_storage():
     assert [e[0] for e in views._views.values()] == [p]
 
 
+def test_sums_with_layouts_read_the_kept_views_only_while_tensors_and_layouts_hold():
+    from dpmf.optim.model_guard import WordViews
+
+    def layouts(ts):
+        return [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in ts]
+
+    views = WordViews()
+    a, b = torch.randn(4, 3), torch.randn(5)  # b: a last partial word
+    ts = [a, b, a]  # a tied tensor listed twice
+    assert views.sums(ts, layouts(ts)) == [bytes_sum(a), bytes_sum(b), bytes_sum(a)]
+    a.data[1, 1] += 1.0  # the same tensors and layouts: the kept views read the memory again
+    b.data[4] -= 2.0
+    assert views.sums(ts, layouts(ts)) == [bytes_sum(a), bytes_sum(b), bytes_sum(a)]
+    a.data = a.data.clone().t()  # other memory, not contiguous: no word view for it
+    assert views.sums(ts, layouts(ts)) == [bytes_sum(a), bytes_sum(b), bytes_sum(a)]
+    a.data[2, 0] += 1.0  # unchanged layouts again: the new memory is read, not the old view's
+    assert views.sums(ts, layouts(ts)) == [bytes_sum(a), bytes_sum(b), bytes_sum(a)]
+    c = torch.randn(4, 3)
+    assert views.sums([c, b, c], layouts([c, b, c]))[0] == bytes_sum(c)  # other tensors
+    views.prune()
+    views.sums([b], layouts([b]))
+    views.prune()  # a and c were not summed since the last prune: nothing of theirs is kept
+    assert views._last is not None and views._last[0] == [b]
+    assert [e[0] for e in views._views.values()] == [b]
+
+
 def test_content_mark_sees_data_writes_storage_swaps_and_reshapes_of_a_gradient():
     from dpmf.optim.model_guard import ContentMark
 

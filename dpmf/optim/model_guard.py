@@ -30,6 +30,8 @@ trainable parameters and the state snapshot all read it) and one after.
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 import torch
 from torch import nn
@@ -301,17 +303,19 @@ class StateSnapshot:
     ``ModelWalk`` lists them), with its version, storage address, shape, strides, dtype and
     content (a copy of each buffer, a ``content_sum`` of each parameter)."""
 
-    __slots__ = ("tensors", "marks", "copies", "sums", "host")
+    __slots__ = ("tensors", "versions", "layouts", "copies", "sums", "host")
 
     def __init__(self, params: list, buffers: list, views: WordViews | None):
         self.tensors = params + buffers
+        self.versions = [t._version for t in self.tensors]
         # the layout and dtype too: ``p.data = p.data.view(...)`` keeps the address, size and
         # words (so the checksum) but changes what the model computes with
-        self.marks = [(t._version, t.data_ptr(), t.shape, t.stride(), t.dtype) for t in self.tensors]
+        self.layouts = [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in self.tensors]
         with torch.no_grad():
             self.copies = [b.clone() for b in buffers]
             # every dtype: a frozen integer, bool or complex parameter too
-            sums = (views if views is not None else WordViews()).sums(params)
+            views = views if views is not None else WordViews()
+            sums = views.sums(params, self.layouts[: len(params)])
         self.sums = sums
         self.host = all(type(s) is int for s in sums)  # CPU checksums: compared as a list
 
@@ -326,11 +330,15 @@ class StateSnapshot:
                 (k for k, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a is not b),
                 min(len(mine), len(theirs)),
             )
-        if self.marks != after.marks or any(a is not b for a, b in zip(mine, theirs, strict=True)):
+        if (
+            self.versions != after.versions
+            or self.layouts != after.layouts
+            or any(a is not b for a, b in zip(mine, theirs, strict=True))
+        ):
             return next(
                 k
-                for k, (a, b, m, m2) in enumerate(zip(mine, theirs, self.marks, after.marks, strict=True))
-                if a is not b or m != m2
+                for k, (a, b) in enumerate(zip(mine, theirs, strict=True))
+                if a is not b or self.versions[k] != after.versions[k] or self.layouts[k] != after.layouts[k]
             )
         same = self.sums == after.sums if self.host and after.host else _same_sums(self.sums, after.sums)
         if not same:
@@ -359,6 +367,7 @@ def state_versions(
 
 
 _WORD = np.dtype(np.uint64)
+_REDUCE = np.add.reduce
 
 
 def content_sum(p: torch.Tensor):
@@ -444,11 +453,14 @@ class WordViews:
     address, of the same size), else made again; views of tensors not summed since the last
     ``prune`` are dropped then (nothing replaced stays alive)."""
 
-    __slots__ = ("_views", "_seen")
+    __slots__ = ("_views", "_seen", "_last")
 
     def __init__(self):
         self._views: dict = {}
         self._seen: set = set()
+        # the last ``sums`` with layouts: (tensors, layouts, each one's kept entry or None,
+        # the ids of the kept ones, every kept words array when none has a tail, else None)
+        self._last: tuple | None = None
 
     def _kept(self, t: torch.Tensor):
         """(t, address, size in bytes, words, tail) of a strided contiguous CPU tensor — the kept
@@ -464,27 +476,59 @@ class WordViews:
 
     def sum(self, p: torch.Tensor):
         """``content_sum(p)``."""
+        return self._summed(p)[0]
+
+    def _summed(self, p: torch.Tensor) -> tuple:
+        """(``content_sum(p)``, the kept entry read, or None when ``p`` has no word view)."""
         e = self._kept(p)
         if e is None:
-            return content_sum(p)
-        return int(np.add.reduce(e[3])) if e[4] is None else _sum_words(e[3], e[4])
+            return content_sum(p), None
+        return (int(_REDUCE(e[3])) if e[4] is None else _sum_words(e[3], e[4])), e
 
-    def sums(self, tensors: list) -> list:
+    def sums(self, tensors: list, layouts: list | None = None) -> list:
         """``[content_sum(t) for t in tensors]``, one sum per tensor listed several times (a
-        tied parameter under each of its names)."""
+        tied parameter under each of its names).
+
+        Args:
+            layouts: each tensor's (address, shape, strides, dtype) taken now, or None. When
+                the tensors are those of the last call with layouts (the same objects, in the
+                same order) and their layouts are unchanged, every kept view is still exactly
+                its tensor's memory (the rule of ``sum``): the views are read without checking
+                each tensor again.
+        """
+        last = self._last
+        if (
+            layouts is not None
+            and last is not None
+            and last[1] == layouts
+            and len(last[0]) == len(tensors)
+            and all(map(operator.is_, last[0], tensors))
+        ):
+            self._seen.update(last[3])
+            if last[4] is not None:
+                return [int(_REDUCE(w)) for w in last[4]]
+            kept = zip(tensors, last[2], strict=True)
+            return [content_sum(t) if e is None else _sum_words(e[3], e[4]) for t, e in kept]
         once: dict = {}
-        out = []
+        out, entries = [], []
         for t in tensors:
-            s = once.get(id(t))
-            if s is None:
-                s = once[id(t)] = self.sum(t)
-            out.append(s)
+            got = once.get(id(t))
+            if got is None:
+                got = once[id(t)] = self._summed(t)
+            out.append(got[0])
+            entries.append(got[1])  # the entry read now (None: no view; never an older one)
+        if layouts is not None:
+            plain = None if any(e is None or e[4] is not None for e in entries) else [e[3] for e in entries]
+            ids = tuple(id(t) for t, e in zip(tensors, entries, strict=True) if e is not None)
+            self._last = (list(tensors), list(layouts), entries, ids, plain)
         return out
 
     def prune(self) -> None:
         """Drop the views of tensors not summed since the last ``prune``."""
         for k in [k for k in self._views if k not in self._seen]:
             del self._views[k]
+        if self._last is not None and not all(k in self._seen for k in self._last[3]):
+            self._last = None
         self._seen = set()
 
 
