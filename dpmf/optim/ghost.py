@@ -168,7 +168,7 @@ class _CaptureCopy(_Capture):
         return out.clone()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Call:
     """One forward call of a recorded module at one evaluation point."""
 
@@ -434,7 +434,11 @@ class _Engine:
             if layer.handler is None and (len(args) != 1 or not isinstance(args[0], torch.Tensor)):
                 layer.fallback = "it is called with other than one tensor"
                 return None
-            call = _Call(self.point, tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
+            if len(args) == 1 and isinstance(args[0], torch.Tensor):  # the usual call: one tensor
+                kept = (args[0].detach(),)
+            else:
+                kept = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+            call = _Call(self.point, kept)
             layer.calls.append(call)
             self.quiet = True
             try:
