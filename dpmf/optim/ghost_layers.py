@@ -233,6 +233,11 @@ def registered_clipping_layers() -> dict[str, str]:
 def clipping_handler(module: nn.Module) -> tuple[ClippingHandler | None, str | None]:
     """(handler, None) for a registered layer; (None, reason) otherwise."""
     t = type(module)
+    if "forward" in module.__dict__:  # module.forward = …: the call runs it, not the class's
+        return (
+            None,
+            f"its forward is replaced on the instance (not {t.__name__}.forward, which its handler knows)",
+        )
     for cls in t.__mro__:
         if cls is nn.Module or cls is object:
             break
