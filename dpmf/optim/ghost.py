@@ -201,6 +201,15 @@ _METADATA = frozenset(
 )
 
 
+def _inside(stack: list, layers: list) -> bool:
+    """Whether a use of a parameter owned by ``layers`` is inside its own module's forward now:
+    a layer with a handler must be the innermost recorded layer running, a generic one (torch.func
+    on the module alone) anywhere on the stack."""
+    return bool(stack) and any(
+        (stack[-1] is layer if layer.handler is not None else layer in stack) for layer in layers
+    )
+
+
 def _check_use(engine, func, args, kwargs) -> None:
     """Flag the layers whose trainable parameter ``func`` reads outside their module's forward."""
     owners = engine.owner_of
@@ -210,11 +219,7 @@ def _check_use(engine, func, args, kwargs) -> None:
         layers = owners.get(id(a))
         if layers is None:
             continue
-        stack = engine.stack
-        inside = bool(stack) and any(
-            (stack[-1] is layer if layer.handler is not None else layer in stack) for layer in layers
-        )
-        if not inside:
+        if not _inside(engine.stack, layers):
             for layer in layers:
                 if layer.fallback is None:
                     layer.fallback = "a trainable parameter is used outside its module's forward"
@@ -253,7 +258,9 @@ class _WatchedParameter(nn.Parameter):
 
 class _watching:
     """The parameters turned into ``_WatchedParameter`` for one forward (plain ``nn.Parameter``s
-    only), else the ``_Watch`` mode; restored on exit."""
+    only), else the ``_Watch`` mode; restored on exit. While a parameter's use is inside its own
+    module's forward (``_inside``) it is a plain ``nn.Parameter`` again (the engine's hooks switch
+    it, ``_Engine.reclass``): only the uses that could be outside pass through Python."""
 
     def __init__(self, engine, params):
         self.engine = engine
@@ -269,11 +276,13 @@ class _watching:
         _ACTIVE.engine = self.engine
         for p in self.params:
             p.__class__ = _WatchedParameter
+        self.engine.switching = True
         return self
 
     def __exit__(self, *exc):
         if self.mode is not None:
             return self.mode.__exit__(*exc)
+        self.engine.switching = False
         for p in self.params:
             p.__class__ = nn.Parameter
         _ACTIVE.engine = self.previous
@@ -347,6 +356,8 @@ class _Engine:
         self.anchor = None
         self.stack: list[_Layer] = []
         self.owner_of: dict[int, list[_Layer]] = {}
+        self.params_of: dict[int, list] = {}  # id(layer) → its trainable parameter tensors (watched)
+        self.switching = False  # the parameters are watched by their class (``_watching``)
         self.point = 0
         self.mode = "record"  # "record", "probe" or "off"
         self.quiet = False  # the hooks' own operations are not the model's
@@ -404,10 +415,24 @@ class _Engine:
         self.handles.clear()
         self.stack.clear()
 
+    def reclass(self, a: _Layer, b: _Layer | None) -> None:
+        """Make the trainable parameters of layers ``a`` and ``b`` plain ``nn.Parameter``s where a
+        use of them is now inside an owner's forward (``_inside``), else ``_WatchedParameter``s."""
+        stack, owners = self.stack, self.owner_of
+        for layer in (a, b):
+            if layer is None:
+                continue
+            for p in self.params_of.get(id(layer), ()):
+                p.__class__ = nn.Parameter if _inside(stack, owners[id(p)]) else _WatchedParameter
+
     def _pre(self, layer):
         def hook(module, args):
             if self.mode != "off":
-                self.stack.append(layer)
+                stack = self.stack
+                top = stack[-1] if stack else None
+                stack.append(layer)
+                if self.switching:
+                    self.reclass(layer, top)
 
         return hook
 
@@ -415,8 +440,11 @@ class _Engine:
         def hook(module, args, out):
             if self.mode == "off":
                 return None
-            if self.stack and self.stack[-1] is layer:
-                self.stack.pop()
+            stack = self.stack
+            if stack and stack[-1] is layer:
+                stack.pop()
+                if self.switching:
+                    self.reclass(layer, stack[-1] if stack else None)
             if self.mode == "probe":
                 dims = {t.shape[0] if t.dim() else None for t in _tensors(args, {})}
                 if isinstance(out, torch.Tensor):
@@ -879,10 +907,13 @@ def ghost_clipped_sum(
             for layer in engine.layers:
                 for q, _ in layer.params:
                     engine.owner_of.setdefault(owner_ids[q], []).append(layer)
+            if shift is None:  # the parameters themselves: watched through their class
+                engine.params_of = {id(lay): [values[q] for q, _ in lay.params] for lay in engine.layers}
             with _watching(engine, list(values.values()) if shift is None else None):
                 out = _forward(model, inputs, None if shift is None else values)
             engine.stack.clear()
             engine.owner_of = {}
+            engine.params_of = {}
             per = per_example_losses(loss_fn, out, targets)
             del out  # the output (e.g. a language model's logits) is not needed by the backward
             losses.append(per)
