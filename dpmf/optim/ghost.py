@@ -47,7 +47,9 @@ module without a handler, a module with several inputs, or a layer whose dim 0 d
 the examples (``batch_first=False``) — gets the whole-model ``vmap(grad(·))`` path for its
 parameters. Those conditions are checked at run time (during the recorded forward the
 trainable parameters report every operation that reads them — a ``Parameter`` subclass, or a
-``TorchFunctionMode`` for evaluation plans — and a one-example probe pass checks that every
+``TorchFunctionMode`` for evaluation plans; a parameter is a plain ``nn.Parameter`` only while
+its use is inside its own module's forward, the hooks switching its class as modules enter and
+leave — and a one-example probe pass checks that every
 recorded tensor's leading dimension follows the batch), never assumed, because a missed use
 would make a per-example norm too small: the clipping bound — the sensitivity the noise is
 calibrated to — would silently fail. Reading a parameter's metadata (dtype, shape, device) is
