@@ -76,7 +76,10 @@ an instantiated gradient whose entries themselves overflow float32 is not finite
 raises ``NonFiniteGradientError`` (compute in float64). A ghost norm of several tokens,
 ⟨AAᵀ, GGᵀ⟩, can cancel: its Gram matrices are taken in float64 and a bound on the rounding
 added, so that it is never below the norm of the vector book-keeping sums
-(``ghost_layers._gram_sq``).
+(``ghost_layers._gram_sq``); so are an embedding's norm (equal tokens whose gradients cancel)
+and a tied embedding's (its two uses cancelling, ``ghost_tied``). Its book-keeping sum (c∘G)ᵀA
+is taken in float64 when a product c_i·g is below float32's normal range (rounded there by up to
+a third, then multiplied by the activations).
 
 Assumptions, as for any per-example method: the examples do not interact in the forward
 (``check_per_example_safe`` refuses BatchNorm), and each layer sees the examples in the
@@ -86,6 +89,7 @@ order of the input's dim 0.
 from __future__ import annotations
 
 import math
+import operator
 import threading
 import weakref
 from collections.abc import Callable
@@ -95,6 +99,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import grad, vmap
+from torch.nn.modules import module as _module
 from torch.overrides import TorchFunctionMode
 
 from dpmf.optim.choices import CLIPPING_MODES
@@ -189,6 +194,10 @@ class _Layer:
     params: list[tuple[str, str]]  # (model-level name, attribute name) of its trainable params
     calls: list[_Call] = field(default_factory=list)
     fallback: str | None = None  # why it needs the whole-model torch.func path
+    hook_id: int | None = None  # the id of the engine's forward hook on the module
+    # a registered layer's instance attributes when the engine was built (names, values): the
+    # handler's formulas read them after the forward, so the forward must have run with them
+    state: tuple | None = None
 
     @property
     def kind(self) -> str:
@@ -331,6 +340,8 @@ class _Engine:
                 continue
             handler, _ = clipping_handler(m)
             layer = _Layer(mname, m, handler, own)
+            if handler is not None:
+                layer.state = (tuple(m.__dict__), tuple(m.__dict__.values()))
             self.layers.append(layer)
             for q, _ in own:
                 by_param.setdefault(q, []).append(layer)
@@ -395,7 +406,9 @@ class _Engine:
         for layer in self.layers:
             m = layer.module
             self.handles.append(m.register_forward_pre_hook(self._pre(layer)))
-            self.handles.append(m.register_forward_hook(self._post(layer), always_call=True))
+            handle = m.register_forward_hook(self._post(layer), always_call=True)
+            layer.hook_id = handle.id
+            self.handles.append(handle)
         return self
 
     def __exit__(self, *exc):
@@ -427,6 +440,11 @@ class _Engine:
                 return None
             if layer.fallback is not None:
                 return None
+            if layer.handler is not None:
+                why = _handler_broken(module, layer)
+                if why is not None:
+                    layer.fallback = why
+                    return None
             if not isinstance(out, torch.Tensor) or not out.requires_grad:
                 if not isinstance(out, torch.Tensor):
                     layer.fallback = "its output is not one tensor"
@@ -459,6 +477,18 @@ class _Engine:
                 self.quiet = False
 
         return hook
+
+
+def _handler_broken(module: nn.Module, layer: _Layer) -> str | None:
+    """Why the output a registered layer's call just gave may not be what its handler assumes
+    (a hook or attribute added during the forward, after the registry's check), or None."""
+    if _module._global_forward_hooks or next(iter(module._forward_hooks), None) != layer.hook_id:
+        return "a forward hook ran before its output was recorded"
+    keys, values = layer.state
+    d = module.__dict__
+    if len(d) != len(keys) or not all(map(operator.is_, d.values(), values)) or tuple(d) != keys:
+        return "its attributes changed after the clipping handler was chosen"
+    return None
 
 
 # -- per-layer norms and sums ---------------------------------------------------------------

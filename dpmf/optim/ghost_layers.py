@@ -6,9 +6,15 @@ given the clip factors c, the sum Σ_i c_i·g_i — from the module's recorded i
 gradients, without a per-example backward. A **handler** says how for one module type;
 ``register_clipping_layer(module_type, handler)`` adds one. A module is matched by its exact
 type, else by its nearest registered base class whose ``forward`` it does not override (a
-subclass that changes the forward is not the registered layer); then the handler's ``check``
-may still decline it (for instance a sparse embedding). Modules without a handler take the
-``torch.func`` path of ``dpmf.optim.ghost`` (per module, or for the whole model).
+subclass that changes the forward, or the ``_conv_forward`` it calls, is not the registered
+layer); then the handler's ``check`` may still decline it (for instance a sparse embedding). A
+module with a forward hook (its own or a global one: it may change the output whose gradient
+the handler's formulas take), a method of its class shadowed on the instance, or — for the
+built-in handlers — a torch function their forwards call replaced after import has none. During
+a recorded forward the engine also checks, at each call of a registered layer, that no hook ran
+before its own and that the instance's attributes are those of when the handler was chosen.
+Modules without a handler take the ``torch.func`` path of ``dpmf.optim.ghost`` (per module, or
+for the whole model).
 
 Built-in handlers (registered below through the same function):
 
@@ -41,6 +47,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _module
 
 __all__ = [
     "ClippingHandler",
@@ -173,9 +180,42 @@ class ClippingHandler:
 # type (or "module.QualName") → handler
 _REGISTRY: dict[object, ClippingHandler] = {}
 _BUILTIN: dict[object, ClippingHandler] = {}  # the handlers this module registers
-# the forward of each type registered as a class, as it was then: a forward replaced on the class
-# afterwards (``nn.Linear.forward = ...``) is not the computation the handler's formulas assume
-_FORWARD: dict[object, object] = {}
+# the forward (and the methods it calls: ``_conv_forward``) of each type registered as a class, as
+# they were then: one replaced on the class afterwards (``nn.Linear.forward = ...``) is not the
+# computation the handler's formulas assume
+_FORWARD: dict[object, tuple] = {}
+_FORWARD_METHODS = ("forward", "_conv_forward")
+# the torch functions the built-in layers' forwards call, as they were when dpmf was imported:
+# ``F.linear = ...`` replaced afterwards changes what every nn.Linear computes
+_TORCH_FUNCTIONS = {
+    (F, n): getattr(F, n)
+    for n in ("linear", "conv1d", "conv2d", "pad", "embedding", "layer_norm", "group_norm", "rms_norm")
+}
+_TORCH_FUNCTIONS[(torch, "addmm")] = torch.addmm
+
+
+def _forward_methods(cls) -> tuple:
+    return tuple(getattr(cls, n, None) for n in _FORWARD_METHODS)
+
+
+def _torch_functions_replaced() -> bool:
+    return any(getattr(owner, n) is not f for (owner, n), f in _TORCH_FUNCTIONS.items())
+
+
+def _instance_method(module: nn.Module) -> str | None:
+    """The name of a method of the module's class (``forward``, ``_conv_forward``,
+    ``_call_impl``, …) that the instance shadows with an attribute of its own, or None."""
+    t = type(module)
+    for k in module.__dict__:
+        if callable(getattr(t, k, None)):
+            return k
+    return None
+
+
+def _forward_hooked(module: nn.Module) -> bool:
+    """Whether a forward hook (the module's own or a global one) may change the module's output
+    before the engine records it: the handler's formulas are for the forward's own output."""
+    return bool(module._forward_hooks) or bool(_module._global_forward_hooks)
 
 
 def _key_of(cls) -> str:
@@ -220,7 +260,7 @@ def register_clipping_layer(module_type, handler: ClippingHandler, *, replace: b
         )
     _REGISTRY[key] = handler
     if isinstance(module_type, type):
-        _FORWARD[key] = module_type.forward
+        _FORWARD[key] = _forward_methods(module_type)
     else:
         _FORWARD.pop(key, None)
 
@@ -238,6 +278,11 @@ def clipping_handler(module: nn.Module) -> tuple[ClippingHandler | None, str | N
             None,
             f"its forward is replaced on the instance (not {t.__name__}.forward, which its handler knows)",
         )
+    shadowed = _instance_method(module)  # module._conv_forward = …, module._call_impl = …
+    if shadowed is not None:
+        return None, f"its method {shadowed!r} is replaced on the instance"
+    if _forward_hooked(module):
+        return None, "a forward hook may change its output (the handler knows the forward's own)"
     for cls in t.__mro__:
         if cls is nn.Module or cls is object:
             break
@@ -245,13 +290,15 @@ def clipping_handler(module: nn.Module) -> tuple[ClippingHandler | None, str | N
         handler = _REGISTRY.get(key)
         if handler is None:
             continue
-        if t.forward is not cls.forward:
+        if _forward_methods(t) != _forward_methods(cls):  # forward, or the _conv_forward it calls
             return None, f"{t.__name__} overrides the forward of the registered {cls.__name__}"
-        if t.forward is not _FORWARD.get(key, cls.forward):
+        if _forward_methods(t) != _FORWARD.get(key, _forward_methods(cls)):
             return (
                 None,
                 f"the forward of {cls.__name__} was replaced after its clipping handler was registered",
             )
+        if key in _BUILTIN and _torch_functions_replaced():
+            return None, "a torch function its forward calls (F.linear, F.conv2d, …) was replaced"
         reason = handler.check(module)
         if reason is not None:
             return None, reason
@@ -291,13 +338,32 @@ def _gram_sq(a, g):
     b, _, t, d = a.shape
     p = g.shape[-1]
     u = torch.finfo(a.dtype).eps / 2
+    s, m = _gram_parts(a, g)
+    root = torch.sqrt(s + _gamma(d + p + t * t + 2, 2.0**-53) * m.square()) + _gamma(b * t + 1, u) * m
+    return root.square()
+
+
+def _gram_parts(a, g):
+    """(the float64 ghost norm Σ_groups ⟨A_iA_iᵀ, G_iG_iᵀ⟩ clamped at 0, M_i = Σ_groups Σ_t
+    ‖a_t‖‖g_t‖), each of shape (b,), for ``_gram_sq``'s shapes."""
     a64, g64 = a.double(), g.double()
     aa = a64 @ a64.transpose(-1, -2)
     gg = g64 @ g64.transpose(-1, -2)
     s = (aa * gg).sum((1, 2, 3)).clamp(min=0.0)
     m = (torch.linalg.vector_norm(a64, dim=-1) * torch.linalg.vector_norm(g64, dim=-1)).sum((1, 2))
-    root = torch.sqrt(s + _gamma(d + p + t * t + 2, 2.0**-53) * m.square()) + _gamma(b * t + 1, u) * m
-    return root.square()
+    return s, m
+
+
+def _underflows(cg: torch.Tensor, g: torch.Tensor) -> bool:
+    """Whether a product c_i·g of the clipped sum (c∘G)ᵀA is below ``cg``'s normal range while g
+    is not 0 (float32 and lower). There the rounding is absolute (up to 2⁻¹⁵⁰ in float32) rather
+    than relative — a product 1.5·2⁻¹⁴⁹ became 2·2⁻¹⁴⁹, a third more — and the activation it then
+    multiplies can be 10³⁸: tokens with such output gradients moved an example's clipped
+    gradient to 1.0015·ζ, beyond the relative bound of ``_gram_sq``. In float64 the products
+    of float32 numbers are exact."""
+    if cg.dtype == torch.float64 or cg.numel() == 0:
+        return False
+    return bool(((cg.abs() < torch.finfo(cg.dtype).tiny) & (g != 0)).any())
 
 
 class LinearHandler(ClippingHandler):
@@ -406,7 +472,11 @@ class LinearHandler(ClippingHandler):
             entry = state[a]
             if entry[0] == "ghost":
                 _, x, g = entry
-                out[a] = self.from_ghost(module, torch.einsum("bgtp,bgtd->gpd", g * c.view(-1, 1, 1, 1), x))
+                cg = g * c.view(-1, 1, 1, 1)
+                if _underflows(cg, g):  # float64: c_i·g exactly (see _underflows)
+                    cg, x = g.double() * c.double().view(-1, 1, 1, 1), x.double()
+                s = torch.einsum("bgtp,bgtd->gpd", cg, x).to(dtype)
+                out[a] = self.from_ghost(module, s)
             else:
                 out[a] = weighted_sum(c, entry[1])  # no copy of a transposed w
         return out
@@ -433,7 +503,9 @@ class Conv1DHandler(LinearHandler):
 def _conv_padded(m, x):
     """The input padded as the convolution pads it (any padding mode, 'same' included)."""
     k = len(m.kernel_size)
-    if isinstance(m.padding, str):
+    if m.padding_mode != "zeros":  # the forward pads by this list, kept on the instance
+        pads = list(m._reversed_padding_repeated_twice)
+    elif isinstance(m.padding, str):
         pads = [0] * (2 * k)
         if m.padding == "same":  # PyTorch puts the odd element on the right / bottom
             for i in range(k):
@@ -503,6 +575,12 @@ class ConvHandler(LinearHandler):
         return g.to(dtype).reshape(g.shape[0], g.shape[1], -1).sum(-1)
 
 
+def most_repeated(ids: torch.Tensor) -> int:
+    """How often the batch's most repeated token occurs (ids ≥ 0): the most terms an embedding's
+    clipped sum adds into one row."""
+    return int(torch.bincount(ids.reshape(-1)).max()) if ids.numel() else 0
+
+
 # Up to this many tokens per example an embedding's norm is a ghost norm (T² pairs); beyond, its
 # sparse per-example gradient (a sort of the b·T (example, token) keys and one index_add).
 _EMBEDDING_GHOST_TOKENS = 16
@@ -551,13 +629,34 @@ class EmbeddingHandler(ClippingHandler):
         return {"weight": out.reshape(b, n, d)}
 
     def sq_norms(self, module, calls, attrs, dtype):
+        """The squared norms in float64, never below those of the vectors ``clipped_sum`` sums.
+
+        The rows of one token's gradient can cancel (G_1 ≈ −G_2 for two equal tokens): in
+        float32 an example of norm 8 came out 0. Both forms are therefore taken in float64 from
+        the (exact) widened output gradients and bounded from above as in ``_gram_sq``: with
+        M_i = Σ_t ‖G_i[t]‖, the float64 rounding is within γ₆₄·M_i² (ghost) or γ₆₄·M_i (the
+        sparse rows), and the clipped sum, an index_add of b·T rows in ``dtype`` (at most n of them
+        into one row: the batch's most repeated token), moves each example's share by at most
+        c_i·γ_{n+1}(u)·M_i."""
         i, gg = self._ids_grads(module, calls, dtype)
+        b, t, d = gg.shape
+        s, m = self.sq_parts(module, i, gg)
+        u64 = 2.0**-53
+        slack = _gamma(most_repeated(i) + 1, torch.finfo(dtype).eps / 2) + _gamma(t + d + 2, u64)
+        root = torch.sqrt(s + _gamma(d + t * t + 2, u64) * m.square()) + slack * m
+        return {"weight": root.square()}, (i, gg)
+
+    @staticmethod
+    def sq_parts(module, i, gg):
+        """(‖Σ_t e_{x_t}G_i[t]‖² in float64, M_i = Σ_t ‖G_i[t]‖), each (b,), from the ids (b, T)
+        and output gradients (b, T, d) of ``_ids_grads``."""
+        g64 = gg.double()
         if i.shape[1] <= _EMBEDDING_GHOST_TOKENS:  # ghost: Σ_{t,u} [x_t = x_u]⟨G_t, G_u⟩
-            same = (i.unsqueeze(2) == i.unsqueeze(1)).to(dtype)
-            sq = ((gg @ gg.transpose(1, 2)) * same).sum((1, 2)).double()
+            same = (i.unsqueeze(2) == i.unsqueeze(1)).to(torch.float64)
+            s = ((g64 @ g64.transpose(1, 2)) * same).sum((1, 2)).clamp(min=0.0)
         else:  # the sparse per-example gradient: one row per distinct (example, token)
-            sq = _embedding_sq_sparse(i, gg, module.num_embeddings)
-        return {"weight": sq}, (i, gg)
+            s = _embedding_sq_sparse(i, g64, module.num_embeddings)
+        return s, torch.linalg.vector_norm(g64, dim=-1).sum(1)
 
     def clipped_sum(self, module, state, factors, attrs, dtype):
         i, g = state
