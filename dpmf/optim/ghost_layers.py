@@ -184,7 +184,6 @@ _BUILTIN: dict[object, ClippingHandler] = {}  # the handlers this module registe
 # they were then: one replaced on the class afterwards (``nn.Linear.forward = ...``) is not the
 # computation the handler's formulas assume
 _FORWARD: dict[object, tuple] = {}
-_FORWARD_METHODS = ("forward", "_conv_forward")
 # the torch functions the built-in layers' forwards call, as they were when dpmf was imported:
 # ``F.linear = ...`` replaced afterwards changes what every nn.Linear computes
 _TORCH_FUNCTIONS = {
@@ -195,20 +194,93 @@ _TORCH_FUNCTIONS[(torch, "addmm")] = torch.addmm
 
 
 def _forward_methods(cls) -> tuple:
-    return tuple(getattr(cls, n, None) for n in _FORWARD_METHODS)
+    return (cls.forward, getattr(cls, "_conv_forward", None))
 
 
 def _torch_functions_replaced() -> bool:
     return any(getattr(owner, n) is not f for (owner, n), f in _TORCH_FUNCTIONS.items())
 
 
-def _instance_method(module: nn.Module) -> str | None:
+_CALLABLES: dict[type, frozenset] = {}  # a type → the names of its callable attributes
+
+
+def _instance_method(module: nn.Module, own) -> str | None:
     """The name of a method of the module's class (``forward``, ``_conv_forward``,
-    ``_call_impl``, …) that the instance shadows with an attribute of its own, or None."""
+    ``_call_impl``, …) or of a parameter, buffer or submodule (``own``) that the instance
+    shadows with an attribute of its own, or None."""
     t = type(module)
-    for k in module.__dict__:
-        if callable(getattr(t, k, None)):
-            return k
+    names = _CALLABLES.get(t)
+    if names is None:
+        names = _CALLABLES[t] = frozenset(k for k in dir(t) if callable(getattr(t, k, None)))
+    hit = module.__dict__.keys() & names or module.__dict__.keys() & own
+    return min(hit) if hit else None
+
+
+# What a registered layer's attribute reads go through: a class of its MRO (nn.Module included)
+# that gains a name (a ``weight`` property) or has one of these replaced changes what its forward
+# computes with, e.g. ``nn.Module.__getattr__`` returning 2·W for "weight"
+_CRITICAL = (
+    "forward",
+    "_conv_forward",
+    "__getattr__",
+    "__getattribute__",
+    "__call__",
+    "_call_impl",
+    "_wrapped_call_impl",
+)
+# each class of a registered type's MRO → [its print, its names, the names it gained since that
+# are neither data descriptors nor critical], as at registration (or as first seen)
+_CLASS_STATE: dict[type, list] = {}
+
+
+def _class_print(c: type) -> tuple:
+    d = c.__dict__
+    return (len(d), *map(d.get, _CRITICAL))
+
+
+def _data_descriptor(v) -> bool:
+    return hasattr(type(v), "__set__") or hasattr(type(v), "__delete__")
+
+
+def _record_classes(cls: type) -> None:
+    _CLASS_STATE[cls] = [_class_print(cls), frozenset(cls.__dict__), frozenset()]
+    for c in cls.__mro__[1:]:
+        if c is object:
+            break
+        _CLASS_STATE.setdefault(c, [_class_print(c), frozenset(c.__dict__), frozenset()])
+
+
+def _class_changed(c: type, own) -> bool:
+    """Whether class ``c`` changed since recorded in a way the forward's attribute reads see: a
+    critical entry replaced, a data descriptor (a ``weight`` property) added, or a name added
+    that is one of ``own`` (the module's parameter, buffer and submodule names: a class attribute
+    is found before them). A method added (transformers adds ``nn.Module.smart_apply``) is not."""
+    state = _CLASS_STATE.setdefault(c, [_class_print(c), frozenset(c.__dict__), frozenset()])
+    now = _class_print(c)
+    if now != state[0]:
+        if now[1:] != state[0][1:]:
+            return True
+        d = c.__dict__
+        added = frozenset(k for k in d if k not in state[1])
+        if any(_data_descriptor(d[k]) for k in added):
+            return True
+        state[0], state[2] = now, added
+    return bool(state[2]) and not state[2].isdisjoint(own)
+
+
+def _subclass_shadows(t: type, cls: type, own) -> str | None:
+    """What a class between the module's type ``t`` and the registered ``cls`` defines that the
+    forward's attribute reads would find instead of the registered layer's: a property or other
+    data descriptor, ``__getattr__``/``__getattribute__``, or a parameter's, buffer's or
+    submodule's name (``own``); None when nothing."""
+    for c in t.__mro__:
+        if c is cls:
+            return None
+        for k, v in c.__dict__.items():
+            if k in ("__getattr__", "__getattribute__") or k in own:
+                return k
+            if k not in ("__dict__", "__weakref__") and _data_descriptor(v):
+                return k
     return None
 
 
@@ -261,6 +333,7 @@ def register_clipping_layer(module_type, handler: ClippingHandler, *, replace: b
     _REGISTRY[key] = handler
     if isinstance(module_type, type):
         _FORWARD[key] = _forward_methods(module_type)
+        _record_classes(module_type)
     else:
         _FORWARD.pop(key, None)
 
@@ -278,7 +351,8 @@ def clipping_handler(module: nn.Module) -> tuple[ClippingHandler | None, str | N
             None,
             f"its forward is replaced on the instance (not {t.__name__}.forward, which its handler knows)",
         )
-    shadowed = _instance_method(module)  # module._conv_forward = …, module._call_impl = …
+    own = module._parameters.keys() | module._buffers.keys() | module._modules.keys()
+    shadowed = _instance_method(module, own)  # module._conv_forward = …, module._call_impl = …
     if shadowed is not None:
         return None, f"its method {shadowed!r} is replaced on the instance"
     if _forward_hooked(module):
@@ -297,6 +371,14 @@ def clipping_handler(module: nn.Module) -> tuple[ClippingHandler | None, str | N
                 None,
                 f"the forward of {cls.__name__} was replaced after its clipping handler was registered",
             )
+        shadow = None if t is cls else _subclass_shadows(t, cls, own)
+        if shadow is not None:
+            return None, f"{t.__name__} defines {shadow!r}, which the forward of {cls.__name__} would read"
+        for c in cls.__mro__:  # (the classes of a type registered by name: as first seen)
+            if c is object:
+                break
+            if _class_changed(c, own):
+                return None, f"{c.__name__} was changed after the clipping handler was registered"
         if key in _BUILTIN and _torch_functions_replaced():
             return None, "a torch function its forward calls (F.linear, F.conv2d, …) was replaced"
         reason = handler.check(module)
