@@ -370,3 +370,32 @@ def test_step_refuses_a_private_gradient_negated_lazily():
     with pytest.raises(RuntimeError, match="p.grad was replaced or modified"):
         run.optimizer.step()
     assert all(torch.equal(a, q) for a, q in zip(before, model.parameters(), strict=True))
+
+
+# -- clipping="ghost": the second backward against the first backward's norms ---------------------
+# Weakness (open): the second backward recomputes each layer's gradient from c_i·ℓ_i with its own
+# rounding, while the norms came from the first backward's recorded tensors. For an instantiated
+# Linear (here T(d + p) = p·d) two tokens of activations ±10⁵·u (+ w) cancel to w; the first
+# backward's float32 per-example gradient (whose norm decides c) and the second backward's product
+# of c·G and A round that cancellation differently: one example's clipped gradient 1.006·ζ (bk,
+# which sums the very vectors whose norms were taken: 1 + 1e-7). Fixing it means summing the
+# registered layers from their kept state under "ghost" as well (as under autocast).
+@pytest.mark.xfail(
+    strict=True,
+    reason="the second backward's rounding differs from the first backward's whose norms set c",
+)
+def test_the_ghost_second_backward_keeps_an_instantiated_layers_example_within_zeta():
+    worst = 0.0
+    for seed in range(30):
+        torch.manual_seed(seed)
+        lin = nn.Linear(4, 4, bias=False)
+        u, w, v = torch.randn(4), torch.randn(4), torch.randn(4)
+        x = torch.stack([1e5 * u + w, -1e5 * u])[None]  # one example of two tokens
+
+        def loss(out, y, v=v):
+            return (out * v).sum()
+
+        zeta = 0.1 * float(torch.outer(v.double(), w.double()).norm())
+        got = clipped_sum(lin, loss, x, torch.zeros(1), clip_norm=zeta, clipping="ghost")
+        worst = max(worst, got.grads[0].double().norm().item() / zeta)
+    assert worst <= 1.0 + 1e-5
