@@ -399,3 +399,29 @@ def test_the_ghost_second_backward_keeps_an_instantiated_layers_example_within_z
         got = clipped_sum(lin, loss, x, torch.zeros(1), clip_norm=zeta, clipping="ghost")
         worst = max(worst, got.grads[0].double().norm().item() / zeta)
     assert worst <= 1.0 + 1e-5
+
+
+# -- bk/ghost under bfloat16 autocast: RMSNorm with eps=None ---------------------------------------
+# Weakness: the norm handler recomputed x̂ with ε = finfo(input dtype).eps — 0.0078 for the bfloat16
+# input autocast gives it — while F.rms_norm(eps=None) uses float32's ε (the type it computes in).
+# Activations of mean square 3·10⁻⁵ then had per-example norms 18× too small (0.020 against 0.358):
+# every example released unclipped. The handler now takes the ε of the computation type.
+@pytest.mark.parametrize("clipping", ["bk", "ghost"])
+def test_rms_norm_without_eps_under_bf16_autocast_keeps_the_true_norms(clipping):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.RMSNorm(16), nn.Linear(16, 3))
+    with torch.no_grad():
+        model[0].weight.mul_(1e-2)  # small activations: ε decides x̂
+        model[0].bias.zero_()
+    for p in model.parameters():
+        p.requires_grad_(p is model[1].weight)
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    loop = []  # the reference: one autograd backward per example, under the same autocast
+    for i in range(6):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            F.cross_entropy(model(x[i : i + 1]).float(), y[i : i + 1]).backward()
+        loop.append(model[1].weight.grad.double().norm().item())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = clipped_sum(model, F.cross_entropy, x, y, clip_norm=1e-3, clipping=clipping)
+    torch.testing.assert_close(got.norms, torch.tensor(loop, dtype=torch.float64), rtol=1e-4, atol=0)

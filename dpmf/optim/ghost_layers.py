@@ -747,6 +747,13 @@ class EmbeddingHandler(ClippingHandler):
         return {"weight": s}
 
 
+def _rms_norm_eps(dtype) -> float:
+    """The ε ``F.rms_norm(..., eps=None)`` uses for an input of ``dtype``: that of the type it
+    computes in (float32 for float16 and bfloat16 inputs, not their own ε — 0.0078 for bfloat16,
+    which once made the handler's norms 18× too small under bfloat16 autocast)."""
+    return torch.finfo(torch.float32 if torch.finfo(dtype).bits < 32 else dtype).eps
+
+
 class NormHandler(ClippingHandler):
     """``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.RMSNorm``: affine gradients per example."""
 
@@ -769,7 +776,7 @@ class NormHandler(ClippingHandler):
         if isinstance(m, nn.LayerNorm):
             xhat = F.layer_norm(x, shape, None, None, m.eps)
         else:
-            eps = m.eps if m.eps is not None else torch.finfo(call.inputs[0].dtype).eps
+            eps = m.eps if m.eps is not None else _rms_norm_eps(call.inputs[0].dtype)
             xhat = F.rms_norm(x, shape, None, eps)
         return {
             "weight": (g * xhat).reshape(b, -1, *shape).sum(1),
