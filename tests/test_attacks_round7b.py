@@ -425,3 +425,36 @@ def test_rms_norm_without_eps_under_bf16_autocast_keeps_the_true_norms(clipping)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = clipped_sum(model, F.cross_entropy, x, y, clip_norm=1e-3, clipping=clipping)
     torch.testing.assert_close(got.norms, torch.tensor(loop, dtype=torch.float64), rtol=1e-4, atol=0)
+
+
+# -- the model-state check: a parameter subclass that reports a fixed address ----------------------
+# Weakness: the snapshot read each tensor's address, layout, version and words through the
+# tensor's own methods; a frozen parameter of a Parameter subclass whose ``data_ptr`` returns a
+# constant kept its layout after ``spy.data = …`` in the forward, and the kept word view (of the
+# old memory, alive through the view) gave the old sum: the write was not seen with the views a
+# private step keeps (a fresh WordViews saw it). A tensor of another subclass is now read through a
+# plain alias of it (torch's own methods, the same memory and version counter).
+class _FixedAddress(nn.Parameter):
+    def data_ptr(self):
+        return 4096
+
+
+class _RewriteThroughData(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.spy = _FixedAddress(torch.arange(1.0, 5.0), requires_grad=False)
+
+    def forward(self, x):
+        self.spy.data = self.spy.data + (x[0, 0] > -100).float()  # any batch-dependent write
+        return self.lin(x)
+
+
+def test_a_forward_rewriting_a_parameter_that_reports_a_fixed_address_is_refused():
+    torch.manual_seed(0)
+    model = _RewriteThroughData()
+    _, _, run = _small_private_run(model, model.lin.parameters(), clipping="bk")
+    loader = iter(run.data_loader)
+    x, y = next(loader)
+    with pytest.raises(ModelStateChangedError, match="'spy'"):
+        run.backward(x, target=y, return_loss=False)

@@ -307,19 +307,19 @@ class StateSnapshot:
 
     def __init__(self, params: list, buffers: list, views: WordViews | None):
         self.tensors = params + buffers
-        self.versions = [t._version for t in self.tensors]
+        plain = _plain_all(self.tensors)  # what is read below: torch's own methods, not a subclass's
+        n = len(params)
+        self.versions = [t._version for t in plain]
         # the layout and dtype too: ``p.data = p.data.view(...)`` keeps the address, size and
         # words (so the checksum) but changes what the model computes with
         # and the lazy negation and conjugation bits: ``p.data = torch._neg_view(p.data)`` keeps
         # the address, layout and words but negates every value the model reads
-        self.layouts = [
-            (t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_neg(), t.is_conj()) for t in self.tensors
-        ]
+        self.layouts = [(t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_neg(), t.is_conj()) for t in plain]
         with torch.no_grad():
-            self.copies = [b.clone() for b in buffers]
+            self.copies = [b.clone() for b in plain[n:]]
             # every dtype: a frozen integer, bool or complex parameter too
             views = views if views is not None else WordViews()
-            sums = views.sums(params, self.layouts[: len(params)])
+            sums = views.sums(plain[:n], self.layouts[:n])
         self.sums = sums
         self.host = all(type(s) is int for s in sums)  # CPU checksums: compared as a list
 
@@ -368,6 +368,28 @@ def state_versions(
     """
     params, buffers = _state_tensors(model, walk)
     return StateSnapshot(params, buffers, views)
+
+
+# Tensor types whose methods are torch's own: a parameter of another subclass may override
+# data_ptr, is_contiguous, clone, … (a data_ptr that never changes made the kept word view of the
+# old memory read as the parameter's after ``spy.data = …`` in the forward); it is read through a
+# plain alias of it (same memory, version counter and layout)
+_PLAIN = (torch.Tensor, nn.Parameter)
+_TB = torch._C.TensorBase
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a plain ``torch.Tensor`` alias of it when its type is another subclass."""
+    if type(t) in _PLAIN:
+        return t
+    with torch._C.DisableTorchFunctionSubclass():  # nor the subclass's __torch_function__
+        return _TB.as_subclass(_TB.detach(t), torch.Tensor)
+
+
+def _plain_all(tensors: list) -> list:
+    if all(type(t) in _PLAIN for t in tensors):
+        return tensors
+    return [_plain(t) for t in tensors]
 
 
 _WORD = np.dtype(np.uint64)
@@ -434,6 +456,7 @@ class ContentMark:
     __slots__ = ("_meta", "_sum", "_view")
 
     def __init__(self, t: torch.Tensor):
+        t = _plain(t)
         self._meta = (t._version, t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_neg(), t.is_conj())
         if t.is_cpu and t.layout == torch.strided and t.is_contiguous() and not (t.is_neg() or t.is_conj()):
             self._view = _words(t)
@@ -446,6 +469,7 @@ class ContentMark:
         """Whether ``t`` (the tensor marked) has the same version, address, layout, dtype and
         content as when marked — a write through ``t.data`` keeps the version but not the
         content."""
+        t = _plain(t)
         if (t._version, t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_neg(), t.is_conj()) != self._meta:
             return False
         if self._view is not None and t.is_cpu and t.is_contiguous():
