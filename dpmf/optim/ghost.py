@@ -111,6 +111,7 @@ from dpmf.optim.ghost_layers import (
     _as,
     _sq,
     clipping_handler,
+    code_print,
     squares,
     weighted_sum,
 )
@@ -341,7 +342,8 @@ class _Engine:
             handler, _ = clipping_handler(m)
             layer = _Layer(mname, m, handler, own)
             if handler is not None:
-                layer.state = (tuple(m.__dict__), tuple(m.__dict__.values()))
+                t = type(m)
+                layer.state = (t, code_print(t), tuple(m.__dict__), tuple(m.__dict__.values()))
             self.layers.append(layer)
             for q, _ in own:
                 by_param.setdefault(q, []).append(layer)
@@ -484,10 +486,12 @@ def _handler_broken(module: nn.Module, layer: _Layer) -> str | None:
     (a hook or attribute added during the forward, after the registry's check), or None."""
     if _module._global_forward_hooks or next(iter(module._forward_hooks), None) != layer.hook_id:
         return "a forward hook ran before its output was recorded"
-    keys, values = layer.state
+    t, code, keys, values = layer.state
     d = module.__dict__
     if len(d) != len(keys) or not all(map(operator.is_, d.values(), values)) or tuple(d) != keys:
         return "its attributes changed after the clipping handler was chosen"
+    if type(module) is not t or code_print(t) != code:  # module.__class__ = …, F.linear = …
+        return "its class or the torch code it runs changed after the clipping handler was chosen"
     return None
 
 

@@ -197,6 +197,14 @@ def _forward_methods(cls) -> tuple:
     return (cls.forward, getattr(cls, "_conv_forward", None))
 
 
+def code_print(t: type) -> tuple:
+    """What the computation of a layer of type ``t`` depends on beyond the instance: the prints
+    of the classes of its MRO and the torch functions the built-in forwards call. Equal prints
+    taken before and at a call: neither was replaced in between (``dpmf.optim.ghost`` checks it
+    at each call of a registered layer, against a swap around that call)."""
+    return (*(_class_print(c) for c in t.__mro__[:-1]), *(getattr(o, n) for o, n in _TORCH_FUNCTIONS))
+
+
 def _torch_functions_replaced() -> bool:
     return any(getattr(owner, n) is not f for (owner, n), f in _TORCH_FUNCTIONS.items())
 
