@@ -504,3 +504,28 @@ def test_a_forward_rewriting_a_parameter_that_reports_a_fixed_address_is_refused
     x, y = next(loader)
     with pytest.raises(ModelStateChangedError, match="'spy'"):
         run.backward(x, target=y, return_loss=False)
+
+
+# -- every method: per-example norms of long float32 rows ----------------------------------------
+# Weakness: a per-example norm was one float32 ``vector_norm`` over the row: (1) the one-token
+# ghost norm ‖a‖·‖g‖ of activations 2·10⁻²³ (squares below float32's range: ‖a‖ = 0) and output
+# gradients 1.5·10¹⁹ was 0 while the gradient's entries are 3·10⁻⁴ — the example was released
+# unclipped, 6·ζ (bk, ghost); (2) a float32 norm of 4·10⁶ entries accumulates its rounding: the
+# vmap path's norm came out 2·10⁻³ low, its clipped gradient 1.0019·ζ. Norms are now combined in
+# float64 from float32 norms of runs of 4096 entries, and a one-token row small enough to have lost
+# squares is normed scaled by 2¹⁰⁰.
+@pytest.mark.parametrize("case", ["underflow", "accumulation"])
+@pytest.mark.parametrize("clipping", ["bk", "ghost", "vmap"])
+def test_long_float32_rows_keep_each_example_within_zeta(case, clipping):
+    d = 4_000_000
+    lin = nn.Linear(d, 1, bias=False)
+    a, k = (2e-23, 1.5e19) if case == "underflow" else (0.3, 1e-3)
+    x = torch.full((1, d), a)
+
+    def loss(out, y):
+        return (out * k).sum()
+
+    true = float(torch.tensor(a).double() * torch.tensor(k).double()) * d**0.5  # 0.6
+    got = clipped_sum(lin, loss, x, torch.zeros(1), clip_norm=0.1, clipping=clipping)
+    assert got.norms.item() == pytest.approx(true, rel=1e-5)
+    assert got.grads[0].double().norm().item() <= 0.1 * (1 + 1e-5)

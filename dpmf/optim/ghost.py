@@ -112,6 +112,7 @@ from dpmf.optim.ghost_layers import (
     _sq,
     clipping_handler,
     code_print,
+    row_norms,
     squares,
     weighted_sum,
 )
@@ -664,7 +665,7 @@ class _Handler:
                     sums[a] = v if a not in sums else sums[a] + v
             per = {a: sums[a].to(dtype) for a in self.attrs}
             self.state = per
-            return {a: _sq(v.reshape(v.shape[0], -1), 1) for a, v in per.items()}
+            return {a: _sq(v) for a, v in per.items()}
         if self.pending:
             sq, self.state = h.sq_norms(m, calls, list(self.attrs), dtype, pending=True)
         else:
@@ -983,7 +984,7 @@ def ghost_clipped_sum(
             for q, t in paired.items():
                 sq[q] = t.sq_norms()
             for q, g in tied_per.items():
-                part = torch.linalg.vector_norm(g.reshape(b, -1), dim=1)
+                part = row_norms(g)
                 if not bool(torch.isfinite(part).all()):
                     part = torch.linalg.vector_norm(g.reshape(b, -1), dim=1, dtype=torch.float64)
                 sq[q] = part.double() ** 2
@@ -994,10 +995,9 @@ def ghost_clipped_sum(
             rest = [n for n in names if n not in sq]
             per_example = subset_gradients(rest) if rest else {}
             for n, g in per_example.items():
-                flat = g.reshape(b, -1)
-                part = torch.linalg.vector_norm(flat, dim=1)
+                part = row_norms(g)
                 if not bool(torch.isfinite(part).all()):
-                    part = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64)
+                    part = torch.linalg.vector_norm(g.reshape(b, -1), dim=1, dtype=torch.float64)
                 sq[n] = part.double() ** 2
             sq, norms, finite = _settled_norms(sq, names, handlers)
             result_grads = {}

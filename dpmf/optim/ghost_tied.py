@@ -30,7 +30,7 @@ import math
 import torch
 from torch import nn
 
-from dpmf.optim.ghost_layers import EmbeddingHandler, LinearHandler, _gamma, most_repeated
+from dpmf.optim.ghost_layers import EmbeddingHandler, LinearHandler, _gamma, most_repeated, row_norms
 
 __all__ = ["TiedEmbeddingLinear", "tied_embedding_linear"]
 
@@ -115,7 +115,7 @@ class TiedEmbeddingLinear:
             rounds = max(most_repeated(ids), b * t_o) + 2  # the terms of each sum, their addition
         else:  # the instantiated L̂_i (b, V, d) is what the sum adds: ‖S_i + L̂_i‖ directly
             w = entry[1]
-            sq_l = torch.linalg.vector_norm(w, dim=(1, 2), dtype=torch.float64).square()
+            sq_l = row_norms(w).square()
             m_l = sq_l.sqrt()
             rows = torch.gather(w, 1, ids.unsqueeze(-1).expand(-1, -1, d)).double()  # L̂_i[x_i[t]]
             cross = (rows * e64).sum((1, 2))
