@@ -80,6 +80,26 @@ def test_a_forward_hook_changing_a_layers_output_is_not_taken_for_the_layer(wher
         handle.remove()
 
 
+# Weakness: a legacy backward hook (``register_backward_hook``, not full) sits on the node after
+# the layer's output and may change the gradients flowing into the layer's backward — for a
+# Linear, its weight's; doubling them left the handler's norms at 0.60–0.93× the true ones (a
+# loop of per-example backward passes). Full backward hooks act on the recorded output gradient
+# itself and stay consistent. A layer with a legacy backward hook now has no handler.
+@pytest.mark.parametrize("clipping", ["bk", "ghost"])
+def test_a_legacy_backward_hook_is_not_taken_for_the_layer(clipping):
+    model, (x, y) = _mlp(), _batch()
+    model[2].register_backward_hook(lambda m, gi, go: tuple(None if g is None else 2 * g for g in gi))
+    loop = []
+    for i in range(x.shape[0]):
+        model.zero_grad()
+        with pytest.warns(FutureWarning):
+            F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
+        loop.append(torch.sqrt(sum(p.grad.double().square().sum() for p in model.parameters())).item())
+    with pytest.warns(FutureWarning):
+        got = clipped_sum(model, F.cross_entropy, x, y, clip_norm=0.5, clipping=clipping)
+    torch.testing.assert_close(got.norms, torch.tensor(loop, dtype=torch.float64), rtol=1e-5, atol=0)
+
+
 # -- the engine: a convolution's method or padding changed on the instance -----------------------
 # Weakness: the registry looked for ``forward`` in the instance's dict only; Conv2d.forward calls
 # ``self._conv_forward``, so ``conv._conv_forward = …`` (here with 2·W) kept the conv handler

@@ -487,6 +487,8 @@ def _handler_broken(module: nn.Module, layer: _Layer) -> str | None:
     (a hook or attribute added during the forward, after the registry's check), or None."""
     if _module._global_forward_hooks or next(iter(module._forward_hooks), None) != layer.hook_id:
         return "a forward hook ran before its output was recorded"
+    if _module._global_backward_hooks and not _module._global_is_full_backward_hook:
+        return "a legacy global backward hook may change its gradients"
     t, code, keys, values = layer.state
     d = module.__dict__
     if len(d) != len(keys) or not all(map(operator.is_, d.values(), values)) or tuple(d) != keys:

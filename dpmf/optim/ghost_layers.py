@@ -340,8 +340,14 @@ def _subclass_shadows(t: type, cls: type, own) -> str | None:
 
 def _forward_hooked(module: nn.Module) -> bool:
     """Whether a forward hook (the module's own or a global one) may change the module's output
-    before the engine records it: the handler's formulas are for the forward's own output."""
-    return bool(module._forward_hooks) or bool(_module._global_forward_hooks)
+    before the engine records it — the handler's formulas are for the forward's own output — or
+    a legacy (not full) backward hook may change the gradients of the node after it (for a
+    Linear, its weight's: ``register_backward_hook`` doubling them made the norms 0.6–0.93× the
+    true ones)."""
+    if module._forward_hooks or _module._global_forward_hooks:
+        return True
+    legacy = module._backward_hooks and not module._is_full_backward_hook
+    return bool(legacy) or bool(_module._global_backward_hooks and not _module._global_is_full_backward_hook)
 
 
 def _key_of(cls) -> str:
@@ -410,7 +416,7 @@ def clipping_handler(module: nn.Module) -> tuple[ClippingHandler | None, str | N
     if shadowed is not None:
         return None, f"its method {shadowed!r} is replaced on the instance"
     if _forward_hooked(module):
-        return None, "a forward hook may change its output (the handler knows the forward's own)"
+        return None, "a hook may change its output or gradients (the handler knows the forward's own)"
     for cls in t.__mro__:
         if cls is nn.Module or cls is object:
             break
