@@ -1021,8 +1021,10 @@ def ghost_clipped_sum(
                     # from the same vectors whose norms were taken, in both methods; so is every
                     # layer under autocast, where a second backward would round differently
                     # (low precision) from the float32 vectors whose norms were taken, and an
-                    # example's clipped gradient could exceed ζ
-                    if method == "bk" or not h.sum_by_backward or autocast_on:
+                    # example's clipped gradient could exceed ζ; and a layer whose parameter has a
+                    # tensor hook (p.register_hook(lambda g: 10 * g)): the second backward would
+                    # run it on the clipped sum (4·ζ released), the norms never see it
+                    if method == "bk" or not h.sum_by_backward or autocast_on or _hooked(h, named):
                         result_grads.update(h.summed(_factors_for(h, factors, cast, tiny)))
             handlers.clear()
             for q in unused:  # a zero sum (the noise is added to it), in both methods
@@ -1041,6 +1043,12 @@ def ghost_clipped_sum(
                             result_grads[n] = g if n not in result_grads else result_grads[n] + g
                             k += 1
     return GhostResult(result_grads, norms, sq, fallback)
+
+
+def _hooked(h: _Handler, named: dict) -> bool:
+    """Whether a trainable parameter of the handler's layer has a tensor hook (``register_hook``),
+    which a backward through it runs on its gradient."""
+    return any(getattr(named[q], "_backward_hooks", None) for q in h.names.values())
 
 
 def _chain_clipped_sum(model, loss_fn, inputs, targets, clip_norm, names, named, dtype):
