@@ -567,3 +567,43 @@ def test_long_float32_rows_keep_each_example_within_zeta(case, clipping):
     got = clipped_sum(lin, loss, x, torch.zeros(1), clip_norm=0.1, clipping=clipping)
     assert got.norms.item() == pytest.approx(true, rel=1e-5)
     assert got.grads[0].double().norm().item() <= 0.1 * (1 + 1e-5)
+
+
+# -- bk/ghost: a hook on a layer's autograd node, registered by the forward -------------------------
+# Weakness (open): a forward may register a hook on its Linear's backward node (``AddmmBackward``;
+# here scaling every gradient it passes by 10) — the weight gradient a backward (and vmap) computes
+# then differs from G_iᵀA_i, which the handler takes from the recorded output gradient: norms
+# 0.90× the true ones (38.6 against 42.8), and clipping="ghost", whose second backward runs the
+# hook, released one example's clipped gradient at 1.107·ζ. Autograd exposes no list of a node's
+# hooks to check.
+class _NodeHook(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2 = nn.Linear(10, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        out = self.l2(torch.tanh(self.l1(x)))
+        stack, seen = [out.grad_fn], set()
+        while stack:  # the first AddmmBackward below the output: l2's
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if type(node).__name__.startswith("Addmm"):
+                node.register_hook(lambda gi, go: tuple(None if g is None else 10 * g for g in gi))
+                break
+            stack += [f for f, _ in node.next_functions]
+        return out
+
+
+@pytest.mark.xfail(strict=True, reason="a hook on a layer's autograd node is invisible to its handler")
+@pytest.mark.parametrize("clipping", ["bk", "ghost"])
+def test_a_hook_on_a_layers_autograd_node_is_not_taken_for_the_layer(clipping):
+    model = _NodeHook()
+    x, y = torch.randn(1, 10) * 3, torch.randint(0, 3, (1,))
+    ref = clipped_sum(model, F.cross_entropy, x, y, clip_norm=0.01, clipping="vmap")
+    got = clipped_sum(model, F.cross_entropy, x, y, clip_norm=0.01, clipping=clipping)
+    torch.testing.assert_close(got.norms, ref.norms, rtol=1e-5, atol=0)
+    released = torch.sqrt(sum(g.double().square().sum() for g in got.grads))
+    assert float(released) <= 0.01 * (1 + 1e-6)
