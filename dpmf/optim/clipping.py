@@ -38,6 +38,7 @@ from torch.func import grad, vmap
 from dpmf._validation import check_choice, check_int, check_real
 from dpmf.optim.func_call import functional_call
 from dpmf.optim.ghost import CLIPPING_MODES, ghost_clipped_sum
+from dpmf.optim.ghost_layers import row_norms
 from dpmf.optim.model_guard import ModelWalk
 
 __all__ = [
@@ -507,10 +508,9 @@ def _vmap_clip_into(sums, names, grads, clip_norm, start, step, example_ids, all
     sq = torch.zeros(grads[0].shape[0], dtype=torch.float64, device=grads[0].device)
     bad = []
     for n, g in zip(names, grads, strict=True):
-        flat = g.reshape(g.shape[0], -1)
-        part = torch.linalg.vector_norm(flat, dim=1)
+        part = row_norms(g)  # float64, from runs of float32 norms (one long float32 norm drifts)
         if not bool(torch.isfinite(part).all()):  # overflow of a finite gradient, or NaN
-            part = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64)
+            part = torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1, dtype=torch.float64)
             if not bool(torch.isfinite(part).all()):
                 bad.append(n)
         sq += part.double() ** 2

@@ -78,7 +78,10 @@ an instantiated gradient whose entries themselves overflow float32 is not finite
 raises ``NonFiniteGradientError`` (compute in float64). A ghost norm of several tokens,
 ⟨AAᵀ, GGᵀ⟩, can cancel: its Gram matrices are taken in float64 and a bound on the rounding
 added, so that it is never below the norm of the vector book-keeping sums
-(``ghost_layers._gram_sq``).
+(``ghost_layers._gram_sq``); so are an embedding's norm (equal tokens whose gradients cancel)
+and a tied embedding's (its two uses cancelling, ``ghost_tied``). Its book-keeping sum (c∘G)ᵀA
+is taken in float64 when a product c_i·g is below float32's normal range (rounded there by up to
+a third, then multiplied by the activations).
 
 Assumptions, as for any per-example method: the examples do not interact in the forward
 (``check_per_example_safe`` refuses BatchNorm), and each layer sees the examples in the
@@ -88,6 +91,7 @@ order of the input's dim 0.
 from __future__ import annotations
 
 import math
+import operator
 import threading
 import weakref
 from collections.abc import Callable
@@ -97,6 +101,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import grad, vmap
+from torch.nn.modules import module as _module
 from torch.overrides import TorchFunctionMode
 
 from dpmf.optim.choices import CLIPPING_MODES
@@ -108,6 +113,8 @@ from dpmf.optim.ghost_layers import (
     _as,
     _sq,
     clipping_handler,
+    code_print,
+    row_norms,
     squares,
     weighted_sum,
 )
@@ -191,6 +198,10 @@ class _Layer:
     params: list[tuple[str, str]]  # (model-level name, attribute name) of its trainable params
     calls: list[_Call] = field(default_factory=list)
     fallback: str | None = None  # why it needs the whole-model torch.func path
+    hook_id: int | None = None  # the id of the engine's forward hook on the module
+    # a registered layer's instance attributes when the engine was built (names, values): the
+    # handler's formulas read them after the forward, so the forward must have run with them
+    state: tuple | None = None
 
     @property
     def kind(self) -> str:
@@ -342,6 +353,9 @@ class _Engine:
                 continue
             handler, _ = clipping_handler(m)
             layer = _Layer(mname, m, handler, own)
+            if handler is not None:
+                t = type(m)
+                layer.state = (t, code_print(t), tuple(m.__dict__), tuple(m.__dict__.values()))
             self.layers.append(layer)
             for q, _ in own:
                 by_param.setdefault(q, []).append(layer)
@@ -408,7 +422,9 @@ class _Engine:
         for layer in self.layers:
             m = layer.module
             self.handles.append(m.register_forward_pre_hook(self._pre(layer)))
-            self.handles.append(m.register_forward_hook(self._post(layer), always_call=True))
+            handle = m.register_forward_hook(self._post(layer), always_call=True)
+            layer.hook_id = handle.id
+            self.handles.append(handle)
         return self
 
     def __exit__(self, *exc):
@@ -457,6 +473,11 @@ class _Engine:
                 return None
             if layer.fallback is not None:
                 return None
+            if layer.handler is not None:
+                why = _handler_broken(module, layer)
+                if why is not None:
+                    layer.fallback = why
+                    return None
             if not isinstance(out, torch.Tensor) or not out.requires_grad:
                 if not isinstance(out, torch.Tensor):
                     layer.fallback = "its output is not one tensor"
@@ -489,6 +510,22 @@ class _Engine:
                 self.quiet = False
 
         return hook
+
+
+def _handler_broken(module: nn.Module, layer: _Layer) -> str | None:
+    """Why the output a registered layer's call just gave may not be what its handler assumes
+    (a hook or attribute added during the forward, after the registry's check), or None."""
+    if _module._global_forward_hooks or next(iter(module._forward_hooks), None) != layer.hook_id:
+        return "a forward hook ran before its output was recorded"
+    if _module._global_backward_hooks and not _module._global_is_full_backward_hook:
+        return "a legacy global backward hook may change its gradients"
+    t, code, keys, values = layer.state
+    d = module.__dict__
+    if len(d) != len(keys) or not all(map(operator.is_, d.values(), values)) or tuple(d) != keys:
+        return "its attributes changed after the clipping handler was chosen"
+    if type(module) is not t or code_print(t) != code:  # module.__class__ = …, F.linear = …
+        return "its class or the torch code it runs changed after the clipping handler was chosen"
+    return None
 
 
 # -- per-layer norms and sums ---------------------------------------------------------------
@@ -660,7 +697,7 @@ class _Handler:
                     sums[a] = v if a not in sums else sums[a] + v
             per = {a: sums[a].to(dtype) for a in self.attrs}
             self.state = per
-            return {a: _sq(v.reshape(v.shape[0], -1), 1) for a, v in per.items()}
+            return {a: _sq(v) for a, v in per.items()}
         if self.pending:
             sq, self.state = h.sq_norms(m, calls, list(self.attrs), dtype, pending=True)
         else:
@@ -982,7 +1019,7 @@ def ghost_clipped_sum(
             for q, t in paired.items():
                 sq[q] = t.sq_norms()
             for q, g in tied_per.items():
-                part = torch.linalg.vector_norm(g.reshape(b, -1), dim=1)
+                part = row_norms(g)
                 if not bool(torch.isfinite(part).all()):
                     part = torch.linalg.vector_norm(g.reshape(b, -1), dim=1, dtype=torch.float64)
                 sq[q] = part.double() ** 2
@@ -993,10 +1030,9 @@ def ghost_clipped_sum(
             rest = [n for n in names if n not in sq]
             per_example = subset_gradients(rest) if rest else {}
             for n, g in per_example.items():
-                flat = g.reshape(b, -1)
-                part = torch.linalg.vector_norm(flat, dim=1)
+                part = row_norms(g)
                 if not bool(torch.isfinite(part).all()):
-                    part = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64)
+                    part = torch.linalg.vector_norm(g.reshape(b, -1), dim=1, dtype=torch.float64)
                 sq[n] = part.double() ** 2
             sq, norms, finite = _settled_norms(sq, names, handlers)
             result_grads = {}
@@ -1018,8 +1054,10 @@ def ghost_clipped_sum(
                     # from the same vectors whose norms were taken, in both methods; so is every
                     # layer under autocast, where a second backward would round differently
                     # (low precision) from the float32 vectors whose norms were taken, and an
-                    # example's clipped gradient could exceed ζ
-                    if method == "bk" or not h.sum_by_backward or autocast_on:
+                    # example's clipped gradient could exceed ζ; and a layer whose parameter has a
+                    # tensor hook (p.register_hook(lambda g: 10 * g)): the second backward would
+                    # run it on the clipped sum (4·ζ released), the norms never see it
+                    if method == "bk" or not h.sum_by_backward or autocast_on or _hooked(h, named):
                         result_grads.update(h.summed(_factors_for(h, factors, cast, tiny)))
             handlers.clear()
             for q in unused:  # a zero sum (the noise is added to it), in both methods
@@ -1038,6 +1076,12 @@ def ghost_clipped_sum(
                             result_grads[n] = g if n not in result_grads else result_grads[n] + g
                             k += 1
     return GhostResult(result_grads, norms, sq, fallback)
+
+
+def _hooked(h: _Handler, named: dict) -> bool:
+    """Whether a trainable parameter of the handler's layer has a tensor hook (``register_hook``),
+    which a backward through it runs on its gradient."""
+    return any(getattr(named[q], "_backward_hooks", None) for q in h.names.values())
 
 
 def _chain_clipped_sum(model, loss_fn, inputs, targets, clip_norm, names, named, dtype):

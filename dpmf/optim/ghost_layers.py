@@ -6,9 +6,15 @@ given the clip factors c, the sum Σ_i c_i·g_i — from the module's recorded i
 gradients, without a per-example backward. A **handler** says how for one module type;
 ``register_clipping_layer(module_type, handler)`` adds one. A module is matched by its exact
 type, else by its nearest registered base class whose ``forward`` it does not override (a
-subclass that changes the forward is not the registered layer); then the handler's ``check``
-may still decline it (for instance a sparse embedding). Modules without a handler take the
-``torch.func`` path of ``dpmf.optim.ghost`` (per module, or for the whole model).
+subclass that changes the forward, or the ``_conv_forward`` it calls, is not the registered
+layer); then the handler's ``check`` may still decline it (for instance a sparse embedding). A
+module with a forward hook (its own or a global one: it may change the output whose gradient
+the handler's formulas take), a method of its class shadowed on the instance, or — for the
+built-in handlers — a torch function their forwards call replaced after import has none. During
+a recorded forward the engine also checks, at each call of a registered layer, that no hook ran
+before its own and that the instance's attributes are those of when the handler was chosen.
+Modules without a handler take the ``torch.func`` path of ``dpmf.optim.ghost`` (per module, or
+for the whole model).
 
 Built-in handlers (registered below through the same function):
 
@@ -36,11 +42,13 @@ tied between one ``nn.Embedding`` and one ``nn.Linear`` has its own closed form 
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _module
 
 __all__ = [
     "ClippingHandler",
@@ -50,10 +58,55 @@ __all__ = [
 ]
 
 
-def _sq(x: torch.Tensor, dim) -> torch.Tensor:
-    """Σ x² along ``dim`` (an int or a tuple) as the square of one fused norm (no squared
-    temporary)."""
-    return torch.linalg.vector_norm(x, dim=dim).double().square()
+# the most entries of one float32 norm in ``row_norms``
+_RUN = 4096
+_UP = 2.0**100  # a float32 row below 4·10⁻²⁰·√n, scaled by it, has no square below float32's range
+
+
+def _run_norms(x: torch.Tensor) -> torch.Tensor:
+    """‖·‖ along the last dim in float64: float32 norms of runs of at most 4096 entries, combined
+    in float64 (a float32 norm of one run: the same bits as before)."""
+    n = x.shape[-1]
+    if x.dtype == torch.float64 or n <= _RUN:
+        return torch.linalg.vector_norm(x, dim=-1).double()
+    q = n // _RUN
+    part = torch.linalg.vector_norm(x[..., : q * _RUN].unflatten(-1, (q, _RUN)), dim=-1)
+    if q * _RUN < n:
+        part = torch.cat([part, torch.linalg.vector_norm(x[..., q * _RUN :], dim=-1, keepdim=True)], -1)
+    return torch.linalg.vector_norm(part.double(), dim=-1)
+
+
+def row_norms(x: torch.Tensor) -> torch.Tensor:
+    """‖x_i‖ over every dim but 0, float64, shape (b,): float32 norms of runs of at most 4096
+    entries of the last dim (of the flattened rows when ``x`` is contiguous), combined in
+    float64. One float32 norm of millions of entries accumulates its rounding — 16·10⁶ uniform
+    entries came out 5·10⁻⁴ low, 4·10⁶ equal ones 2·10⁻³ (an example's norm understated, its
+    clipped gradient 1.002·ζ) — and a float64 norm of a float32 tensor copies it (40× slower);
+    the runs' norms are within about 10⁻⁹. Squares below float32's range still vanish (an
+    absolute error below 4·10⁻²³ per entry).
+    """
+    b = x.shape[0]
+    if x.dim() < 2 or x.is_contiguous() or x.dtype == torch.float64:
+        x = x.reshape(b, -1)
+    part = _run_norms(x)
+    return part if part.dim() == 1 else torch.linalg.vector_norm(part.reshape(b, -1), dim=1)
+
+
+def _last_norms(x: torch.Tensor) -> torch.Tensor:
+    """``_run_norms`` without losing the entries whose float32 squares underflow: a row of 4·10⁶
+    entries 2·10⁻²³ has a float32 norm of 0 while the one-token ghost norm ‖a‖‖g‖ was 6·ζ — that
+    example was released unclipped. A row whose norm is below 4·10⁻²⁰·√n (where lost squares
+    could matter) takes the norm of its entries scaled by 2¹⁰⁰ instead (exact: a power of two)."""
+    norms = _run_norms(x)
+    if x.dtype == torch.float64:
+        return norms
+    small = norms < 4e-20 * math.sqrt(x.shape[-1])
+    return torch.where(small, _run_norms(x * _UP) / _UP, norms)
+
+
+def _sq(x: torch.Tensor) -> torch.Tensor:
+    """‖x_i‖² over every dim but 0, float64 (``row_norms``)."""
+    return row_norms(x).square()
 
 
 class PendingNorm:
@@ -163,7 +216,7 @@ class ClippingHandler:
     def sq_norms(self, module, calls, attrs, dtype) -> tuple[dict[str, torch.Tensor], object]:
         """(attr → ‖g_i restricted to it‖², shape (b,), state for ``clipped_sum``)."""
         per = self.per_example(module, calls, attrs, dtype)
-        return {a: _sq(per[a].reshape(per[a].shape[0], -1), 1) for a in attrs}, per
+        return {a: _sq(per[a]) for a in attrs}, per
 
     def clipped_sum(self, module, state, factors, attrs, dtype) -> dict[str, torch.Tensor]:
         """attr → Σ_i factors_i·g_i (the parameter's shape), from ``sq_norms``'s state."""
@@ -173,9 +226,128 @@ class ClippingHandler:
 # type (or "module.QualName") → handler
 _REGISTRY: dict[object, ClippingHandler] = {}
 _BUILTIN: dict[object, ClippingHandler] = {}  # the handlers this module registers
-# the forward of each type registered as a class, as it was then: a forward replaced on the class
-# afterwards (``nn.Linear.forward = ...``) is not the computation the handler's formulas assume
-_FORWARD: dict[object, object] = {}
+# the forward (and the methods it calls: ``_conv_forward``) of each type registered as a class, as
+# they were then: one replaced on the class afterwards (``nn.Linear.forward = ...``) is not the
+# computation the handler's formulas assume
+_FORWARD: dict[object, tuple] = {}
+# the torch functions the built-in layers' forwards call, as they were when dpmf was imported:
+# ``F.linear = ...`` replaced afterwards changes what every nn.Linear computes
+_TORCH_FUNCTIONS = {
+    (F, n): getattr(F, n)
+    for n in ("linear", "conv1d", "conv2d", "pad", "embedding", "layer_norm", "group_norm", "rms_norm")
+}
+_TORCH_FUNCTIONS[(torch, "addmm")] = torch.addmm
+
+
+def _forward_methods(cls) -> tuple:
+    return (cls.forward, getattr(cls, "_conv_forward", None))
+
+
+def code_print(t: type) -> tuple:
+    """What the computation of a layer of type ``t`` depends on beyond the instance: the prints
+    of the classes of its MRO and the torch functions the built-in forwards call. Equal prints
+    taken before and at a call: neither was replaced in between (``dpmf.optim.ghost`` checks it
+    at each call of a registered layer, against a swap around that call)."""
+    return (*(_class_print(c) for c in t.__mro__[:-1]), *(getattr(o, n) for o, n in _TORCH_FUNCTIONS))
+
+
+def _torch_functions_replaced() -> bool:
+    return any(getattr(owner, n) is not f for (owner, n), f in _TORCH_FUNCTIONS.items())
+
+
+_CALLABLES: dict[type, frozenset] = {}  # a type → the names of its callable attributes
+
+
+def _instance_method(module: nn.Module, own) -> str | None:
+    """The name of a method of the module's class (``forward``, ``_conv_forward``,
+    ``_call_impl``, …) or of a parameter, buffer or submodule (``own``) that the instance
+    shadows with an attribute of its own, or None."""
+    t = type(module)
+    names = _CALLABLES.get(t)
+    if names is None:
+        names = _CALLABLES[t] = frozenset(k for k in dir(t) if callable(getattr(t, k, None)))
+    hit = module.__dict__.keys() & names or module.__dict__.keys() & own
+    return min(hit) if hit else None
+
+
+# What a registered layer's attribute reads go through: a class of its MRO (nn.Module included)
+# that gains a name (a ``weight`` property) or has one of these replaced changes what its forward
+# computes with, e.g. ``nn.Module.__getattr__`` returning 2·W for "weight"
+_CRITICAL = (
+    "forward",
+    "_conv_forward",
+    "__getattr__",
+    "__getattribute__",
+    "__call__",
+    "_call_impl",
+    "_wrapped_call_impl",
+)
+# each class of a registered type's MRO → [its print, its names, the names it gained since that
+# are neither data descriptors nor critical], as at registration (or as first seen)
+_CLASS_STATE: dict[type, list] = {}
+
+
+def _class_print(c: type) -> tuple:
+    d = c.__dict__
+    return (len(d), *map(d.get, _CRITICAL))
+
+
+def _data_descriptor(v) -> bool:
+    return hasattr(type(v), "__set__") or hasattr(type(v), "__delete__")
+
+
+def _record_classes(cls: type) -> None:
+    _CLASS_STATE[cls] = [_class_print(cls), frozenset(cls.__dict__), frozenset()]
+    for c in cls.__mro__[1:]:
+        if c is object:
+            break
+        _CLASS_STATE.setdefault(c, [_class_print(c), frozenset(c.__dict__), frozenset()])
+
+
+def _class_changed(c: type, own) -> bool:
+    """Whether class ``c`` changed since recorded in a way the forward's attribute reads see: a
+    critical entry replaced, a data descriptor (a ``weight`` property) added, or a name added
+    that is one of ``own`` (the module's parameter, buffer and submodule names: a class attribute
+    is found before them). A method added (transformers adds ``nn.Module.smart_apply``) is not."""
+    state = _CLASS_STATE.setdefault(c, [_class_print(c), frozenset(c.__dict__), frozenset()])
+    now = _class_print(c)
+    if now != state[0]:
+        if now[1:] != state[0][1:]:
+            return True
+        d = c.__dict__
+        added = frozenset(k for k in d if k not in state[1])
+        if any(_data_descriptor(d[k]) for k in added):
+            return True
+        state[0], state[2] = now, added
+    return bool(state[2]) and not state[2].isdisjoint(own)
+
+
+def _subclass_shadows(t: type, cls: type, own) -> str | None:
+    """What a class between the module's type ``t`` and the registered ``cls`` defines that the
+    forward's attribute reads would find instead of the registered layer's: a property or other
+    data descriptor, ``__getattr__``/``__getattribute__``, or a parameter's, buffer's or
+    submodule's name (``own``); None when nothing."""
+    for c in t.__mro__:
+        if c is cls:
+            return None
+        for k, v in c.__dict__.items():
+            if k in ("__getattr__", "__getattribute__") or k in own:
+                return k
+            if k not in ("__dict__", "__weakref__") and _data_descriptor(v):
+                return k
+    return None
+
+
+def _forward_hooked(module: nn.Module) -> bool:
+    """Whether a forward hook (the module's own or a global one) may change the module's output
+    before the engine records it — the handler's formulas are for the forward's own output — or
+    a legacy (not full) backward hook may change the gradients of the node after it (for a
+    Linear, its weight's: ``register_backward_hook`` doubling them made the norms 0.6–0.93× the
+    true ones)."""
+    if module._forward_hooks or _module._global_forward_hooks:
+        return True
+    legacy = module._backward_hooks and not module._is_full_backward_hook
+    return bool(legacy) or bool(_module._global_backward_hooks and not _module._global_is_full_backward_hook)
 
 
 def _key_of(cls) -> str:
@@ -220,7 +392,8 @@ def register_clipping_layer(module_type, handler: ClippingHandler, *, replace: b
         )
     _REGISTRY[key] = handler
     if isinstance(module_type, type):
-        _FORWARD[key] = module_type.forward
+        _FORWARD[key] = _forward_methods(module_type)
+        _record_classes(module_type)
     else:
         _FORWARD.pop(key, None)
 
@@ -238,6 +411,12 @@ def clipping_handler(module: nn.Module) -> tuple[ClippingHandler | None, str | N
             None,
             f"its forward is replaced on the instance (not {t.__name__}.forward, which its handler knows)",
         )
+    own = module._parameters.keys() | module._buffers.keys() | module._modules.keys()
+    shadowed = _instance_method(module, own)  # module._conv_forward = …, module._call_impl = …
+    if shadowed is not None:
+        return None, f"its method {shadowed!r} is replaced on the instance"
+    if _forward_hooked(module):
+        return None, "a hook may change its output or gradients (the handler knows the forward's own)"
     for cls in t.__mro__:
         if cls is nn.Module or cls is object:
             break
@@ -245,13 +424,23 @@ def clipping_handler(module: nn.Module) -> tuple[ClippingHandler | None, str | N
         handler = _REGISTRY.get(key)
         if handler is None:
             continue
-        if t.forward is not cls.forward:
+        if _forward_methods(t) != _forward_methods(cls):  # forward, or the _conv_forward it calls
             return None, f"{t.__name__} overrides the forward of the registered {cls.__name__}"
-        if t.forward is not _FORWARD.get(key, cls.forward):
+        if _forward_methods(t) != _FORWARD.get(key, _forward_methods(cls)):
             return (
                 None,
                 f"the forward of {cls.__name__} was replaced after its clipping handler was registered",
             )
+        shadow = None if t is cls else _subclass_shadows(t, cls, own)
+        if shadow is not None:
+            return None, f"{t.__name__} defines {shadow!r}, which the forward of {cls.__name__} would read"
+        for c in cls.__mro__:  # (the classes of a type registered by name: as first seen)
+            if c is object:
+                break
+            if _class_changed(c, own):
+                return None, f"{c.__name__} was changed after the clipping handler was registered"
+        if key in _BUILTIN and _torch_functions_replaced():
+            return None, "a torch function its forward calls (F.linear, F.conv2d, …) was replaced"
         reason = handler.check(module)
         if reason is not None:
             return None, reason
@@ -287,17 +476,36 @@ def _gram_sq(a, g):
     10⁻⁴–10⁻³ at T = 128 (float32).
     """
     if a.shape[2] == 1:
-        return (_sq(a, -1) * _sq(g, -1)).sum((1, 2))
+        return (_last_norms(a) * _last_norms(g)).square().sum((1, 2))
     b, _, t, d = a.shape
     p = g.shape[-1]
     u = torch.finfo(a.dtype).eps / 2
+    s, m = _gram_parts(a, g)
+    root = torch.sqrt(s + _gamma(d + p + t * t + 2, 2.0**-53) * m.square()) + _gamma(b * t + 1, u) * m
+    return root.square()
+
+
+def _gram_parts(a, g):
+    """(the float64 ghost norm Σ_groups ⟨A_iA_iᵀ, G_iG_iᵀ⟩ clamped at 0, M_i = Σ_groups Σ_t
+    ‖a_t‖‖g_t‖), each of shape (b,), for ``_gram_sq``'s shapes."""
     a64, g64 = a.double(), g.double()
     aa = a64 @ a64.transpose(-1, -2)
     gg = g64 @ g64.transpose(-1, -2)
     s = (aa * gg).sum((1, 2, 3)).clamp(min=0.0)
     m = (torch.linalg.vector_norm(a64, dim=-1) * torch.linalg.vector_norm(g64, dim=-1)).sum((1, 2))
-    root = torch.sqrt(s + _gamma(d + p + t * t + 2, 2.0**-53) * m.square()) + _gamma(b * t + 1, u) * m
-    return root.square()
+    return s, m
+
+
+def _underflows(cg: torch.Tensor, g: torch.Tensor) -> bool:
+    """Whether a product c_i·g of the clipped sum (c∘G)ᵀA is below ``cg``'s normal range while g
+    is not 0 (float32 and lower). There the rounding is absolute (up to 2⁻¹⁵⁰ in float32) rather
+    than relative — a product 1.5·2⁻¹⁴⁹ became 2·2⁻¹⁴⁹, a third more — and the activation it then
+    multiplies can be 10³⁸: tokens with such output gradients moved an example's clipped
+    gradient to 1.0015·ζ, beyond the relative bound of ``_gram_sq``. In float64 the products
+    of float32 numbers are exact."""
+    if cg.dtype == torch.float64 or cg.numel() == 0:
+        return False
+    return bool(((cg.abs() < torch.finfo(cg.dtype).tiny) & (g != 0)).any())
 
 
 class LinearHandler(ClippingHandler):
@@ -381,12 +589,11 @@ class LinearHandler(ClippingHandler):
                     w = self.weight_per_example(module, calls[0], dtype)
                 else:
                     w = _total(self.weight_per_example(module, c, dtype) for c in calls)
-                dims = tuple(range(1, w.dim()))  # no copy of a transposed view
-                out["weight"] = norm(torch.linalg.vector_norm(w, dim=dims)) if norm else _sq(w, dims)
+                out["weight"] = norm(row_norms(w)) if norm else _sq(w)  # no copy of a transposed view
                 state["weight"] = ("inst", w)
         if "bias" in attrs:
             gb = _total(self.bias_per_example(module, c, dtype) for c in calls)
-            out["bias"] = norm(torch.linalg.vector_norm(gb, dim=1)) if norm else _sq(gb, 1)
+            out["bias"] = norm(row_norms(gb)) if norm else _sq(gb)
             state["bias"] = ("inst", gb)
         return out, state
 
@@ -406,7 +613,11 @@ class LinearHandler(ClippingHandler):
             entry = state[a]
             if entry[0] == "ghost":
                 _, x, g = entry
-                out[a] = self.from_ghost(module, torch.einsum("bgtp,bgtd->gpd", g * c.view(-1, 1, 1, 1), x))
+                cg = g * c.view(-1, 1, 1, 1)
+                if _underflows(cg, g):  # float64: c_i·g exactly (see _underflows)
+                    cg, x = g.double() * c.double().view(-1, 1, 1, 1), x.double()
+                s = torch.einsum("bgtp,bgtd->gpd", cg, x).to(dtype)
+                out[a] = self.from_ghost(module, s)
             else:
                 out[a] = weighted_sum(c, entry[1])  # no copy of a transposed w
         return out
@@ -433,7 +644,9 @@ class Conv1DHandler(LinearHandler):
 def _conv_padded(m, x):
     """The input padded as the convolution pads it (any padding mode, 'same' included)."""
     k = len(m.kernel_size)
-    if isinstance(m.padding, str):
+    if m.padding_mode != "zeros":  # the forward pads by this list, kept on the instance
+        pads = list(m._reversed_padding_repeated_twice)
+    elif isinstance(m.padding, str):
         pads = [0] * (2 * k)
         if m.padding == "same":  # PyTorch puts the odd element on the right / bottom
             for i in range(k):
@@ -503,6 +716,12 @@ class ConvHandler(LinearHandler):
         return g.to(dtype).reshape(g.shape[0], g.shape[1], -1).sum(-1)
 
 
+def most_repeated(ids: torch.Tensor) -> int:
+    """How often the batch's most repeated token occurs (ids ≥ 0): the most terms an embedding's
+    clipped sum adds into one row."""
+    return int(torch.bincount(ids.reshape(-1)).max()) if ids.numel() else 0
+
+
 # Up to this many tokens per example an embedding's norm is a ghost norm (T² pairs); beyond, its
 # sparse per-example gradient (a sort of the b·T (example, token) keys and one index_add).
 _EMBEDDING_GHOST_TOKENS = 16
@@ -516,7 +735,7 @@ def _embedding_sq_sparse(ids: torch.Tensor, g: torch.Tensor, vocab: int) -> torc
     summed = torch.zeros(rows.shape[0], d, dtype=g.dtype, device=g.device)
     summed.index_add_(0, inverse, g.reshape(-1, d))
     sq = torch.zeros(b, dtype=torch.float64, device=g.device)
-    return sq.index_add_(0, rows // vocab, _sq(summed, 1))
+    return sq.index_add_(0, rows // vocab, _sq(summed))
 
 
 class EmbeddingHandler(ClippingHandler):
@@ -551,19 +770,47 @@ class EmbeddingHandler(ClippingHandler):
         return {"weight": out.reshape(b, n, d)}
 
     def sq_norms(self, module, calls, attrs, dtype):
+        """The squared norms in float64, never below those of the vectors ``clipped_sum`` sums.
+
+        The rows of one token's gradient can cancel (G_1 ≈ −G_2 for two equal tokens): in
+        float32 an example of norm 8 came out 0. Both forms are therefore taken in float64 from
+        the (exact) widened output gradients and bounded from above as in ``_gram_sq``: with
+        M_i = Σ_t ‖G_i[t]‖, the float64 rounding is within γ₆₄·M_i² (ghost) or γ₆₄·M_i (the
+        sparse rows), and the clipped sum, an index_add of b·T rows in ``dtype`` (at most n of them
+        into one row: the batch's most repeated token), moves each example's share by at most
+        c_i·γ_{n+1}(u)·M_i."""
         i, gg = self._ids_grads(module, calls, dtype)
+        b, t, d = gg.shape
+        s, m = self.sq_parts(module, i, gg)
+        u64 = 2.0**-53
+        slack = _gamma(most_repeated(i) + 1, torch.finfo(dtype).eps / 2) + _gamma(t + d + 2, u64)
+        root = torch.sqrt(s + _gamma(d + t * t + 2, u64) * m.square()) + slack * m
+        return {"weight": root.square()}, (i, gg)
+
+    @staticmethod
+    def sq_parts(module, i, gg):
+        """(‖Σ_t e_{x_t}G_i[t]‖² in float64, M_i = Σ_t ‖G_i[t]‖), each (b,), from the ids (b, T)
+        and output gradients (b, T, d) of ``_ids_grads``."""
+        g64 = gg.double()
         if i.shape[1] <= _EMBEDDING_GHOST_TOKENS:  # ghost: Σ_{t,u} [x_t = x_u]⟨G_t, G_u⟩
-            same = (i.unsqueeze(2) == i.unsqueeze(1)).to(dtype)
-            sq = ((gg @ gg.transpose(1, 2)) * same).sum((1, 2)).double()
+            same = (i.unsqueeze(2) == i.unsqueeze(1)).to(torch.float64)
+            s = ((g64 @ g64.transpose(1, 2)) * same).sum((1, 2)).clamp(min=0.0)
         else:  # the sparse per-example gradient: one row per distinct (example, token)
-            sq = _embedding_sq_sparse(i, gg, module.num_embeddings)
-        return {"weight": sq}, (i, gg)
+            s = _embedding_sq_sparse(i, g64, module.num_embeddings)
+        return s, torch.linalg.vector_norm(g64, dim=-1).sum(1)
 
     def clipped_sum(self, module, state, factors, attrs, dtype):
         i, g = state
         s = torch.zeros(module.weight.shape, dtype=dtype, device=g.device)
         s.index_add_(0, i.reshape(-1), (g * factors.to(dtype).view(-1, 1, 1)).reshape(-1, g.shape[-1]))
         return {"weight": s}
+
+
+def _rms_norm_eps(dtype) -> float:
+    """The ε ``F.rms_norm(..., eps=None)`` uses for an input of ``dtype``: that of the type it
+    computes in (float32 for float16 and bfloat16 inputs, not their own ε — 0.0078 for bfloat16,
+    which once made the handler's norms 18× too small under bfloat16 autocast)."""
+    return torch.finfo(torch.float32 if torch.finfo(dtype).bits < 32 else dtype).eps
 
 
 class NormHandler(ClippingHandler):
@@ -588,7 +835,7 @@ class NormHandler(ClippingHandler):
         if isinstance(m, nn.LayerNorm):
             xhat = F.layer_norm(x, shape, None, None, m.eps)
         else:
-            eps = m.eps if m.eps is not None else torch.finfo(call.inputs[0].dtype).eps
+            eps = m.eps if m.eps is not None else _rms_norm_eps(call.inputs[0].dtype)
             xhat = F.rms_norm(x, shape, None, eps)
         return {
             "weight": (g * xhat).reshape(b, -1, *shape).sum(1),

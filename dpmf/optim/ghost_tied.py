@@ -30,7 +30,7 @@ import math
 import torch
 from torch import nn
 
-from dpmf.optim.ghost_layers import EmbeddingHandler, LinearHandler
+from dpmf.optim.ghost_layers import EmbeddingHandler, LinearHandler, _gamma, most_repeated, row_norms
 
 __all__ = ["TiedEmbeddingLinear", "tied_embedding_linear"]
 
@@ -87,17 +87,45 @@ class TiedEmbeddingLinear:
         return sq
 
     def _sq(self, dtype) -> torch.Tensor:
-        sq_e, self.emb_state = self._EMB.sq_norms(self.emb, self.emb_calls, ["weight"], dtype)
-        sq_l, self.lin_state = self._LIN.sq_norms(self.lin, self.lin_calls, ["weight"], dtype)
+        """‖S_i + L_i‖² in float64, bounded from above: S_i and L_i can nearly cancel (their
+        cross term in float32 once made an example of norm 10.7 count 10.4, its clipped gradient
+        1.03·ζ), so the three terms are taken in float64 from the exact widened inputs, and, with
+        M_i = Σ_t ‖E_i[t]‖ + Σ_s ‖A_i[s]‖‖G_i[s]‖, the float64 rounding (γ₆₄·M_i²) and that of the
+        two book-keeping sums and their addition (γ_{n+2}(u)·M_i per example's share, n the most
+        terms one entry of a sum adds) are added, as in ``ghost_layers._gram_sq``. An instantiated
+        L̂_i (float32) is itself what the sum adds: the norm is then that of S_i + L̂_i, with ‖L̂_i‖
+        in M_i."""
+        _, self.emb_state = self._EMB.sq_norms(self.emb, self.emb_calls, ["weight"], dtype)
+        _, self.lin_state = self._LIN.sq_norms(self.lin, self.lin_calls, ["weight"], dtype)
         ids, e = self.emb_state  # (b, T_e), (b, T_e, d) with padding rows zeroed
         parts = [self._LIN.form(self.lin, c) for c in self.lin_calls]
-        a = torch.cat([p[0].to(dtype).flatten(1, 2) for p in parts], 1)  # (b, T_o, d)
-        g = torch.cat([p[1].to(dtype).flatten(1, 2) for p in parts], 1)  # (b, T_o, V)
-        ae = torch.bmm(a, e.transpose(1, 2))  # (b, T_o, T_e): ⟨A_i[s], E_i[t]⟩
-        gx = torch.gather(g, 2, ids.unsqueeze(1).expand(-1, g.shape[1], -1))  # G_i[s, x_i[t]]
-        cross = (ae * gx).sum((1, 2)).double()
-        # ‖S + L‖² ≥ 0; rounding of a near-cancellation must not make it negative
-        return (sq_e["weight"] + sq_l["weight"] + 2.0 * cross).clamp_(min=0.0)
+        a = torch.cat([p[0].to(dtype).flatten(1, 2) for p in parts], 1).double()  # (b, T_o, d)
+        g = torch.cat([p[1].to(dtype).flatten(1, 2) for p in parts], 1).double()  # (b, T_o, V)
+        sq_e, m_e = self._EMB.sq_parts(self.emb, ids, e)
+        entry = self.lin_state["weight"]
+        b, t_o, v = g.shape
+        t_e, d = e.shape[1], e.shape[2]
+        e64 = e.double()
+        if entry[0] == "ghost":  # L_i = G_iᵀA_i, summed by (c∘G)ᵀA
+            m_l = (torch.linalg.vector_norm(a, dim=-1) * torch.linalg.vector_norm(g, dim=-1)).sum(1)
+            sq_l = ((a @ a.transpose(1, 2)) * (g @ g.transpose(1, 2))).sum((1, 2))
+            ae = torch.bmm(a, e64.transpose(1, 2))  # (b, T_o, T_e): ⟨A_i[s], E_i[t]⟩
+            gx = torch.gather(g, 2, ids.unsqueeze(1).expand(-1, t_o, -1))  # G_i[s, x_i[t]]
+            cross = (ae * gx).sum((1, 2))
+            rounds = max(most_repeated(ids), b * t_o) + 2  # the terms of each sum, their addition
+        else:  # the instantiated L̂_i (b, V, d) is what the sum adds: ‖S_i + L̂_i‖ directly
+            w = entry[1]
+            sq_l = row_norms(w).square()
+            m_l = sq_l.sqrt()
+            rows = torch.gather(w, 1, ids.unsqueeze(-1).expand(-1, -1, d)).double()  # L̂_i[x_i[t]]
+            cross = (rows * e64).sum((1, 2))
+            rounds = max(most_repeated(ids), b) + 2
+        m = m_e + m_l
+        u, u64 = torch.finfo(dtype).eps / 2, 2.0**-53
+        s = (sq_e + sq_l + 2.0 * cross).clamp(min=0.0)
+        n64 = d + v + (t_o + t_e) ** 2 + 4
+        slack = _gamma(rounds, u) + _gamma(t_e + d + 2, u64)
+        return (torch.sqrt(s + _gamma(n64, u64) * m.square()) + slack * m).square()
 
     @torch.no_grad()
     def clipped_sum(self, factors: torch.Tensor) -> torch.Tensor:

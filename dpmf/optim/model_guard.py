@@ -300,22 +300,26 @@ def _add_own(m: nn.Module, params: list, buffers: list) -> None:
 
 class StateSnapshot:
     """What ``check_state_unchanged`` compares: every parameter and buffer of a model (as
-    ``ModelWalk`` lists them), with its version, storage address, shape, strides, dtype and
-    content (a copy of each buffer, a ``content_sum`` of each parameter)."""
+    ``ModelWalk`` lists them), with its version, storage address, shape, strides, dtype, lazy
+    negation and conjugation bits and content (a copy of each buffer, a ``content_sum`` of each parameter)."""
 
     __slots__ = ("tensors", "versions", "layouts", "copies", "sums", "host")
 
     def __init__(self, params: list, buffers: list, views: WordViews | None):
         self.tensors = params + buffers
-        self.versions = [t._version for t in self.tensors]
+        plain = _plain_all(self.tensors)  # what is read below: torch's own methods, not a subclass's
+        n = len(params)
+        self.versions = [t._version for t in plain]
         # the layout and dtype too: ``p.data = p.data.view(...)`` keeps the address, size and
         # words (so the checksum) but changes what the model computes with
-        self.layouts = [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in self.tensors]
+        # and the lazy negation and conjugation bits: ``p.data = torch._neg_view(p.data)`` keeps
+        # the address, layout and words but negates every value the model reads
+        self.layouts = [(t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_neg(), t.is_conj()) for t in plain]
         with torch.no_grad():
-            self.copies = [b.clone() for b in buffers]
+            self.copies = [b.clone() for b in plain[n:]]
             # every dtype: a frozen integer, bool or complex parameter too
             views = views if views is not None else WordViews()
-            sums = views.sums(params, self.layouts[: len(params)])
+            sums = views.sums(plain[:n], self.layouts[:n])
         self.sums = sums
         self.host = all(type(s) is int for s in sums)  # CPU checksums: compared as a list
 
@@ -366,6 +370,28 @@ def state_versions(
     return StateSnapshot(params, buffers, views)
 
 
+# Tensor types whose methods are torch's own: a parameter of another subclass may override
+# data_ptr, is_contiguous, clone, … (a data_ptr that never changes made the kept word view of the
+# old memory read as the parameter's after ``spy.data = …`` in the forward); it is read through a
+# plain alias of it (same memory, version counter and layout)
+_PLAIN = (torch.Tensor, nn.Parameter)
+_TB = torch._C.TensorBase
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a plain ``torch.Tensor`` alias of it when its type is another subclass."""
+    if type(t) in _PLAIN:
+        return t
+    with torch._C.DisableTorchFunctionSubclass():  # nor the subclass's __torch_function__
+        return _TB.as_subclass(_TB.detach(t), torch.Tensor)
+
+
+def _plain_all(tensors: list) -> list:
+    if all(type(t) in _PLAIN for t in tensors):
+        return tensors
+    return [_plain(t) for t in tensors]
+
+
 _WORD = np.dtype(np.uint64)
 _REDUCE = np.add.reduce
 
@@ -396,6 +422,8 @@ def content_sum(p: torch.Tensor):
 def _words(p: torch.Tensor) -> tuple:
     """(the whole 64-bit words of a CPU tensor's bytes as a uint64 array, its last bytes)."""
     x = p.detach() if p.requires_grad else p
+    if x.is_neg() or x.is_conj():  # a lazy negated or conjugated view: its values, materialized
+        x = x.resolve_neg().resolve_conj()
     if not x.is_contiguous():
         x = x.contiguous()
     if x.dtype in _NUMPY:
@@ -417,9 +445,9 @@ def _sum_words(words, tail) -> int:
 
 
 class ContentMark:
-    """A tensor's version, storage address, shape, strides, dtype and ``content_sum``, taken now; its word
-    view is kept (a CPU tensor), so that checking the tensor again reads its memory once more
-    without making the view again.
+    """A tensor's version, storage address, shape, strides, dtype, negation and conjugation bits
+    and ``content_sum``, taken now; its word view is kept (a CPU tensor), so that checking the
+    tensor again reads its memory once more without making the view again.
 
     Args:
         t: the tensor (e.g. a private gradient just written).
@@ -428,8 +456,9 @@ class ContentMark:
     __slots__ = ("_meta", "_sum", "_view")
 
     def __init__(self, t: torch.Tensor):
-        self._meta = (t._version, t.data_ptr(), t.shape, t.stride(), t.dtype)
-        if t.is_cpu and t.layout == torch.strided and t.is_contiguous():
+        t = _plain(t)
+        self._meta = (t._version, t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_neg(), t.is_conj())
+        if t.is_cpu and t.layout == torch.strided and t.is_contiguous() and not (t.is_neg() or t.is_conj()):
             self._view = _words(t)
             self._sum = _sum_words(*self._view)
         else:
@@ -440,7 +469,8 @@ class ContentMark:
         """Whether ``t`` (the tensor marked) has the same version, address, layout, dtype and
         content as when marked — a write through ``t.data`` keeps the version but not the
         content."""
-        if (t._version, t.data_ptr(), t.shape, t.stride(), t.dtype) != self._meta:
+        t = _plain(t)
+        if (t._version, t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_neg(), t.is_conj()) != self._meta:
             return False
         if self._view is not None and t.is_cpu and t.is_contiguous():
             return _sum_words(*self._view) == self._sum
@@ -465,7 +495,7 @@ class WordViews:
     def _kept(self, t: torch.Tensor):
         """(t, address, size in bytes, words, tail) of a strided contiguous CPU tensor — the kept
         entry while it is exactly ``t``'s memory, else made again — or None for any other tensor."""
-        if t.layout != torch.strided or not t.is_cpu or not t.is_contiguous():
+        if t.layout != torch.strided or not t.is_cpu or not t.is_contiguous() or t.is_neg() or t.is_conj():
             return None
         k = id(t)
         e = self._views.get(k)
@@ -490,7 +520,8 @@ class WordViews:
         tied parameter under each of its names).
 
         Args:
-            layouts: each tensor's (address, shape, strides, dtype) taken now, or None. When
+            layouts: each tensor's (address, shape, strides, dtype, negation and conjugation
+                bits) taken now, or None. When
                 the tensors are those of the last call with layouts (the same objects, in the
                 same order) and their layouts are unchanged, every kept view is still exactly
                 its tensor's memory (the rule of ``sum``): the views are read without checking
