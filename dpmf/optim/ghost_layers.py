@@ -86,10 +86,35 @@ def row_norms(x: torch.Tensor) -> torch.Tensor:
     absolute error below 4·10⁻²³ per entry).
     """
     b = x.shape[0]
-    if x.dim() < 2 or x.is_contiguous() or x.dtype == torch.float64:
+    flat = _flat_rows(x)
+    if flat is not None:
+        x = flat
+    elif x.dim() < 2 or x.dtype == torch.float64:
         x = x.reshape(b, -1)
     part = _run_norms(x)
     return part if part.dim() == 1 else torch.linalg.vector_norm(part.reshape(b, -1), dim=1)
+
+
+def _flat_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """A (b, n) view of ``x`` whose row i holds the entries of x[i] in memory order — of ``x``
+    itself when contiguous, of its transpose when x is the transpose of a contiguous (b, q, r)
+    tensor (as ``LinearHandler.weight_per_example`` may return it) — or None (no such view
+    without a copy). A norm does not depend on the order of the entries."""
+    b = x.shape[0]
+    if x.is_contiguous():
+        return x.reshape(b, -1)
+    if x.dim() == 3 and x.transpose(1, 2).is_contiguous():
+        return x.transpose(1, 2).reshape(b, -1)
+    return None
+
+
+def pending_row_norms(x: torch.Tensor) -> PendingNorm:
+    """``row_norms(x)`` as a ``PendingNorm``: a row of one run in a float32 view keeps its float32
+    norm (widened later with the other layers', the same value), any other the float64 norms."""
+    flat = _flat_rows(x)
+    if flat is not None and flat.dtype == torch.float32 and flat.shape[1] <= _RUN:
+        return PendingNorm(torch.linalg.vector_norm(flat, dim=1))
+    return PendingNorm(row_norms(x))
 
 
 def _last_norms(x: torch.Tensor) -> torch.Tensor:
@@ -101,6 +126,8 @@ def _last_norms(x: torch.Tensor) -> torch.Tensor:
     if x.dtype == torch.float64:
         return norms
     small = norms < 4e-20 * math.sqrt(x.shape[-1])
+    if x.device.type == "cpu" and not bool(small.any()):  # the usual case (no sync on a GPU)
+        return norms
     return torch.where(small, _run_norms(x * _UP) / _UP, norms)
 
 
@@ -589,11 +616,11 @@ class LinearHandler(ClippingHandler):
                     w = self.weight_per_example(module, calls[0], dtype)
                 else:
                     w = _total(self.weight_per_example(module, c, dtype) for c in calls)
-                out["weight"] = norm(row_norms(w)) if norm else _sq(w)  # no copy of a transposed view
+                out["weight"] = pending_row_norms(w) if norm else _sq(w)  # no copy of a transposed view
                 state["weight"] = ("inst", w)
         if "bias" in attrs:
             gb = _total(self.bias_per_example(module, c, dtype) for c in calls)
-            out["bias"] = norm(row_norms(gb)) if norm else _sq(gb)
+            out["bias"] = pending_row_norms(gb) if norm else _sq(gb)
             state["bias"] = ("inst", gb)
         return out, state
 
