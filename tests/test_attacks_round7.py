@@ -6,21 +6,12 @@ Every test asserts what the code should do; a weakness not fixed is marked ``xfa
 import pytest
 import torch
 import torch.nn.functional as F
+from test_attacks_round5 import _batch, _model
 from torch import nn
 
 from dpmf.optim.clipping import clipped_sum
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def _model():
-    torch.manual_seed(7)
-    return nn.Sequential(nn.Linear(10, 6), nn.Tanh(), nn.Linear(6, 3))
-
-
-def _batch():
-    g = torch.Generator().manual_seed(0)
-    return torch.randn(8, 10, generator=g) * 3, torch.randint(0, 3, (8,), generator=g)
 
 
 # -- the engine: a Linear's forward replaced on the instance -----------------------------------
