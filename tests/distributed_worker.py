@@ -102,3 +102,8 @@ if __name__ == "__main__":
         _steps(sys.argv[2])
     else:
         _train_then_stop(sys.argv[2], sys.argv[3])
+    # every result is written and the process group destroyed: leave without the interpreter's
+    # teardown, where gloo's background threads can abort the process (std::terminate, exit -6)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
