@@ -343,6 +343,7 @@ class _Engine:
         canonical = {id(p): n for n, p in named.items()}  # a tied tensor: its first name
         by_param: dict[str, list[_Layer]] = {}
         modules = model.named_modules() if modules is None else modules  # (name, module), as named_modules()
+        prints: dict = {}  # type → code_print, taken once per type here (no user code runs between)
         for mname, m in modules:  # a shared module once: its uses are its calls
             own = [  # its own parameters, as named_parameters(recurse=False) without the generator
                 (canonical[id(p)], a)
@@ -355,7 +356,10 @@ class _Engine:
             layer = _Layer(mname, m, handler, own)
             if handler is not None:
                 t = type(m)
-                layer.state = (t, code_print(t), tuple(m.__dict__), tuple(m.__dict__.values()))
+                code = prints.get(t)
+                if code is None:
+                    code = prints[t] = code_print(t)
+                layer.state = (t, code, tuple(m.__dict__), tuple(m.__dict__.values()))
             self.layers.append(layer)
             for q, _ in own:
                 by_param.setdefault(q, []).append(layer)

@@ -264,6 +264,7 @@ _TORCH_FUNCTIONS = {
     for n in ("linear", "conv1d", "conv2d", "pad", "embedding", "layer_norm", "group_norm", "rms_norm")
 }
 _TORCH_FUNCTIONS[(torch, "addmm")] = torch.addmm
+_FUNCTION_NAMES = tuple(_TORCH_FUNCTIONS)  # (owner, name) of each
 
 
 def _forward_methods(cls) -> tuple:
@@ -275,7 +276,20 @@ def code_print(t: type) -> tuple:
     of the classes of its MRO and the torch functions the built-in forwards call. Equal prints
     taken before and at a call: neither was replaced in between (``dpmf.optim.ghost`` checks it
     at each call of a registered layer, against a swap around that call)."""
-    return (*(_class_print(c) for c in t.__mro__[:-1]), *(getattr(o, n) for o, n in _TORCH_FUNCTIONS))
+    mro = t.__mro__
+    kept = _MRO_DICTS.get(t)
+    if kept is None or kept[0] is not mro:  # first seen, or its bases reassigned
+        kept = _MRO_DICTS[t] = (mro, tuple(c.__dict__ for c in mro[:-1]))
+    dicts = kept[1]  # live views of the classes' namespaces
+    return (
+        mro,
+        [len(d) for d in dicts],
+        [d.get(k) for d in dicts for k in _CRITICAL],
+        [getattr(o, n) for o, n in _FUNCTION_NAMES],
+    )
+
+
+_MRO_DICTS: dict[type, tuple] = {}  # a type → (its MRO, the namespaces of its classes but object)
 
 
 def _torch_functions_replaced() -> bool:
