@@ -447,11 +447,6 @@ def registered_clipping_layers() -> dict[str, str]:
 def clipping_handler(module: nn.Module) -> tuple[ClippingHandler | None, str | None]:
     """(handler, None) for a registered layer; (None, reason) otherwise."""
     t = type(module)
-    if "forward" in module.__dict__:  # module.forward = …: the call runs it, not the class's
-        return (
-            None,
-            f"its forward is replaced on the instance (not {t.__name__}.forward, which its handler knows)",
-        )
     own = module._parameters.keys() | module._buffers.keys() | module._modules.keys()
     shadowed = _instance_method(module, own)  # module._conv_forward = …, module._call_impl = …
     if shadowed is not None:
