@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from dpmf._validation import check_choice, check_int, check_real
+from dpmf.optim.batch_probe import BatchCouplingError, batch_size_of, probe_batch_independence
 from dpmf.optim.batches import DrawnBatches
 from dpmf.optim.clipping import check_per_example_safe, clipped_sum, trainable_parameters
 from dpmf.optim.ghost import CLIPPING_MODES
@@ -185,6 +186,7 @@ class Privatizer(KeyHolder):
         self.structure = ModelStructure(model)
         self._views = WordViews()  # the parameters' word views, kept between state checks
         self.drawn: DrawnBatches | None = None
+        self._probed = False  # batch independence (dpmf.optim.batch_probe), on the first batch
         self._micro_batch_given = micro_batch_size is not None
         entries = sum(p.numel() for _, p in named)  # one per-example gradient
         self.micro_batch_size = micro_batch_size or max(8, AUTO_MICRO_BATCH_ENTRIES // entries)
@@ -335,6 +337,8 @@ class Privatizer(KeyHolder):
         before = state_versions(self.model, walk, self._views)
         named = trainable_parameters(self.model, walk)
         try:
+            if not self._probed and batch_size_of(inputs) >= 2:  # once, on the first batch of ≥ 2
+                self._probe(inputs, targets, t, walk)
             summed = clipped_sum(
                 self.model,
                 self.loss_fn,
@@ -349,6 +353,9 @@ class Privatizer(KeyHolder):
                 clipping=self.clipping,
                 walk=walk,
             )
+        except BatchCouplingError:  # a forward that writes the model also changes its outputs
+            check_state_unchanged(self.model, before, "the private forward/backward", t, self._views)
+            raise
         except RuntimeError as err:  # torch.func refuses some in-place writes itself
             check_state_unchanged(self.model, before, "the private forward/backward", t, self._views)
             text = str(err)
@@ -381,6 +388,25 @@ class Privatizer(KeyHolder):
             norm_sum / batch_size if batch_size else 0.0,
         )
         return self.last_step
+
+    def _probe(self, inputs, targets, t: int, walk) -> None:
+        """``probe_batch_independence`` under this step's clipping method (once per privatizer)."""
+
+        def norms_of(x, y):
+            return clipped_sum(
+                self.model,
+                self.loss_fn,
+                x,
+                y,
+                clip_norm=self.clip_norm,
+                micro_batch_entries=AUTO_MICRO_BATCH_ENTRIES,
+                step=t,
+                clipping=self.clipping,
+                walk=walk,
+            ).norms
+
+        probe_batch_independence(self.model, inputs, targets, norms_of)
+        self._probed = True
 
     # -- the parts a distributed step replaces ------------------------------------------------
     def _noised_entries(self, params: list) -> int:
