@@ -1,4 +1,4 @@
-"""dataset_digest of a data set that is not a TensorDataset: a sample of its examples."""
+"""dataset_digest of a data set that is not a TensorDataset: every example, streamed."""
 
 import numpy as np
 import pytest
@@ -29,7 +29,7 @@ class Dicts(torch.utils.data.Dataset):
 
 def test_equal_data_sets_have_equal_digests_and_a_transform_is_not_hashed():
     d = dataset_digest(Dicts())
-    assert d is not None and d.startswith("sample-") and d == dataset_digest(Dicts())
+    assert d is not None and d.startswith("all-") and d == dataset_digest(Dicts())
     noisy = TransformedDataset(Dicts(), lambda e: {**e, "x": e["x"] + torch.randn(3)})
     assert dataset_digest(noisy) == d  # the stored examples, not their random transform
 
@@ -38,7 +38,16 @@ def test_reordered_shorter_or_changed_data_sets_have_other_digests():
     d = dataset_digest(Dicts())
     assert dataset_digest(Dicts(order=range(39, -1, -1))) != d
     assert dataset_digest(Dicts(n=39)) != d
-    assert dataset_digest(Dicts(change=13)) != d  # index 13 = ⌊5·39/15⌋ is in the sample
+    assert dataset_digest(Dicts(change=13)) != d
+
+
+@pytest.mark.parametrize("index", [1, 6, 38])
+def test_one_changed_example_anywhere_changes_the_digest(index):
+    # indices 1, 6 and 38 were outside the 16 examples the sampled digest of earlier versions read
+    from dpmf.train.state import sampled_dataset_digest
+
+    assert sampled_dataset_digest(Dicts(change=index)) == sampled_dataset_digest(Dicts())
+    assert dataset_digest(Dicts(change=index)) != dataset_digest(Dicts())
 
 
 def test_an_example_without_stable_bytes_is_not_compared():

@@ -506,7 +506,7 @@ def test_a_resume_on_other_data_is_refused(tmp_path):
     first.save(str(tmp_path / "s.pt"))
     other = x.clone()
     other[5, 0] += 1.0
-    with pytest.raises(ValueError, match="state is invalid for this data set"):
+    with pytest.raises(ValueError, match="is invalid for this data set"):
         run(other).resume(str(tmp_path / "s.pt"))
     run(x.clone()).resume(str(tmp_path / "s.pt"))  # the same data resumes
 

@@ -236,21 +236,23 @@ class CorrelatedNoise(KeyHolder, ABC):
         self.step = 0
         self._np_dtype = np.float32 if self.work_dtype == torch.float32 else np.float64
         self._rekeyed = _Rekeyed()
+        self._forks: tuple[tuple[int, int], ...] = ()  # (first step, key) of each fork, in order
 
     # -- raw noise ------------------------------------------------------------------------
     def raw_noise(self, step: int) -> torch.Tensor:
         """z_step ~ N(0, I_d), regenerated exactly from (key, step) — or, with ``ChunkedKeys``,
         chunk by chunk from (key, step, parameter, chunk). Shape (d,)."""
         out = np.empty(self.dim, dtype=self._np_dtype)
-        keyed = self._rekeyed  # the generators of raw_generator(self.seed, step, …), re-keyed in place
+        keyed = self._rekeyed  # the generators of raw_generator(key, step, …), re-keyed in place
+        key = self._key_at(step)
         if self.keys is None:
-            keyed(self.seed, step).standard_normal(out=out, dtype=self._np_dtype)
+            keyed(key, step).standard_normal(out=out, dtype=self._np_dtype)
         else:
             chunk = self.keys.chunk
             for j, (start, stop) in self.keys.offsets().items():
                 for c, a in enumerate(range(start, stop, chunk)):
                     b = min(a + chunk, stop)
-                    keyed(self.seed, step, j, c).standard_normal(out=out[a:b], dtype=self._np_dtype)
+                    keyed(key, step, j, c).standard_normal(out=out[a:b], dtype=self._np_dtype)
         z = torch.from_numpy(out)
         if z.dtype != self.work_dtype:  # float16/bfloat16 never reach here (work dtype float32)
             z = z.to(self.work_dtype)
@@ -262,6 +264,49 @@ class CorrelatedNoise(KeyHolder, ABC):
         if key is None:
             raise TypeError("key=None is invalid: give the checkpoint's key")
         self.seed = key
+
+    def _key_at(self, step: int) -> int:
+        """The key of raw noise z_step: the last fork's at or before ``step``, else the run's."""
+        key = self.seed
+        for first, fork_key in self._forks:
+            if step >= first:
+                key = fork_key
+        return key
+
+    def fork(self, key: int) -> None:
+        """Draw every raw noise from the current step on from ``key`` (a fork of a checkpoint):
+        the raw noises of earlier steps, which the released steps hold, stay those of the run's
+        key (regenerated or buffered alike), so the fork's noise is the strategy's correlated
+        noise and independent of its siblings' from this step on.
+
+        Raises:
+            ValueError: ``key`` is the run's or an earlier fork's key (the noise would repeat).
+        """
+        key = seeds.check_seed(key, "key")
+        if key is None or key == self.seed or any(key == k for _, k in self._forks):
+            raise ValueError(
+                "key is invalid for a fork: it must differ from the run's and earlier forks' keys"
+            )
+        self._forks = (*self._forks, (int(self.step), key))
+
+    @property
+    def forks(self) -> list[list[int]]:
+        """[[first step, key], …] of the forks (secret: the keys), for a run state."""
+        return [[int(first), int(key)] for first, key in self._forks]
+
+    def use_forks(self, forks) -> None:
+        """Restore ``forks`` (a run state's) on resume.
+
+        Raises:
+            ValueError: not a list of [step ≥ 0, key ≥ 0] pairs with increasing steps.
+        """
+        pairs = []
+        for item in forks or ():
+            first, key = (int(v) for v in item)
+            if first < 0 or key < 0 or (pairs and first < pairs[-1][0]):
+                raise ValueError("noise forks are invalid: not [step, key] pairs with increasing steps")
+            pairs.append((first, key))
+        self._forks = tuple(pairs)
 
     def _key_check(self) -> dict:
         salt = seeds.new_salt()

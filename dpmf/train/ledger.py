@@ -9,13 +9,14 @@ with ``torch.load(weights_only=True)``) and ``privacy.json`` beside it, atomical
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
 
 from dpmf._io import atomic_path, atomic_write_json
 
-__all__ = ["MODEL_FILE", "LEDGER_FILE", "PROTECTS", "privacy_ledger", "export"]
+__all__ = ["MODEL_FILE", "LEDGER_FILE", "PROTECTS", "check_export_folder", "privacy_ledger", "export"]
 
 MODEL_FILE = "model.pt"
 LEDGER_FILE = "privacy.json"
@@ -84,3 +85,30 @@ def export(out_dir: str, model: torch.nn.Module, ledger: dict) -> tuple[str, str
     ledger_path = os.path.join(out_dir, LEDGER_FILE)
     atomic_write_json(ledger_path, ledger)
     return model_path, ledger_path
+
+
+def check_export_folder(out_dir: str, run_id: str, *, overwrite: bool = False) -> None:
+    """Refuse to export run ``run_id`` into a folder holding another run's export.
+
+    A folder with no ``model.pt`` and no ``privacy.json``, or whose ledger has this ``run_id``
+    (a later export of the same run, a continuation's), is accepted.
+
+    Raises:
+        ValueError: ``out_dir`` holds an export of another run (or one without a readable
+            ledger) and ``overwrite`` is False; the message names the folder and the fix.
+    """
+    ledger_path = os.path.join(out_dir, LEDGER_FILE)
+    found = [n for n in (MODEL_FILE, LEDGER_FILE) if os.path.exists(os.path.join(out_dir, n))]
+    if overwrite or not found:
+        return
+    theirs = None
+    try:
+        with open(ledger_path, encoding="utf-8") as fh:
+            theirs = json.load(fh).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        pass
+    if theirs != run_id:
+        raise ValueError(
+            f"out_dir={out_dir!r} is invalid: it holds the export of another run ({', '.join(found)}), "
+            "whose privacy ledger would be lost; choose another folder, or pass overwrite=True to replace it"
+        )

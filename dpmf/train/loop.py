@@ -443,7 +443,6 @@ class Trainer:
             "epsilon": eps,
             "delta": self.delta,
             "lr": self.base_lrs[0] * float(self.lr_multipliers[steps - 1]),
-            "empty_batches": self.outcome.empty_batches,
             "seconds": round(seconds, 3),
         }
         if self.step_log is not None:  # steps.csv is trimmed to the checkpoint on resume

@@ -39,7 +39,6 @@ METRIC_COLUMNS = (
     "epsilon",
     "delta",
     "lr",
-    "empty_batches",
     "seconds",
 )
 

@@ -47,6 +47,7 @@ and chunk, the same at any number of processes; ``"stream"`` is the keying of ea
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import weakref
@@ -67,19 +68,23 @@ from dpmf.optim.privatize import Privatizer
 from dpmf.plan.plan import PrivatePlan, steps_per_epoch
 from dpmf.plan.schemes import auto_scheme, get_scheme
 from dpmf.train.collate_check import check_collate_independent
+from dpmf.train.continuation import Lineage, check_hyperparameters, fork_key
 from dpmf.train.hf import batch_size_of, split_batch
+from dpmf.train.ledger import check_export_folder, privacy_ledger
 from dpmf.train.ledger import export as export_files
-from dpmf.train.ledger import privacy_ledger
 from dpmf.train.private_loader import PrivateDataLoader, TransformedDataset
 from dpmf.train.state import (
     check_run_state,
     dataset_digest,
+    hyperparameters,
     read_run_state,
     restore_run_state,
     resumed_key,
     run_state,
+    sampled_dataset_digest,
     write_run_state,
 )
+from dpmf.train.state_versions import StateVersions
 from dpmf.workloads.schedules import Schedule
 
 __all__ = ["make_private", "PrivateTraining", "PrivateOptimizer", "EmptySafeCollate"]
@@ -147,6 +152,7 @@ class PrivateOptimizer(seeds.KeyHolder, torch.optim.Optimizer):
         self.original = optimizer
         self.privatizer = privatizer
         self.lr_multipliers = lr_multipliers
+        self.on_stepped = None  # called after each step (the run records its model's state)
         # the user still holds the wrapped optimizer: its own step() runs only from this one's
         # (a plain loss.backward() then optimizer.step() would train without clipping or noise);
         # a later make_private with the same optimizer replaces the guard
@@ -216,6 +222,8 @@ class PrivateOptimizer(seeds.KeyHolder, torch.optim.Optimizer):
                 g["lr"] = lr
         self.privatizer.consume()
         self.privatizer.after_step()  # distributed: every rank gets the owners' parameters
+        if self.on_stepped is not None:
+            self.on_stepped()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -270,6 +278,15 @@ class PrivateTraining:
     _seed: int = field(repr=False)
     _delta: float | None
     _closed_by_later_run: bool = field(default=False, repr=False)
+    _lineage: Lineage = field(default_factory=Lineage, repr=False)
+    _own_paths: set = field(default_factory=set, repr=False)  # files this run wrote or continues
+    _pinned: list | None = field(default=None, repr=False)  # a continuation's hyperparameters
+    _data_digest: str | None = field(default=None, repr=False)
+    _versions: StateVersions | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        self._versions = StateVersions(self.model)
+        self.optimizer.on_stepped = self._versions.record
 
     @property
     def noise_multiplier(self) -> float:
@@ -341,12 +358,16 @@ class PrivateTraining:
             raise ValueError(
                 "inputs are invalid: give the model's input (a tensor, several tensors or a dict)"
             )
+        self._versions.check("backward", t)  # state written between steps (from the data?)
+        if self._pinned is not None:  # the first step of a continuation: the run's hyperparameters
+            check_hyperparameters(self._pinned, self.optimizer.param_groups, "the resumed run")
         x = inputs[0] if len(inputs) == 1 else tuple(inputs)  # several tensors: model(*inputs)
         handed_out = None
         if target is None:  # a Hugging Face batch: the loss splits it (dpmf.train.hf)
             handed_out = x
             x, target = split_batch(self.privatizer.loss_fn, x)
         self.privatizer.privatize(x, target, handed_out=handed_out)
+        self._pinned = None
         if not return_loss:
             return None
         if batch_size_of(target) == 0:
@@ -363,6 +384,18 @@ class PrivateTraining:
         check_state_unchanged(self.model, before, "the loss's forward pass", t)
         return loss
 
+    @contextlib.contextmanager
+    def post_processing(self):
+        """A block that may write the model's parameters or buffers between steps, as a function
+        of the released weights only (a projection, weight averaging of the released iterates,
+        loading the exported weights): the writes are accepted afterwards. A write computed from
+        the data (a running mean of the batches) must not go here: it would be released without
+        noise."""
+        try:
+            yield self.model
+        finally:
+            self._versions.record()
+
     def privacy(self, delta: float | None = None):
         """The ``PrivacyResult`` of the steps taken so far (``PrivatePlan.epsilon_after``).
 
@@ -372,7 +405,10 @@ class PrivateTraining:
         delta = self._delta if delta is None else delta
         if delta is None:
             raise ValueError("delta is required: give delta= here or target_delta= to make_private")
-        return self.plan.epsilon_after(max(self.steps_taken, 1), delta=delta)
+        plan = self.plan
+        if self._lineage.siblings > 1:  # a family of forks: σ/√m (dpmf.train.continuation)
+            plan = plan.with_noise(self._lineage.noise_multiplier(plan.require_noise_multiplier()))
+        return plan.epsilon_after(max(self.steps_taken, 1), delta=delta)
 
     def get_epsilon(self, delta: float | None = None) -> float:
         """ε spent by the steps taken so far, at ``delta`` (default ``target_delta``); 0 before
@@ -382,18 +418,31 @@ class PrivateTraining:
         return float(self.privacy(delta).epsilon)
 
     def ledger(self, delta: float | None = None) -> dict:
-        """The privacy ledger of the steps taken (``dpmf.train.ledger.privacy_ledger``)."""
-        return privacy_ledger(
+        """The privacy ledger of the steps taken (``dpmf.train.ledger.privacy_ledger``), with
+        the run's id and, for a member of a family of forks, its ``siblings``."""
+        entry = privacy_ledger(
             self.plan,
             self.privacy(delta),
             steps_taken=self.steps_taken,
             clip_norm=self.clip_norm,
             seed_given=self.seed_given,
         )
+        return {**entry, "run_id": self._lineage.run_id, **self._lineage.ledger_entry()}
 
-    def export(self, out_dir: str, delta: float | None = None) -> tuple[str, str]:
+    def export(self, out_dir: str, delta: float | None = None, *, overwrite: bool = False) -> tuple[str, str]:
         """Write ``out_dir/model.pt`` (weights; ``torch.load(weights_only=True)``) and
-        ``out_dir/privacy.json`` (the ledger); no seed, noise buffers or sampler state."""
+        ``out_dir/privacy.json`` (the ledger); no seed, noise buffers or sampler state. The state
+        of the model is checked first: a parameter or buffer written since the last optimizer
+        step is refused (``StateVersions``).
+
+        Raises:
+            ValueError: ``out_dir`` holds another run's export (its ledger's ``run_id`` differs,
+                or a ``model.pt`` without this run's ledger), without ``overwrite=True``.
+            ModelStateChangedError: a parameter or buffer was written since the last optimizer
+                step (outside ``post_processing()``).
+        """
+        check_export_folder(out_dir, self._lineage.run_id, overwrite=overwrite)
+        self._versions.check("export", self.steps_taken)
         return export_files(out_dir, self.model, self.ledger(delta))
 
     def state_dict(self) -> dict:
@@ -408,45 +457,79 @@ class PrivateTraining:
             optimizer=self.optimizer,
             key=self._seed,
             given=self.seed_given,
-            data=dataset_digest(self.data_loader.dataset),
+            run_identity={"run_id": self._lineage.run_id},
+            data=self._digest(),
             epoch=self.steps_taken // self.plan.steps_per_epoch,
+            siblings=self._lineage.siblings,
         )
 
-    def load_state_dict(self, state: dict) -> None:
+    def _digest(self) -> str | None:
+        """The data set's digest (every example; computed once per run)."""
+        if self._data_digest is None:
+            self._data_digest = dataset_digest(self.data_loader.dataset)
+        return self._data_digest
+
+    def load_state_dict(self, state: dict, *, fork: bool = False, where: str = "state") -> None:
         """Restore a run state of the same plan and data: ``state_dict()``'s, or a ``dpmf
         train`` checkpoint's (``dpmf.train.state``) with the model and optimizer built as that
-        run built them. A run made with ``seed=None`` adopts the state's key (secret or given);
-        a run made with a seed refuses a state of another key.
+        run built them. A continuation (default) must have the state's optimizer
+        hyperparameters (checked here and at the first ``backward``); ``fork=True`` draws the
+        raw noise of the later steps from a new key (``dpmf.train.continuation``). A run made
+        with ``seed=None`` adopts the state's key (secret or given); a run made with a seed
+        refuses a state of another key (a fork: the seed is the fork's new key).
 
         Raises:
-            ValueError: another or an old format, another plan or data, another key than a
-                given seed, or an inconsistent state (no key is ever shown).
+            ValueError: another or an old format, another plan or data (every example
+                compared), another key than a given seed, other hyperparameters without
+                ``fork``, or an inconsistent state (no key is ever shown).
         """
         if not isinstance(state, dict):
             raise ValueError("state is invalid: not a dpmf run state (a dict from state_dict())")
+        saved_data = state.get("data")
+        legacy = isinstance(saved_data, str) and saved_data.startswith("sample-")
         check_run_state(
             state,
-            "state",
+            where,
             door="make_private",
             plan=self.plan.to_dict(),
-            data=dataset_digest(self.data_loader.dataset),
+            data=sampled_dataset_digest(self.data_loader.dataset) if legacy else self._digest(),
             model=self.model,
         )
-        mine = seeds.SeedPolicy(self._seed if self.seed_given else None, self._seed)
-        policy = resumed_key(state, mine, "state")
-        if not self.seed_given:  # adopt the state's key (secret or given)
-            self._adopt_key(policy)
+        if not fork:
+            check_hyperparameters(
+                state["optimizer"].get("param_groups", []), self.optimizer.param_groups, where
+            )
+        secret = state.get("secret") if isinstance(state.get("secret"), dict) else {}
+        own = hyperparameters(self.optimizer.param_groups)  # a fork keeps the ones it was built with
+        if fork:
+            given = self._seed if self.seed_given else None
+            base = resumed_key(state, seeds.SeedPolicy.of(None), where)
+            new_key = fork_key(base.key, given, secret.get("forks") or [])
+            self._adopt_key(base, quiet=given is not None)
+        else:
+            mine = seeds.SeedPolicy(self._seed if self.seed_given else None, self._seed)
+            policy = resumed_key(state, mine, where)
+            if not self.seed_given:  # adopt the state's key (secret or given)
+                self._adopt_key(policy)
         restore_run_state(
             state,
             model=self.model,
             optimizer=self.optimizer,
             sampler=self.sampler,
             privatizer=self.privatizer,
-            where="state",
+            where=where,
         )
+        self.privatizer.noise.use_forks(secret.get("forks") or [])
+        if fork:
+            self.privatizer.noise.fork(new_key)
+            self.seed_given = given is not None
+            for g, values in zip(self.optimizer.param_groups, own, strict=False):
+                g.update(values)
+        self._pinned = None if fork else hyperparameters(state["optimizer"].get("param_groups", []))
+        self._versions.record()
 
-    def _adopt_key(self, policy: seeds.SeedPolicy) -> None:
-        if policy.notice:
+    def _adopt_key(self, policy: seeds.SeedPolicy, quiet: bool = False) -> None:
+        if policy.notice and not quiet:
             print(policy.notice, file=sys.stderr)
         self.seed_given, self._seed = not policy.is_secret, policy.key
         self.privatizer.use_key(policy.key)
@@ -464,21 +547,49 @@ class PrivateTraining:
             "save(path) (a private 0600 file) and resume(path), or export(dir) to share the model"
         )
 
-    def save(self, path: str) -> None:
+    def save(self, path: str, *, overwrite: bool = False) -> None:
         """``state_dict()`` to ``path``, atomically (a private file: it holds the secrets). In a
         distributed run every rank calls it: each writes its shard next to ``path`` and rank 0
-        the manifest ``path`` (``dpmf.train.shards``), resumable at any number of processes."""
-        write_run_state(path, self.state_dict(), self.privatizer, self.collectives)
+        the manifest ``path`` (``dpmf.train.shards``), resumable at any number of processes.
 
-    def resume(self, path: str) -> None:
+        Raises:
+            ValueError: ``path`` exists and is not a file this run wrote or continues from (a
+                fork's parent state included), without ``overwrite=True``.
+        """
+        key = os.path.realpath(path)
+        if os.path.exists(path) and key not in self._own_paths and not overwrite:
+            raise ValueError(
+                f"path={str(path)!r} is invalid: it holds a file this run did not write (another run's "
+                "checkpoint would be lost); choose another path, or pass overwrite=True to replace it"
+            )
+        write_run_state(path, self.state_dict(), self.privatizer, self.collectives)
+        self._own_paths.add(key)
+
+    def resume(self, path: str, *, fork: bool = False) -> None:
         """Load ``save(path)``'s file, or a ``dpmf train`` checkpoint of the same plan and data
         (``torch.load(weights_only=True)``), with its shards if a distributed run wrote it.
 
+        By default the run continues the saved one: the same optimizer hyperparameters and
+        data, the same noise (a repeated continuation makes the same release). ``fork=True``
+        makes a fork — other hyperparameters allowed, the raw noise of the later steps from a
+        new key, the fork counted in ``path`` — whose ε is accounted with its siblings'
+        (``dpmf.train.continuation``); one process only.
+
         Raises:
-            ValueError: a corrupted, foreign or old-format file, a missing shard, or another
-                run's state.
+            ValueError: a corrupted, foreign or old-format file, a missing shard, another run's
+                state, other hyperparameters without ``fork``, or ``fork`` in a distributed run.
         """
-        self.load_state_dict(read_run_state(path))
+        if fork and self.collectives is not None:
+            raise ValueError(
+                "fork=True is invalid in a run over several processes: fork in one process, or resume "
+                "as a continuation"
+            )
+        state = read_run_state(path)
+        where = f"checkpoint {str(path)!r}"
+        self.load_state_dict(state, fork=fork, where=where)
+        self._lineage = Lineage.resumed(state, path, fork=fork)  # a fork counts itself in the file
+        if not fork:
+            self._own_paths.add(os.path.realpath(path))
         if self.collectives is not None:
             self.privatizer.verify()
 
@@ -554,6 +665,12 @@ def _check_module(module, optimizer, loss_fn) -> None:
 def _check_run(dataset, batch_size, epochs, steps, target_epsilon, target_delta, noise_multiplier):
     """(N, n, target_epsilon, target_delta) of the run, validated: a map-style data set, exactly
     one of epochs/steps and of target_epsilon/noise_multiplier, δ with a target ε."""
+    if isinstance(dataset, DataLoader):
+        raise TypeError(
+            "dataset is invalid: a DataLoader was given; give its map-style Dataset (loader.dataset) "
+            "and the batch size: make_private builds the loader from the plan's sampler "
+            "(PrivateTraining.data_loader)"
+        )
     try:
         N = len(dataset)
     except TypeError:

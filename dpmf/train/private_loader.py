@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from dpmf.optim.batches import DrawnBatches
 
-__all__ = ["PrivateDataLoader", "TransformedDataset"]
+__all__ = ["PrivateDataLoader", "TransformedDataset", "check_dataset_size"]
 
 
 class TransformedDataset(Dataset):
@@ -60,9 +60,25 @@ class _Epochs:
         return self.drawn.epoch(self.drawn.generation)
 
 
+def check_dataset_size(dataset, expected: int) -> None:
+    """Refuse a data set whose length is no longer the plan's N (``len()``, no example fetched).
+
+    Raises:
+        ValueError: ``len(dataset) != expected``, naming both and the fix.
+    """
+    size = len(dataset)
+    if size != expected:
+        raise ValueError(
+            f"dataset is invalid: it had {expected} examples when the run was made and has {size} now; "
+            "the plan's sampler, σ and ε are for those N examples: keep the data set fixed for the whole "
+            "run (call make_private again for other data)"
+        )
+
+
 class _Iterator:
-    def __init__(self, base, drawn: DrawnBatches, token: int):
+    def __init__(self, base, drawn: DrawnBatches, token: int, dataset, size: int):
         self.base, self.drawn, self.token = base, drawn, token
+        self.dataset, self.size = dataset, size
 
     def __iter__(self):
         return self
@@ -71,6 +87,7 @@ class _Iterator:
         return len(self.base)
 
     def __next__(self):
+        check_dataset_size(self.dataset, self.size)  # before any example of the batch is fetched
         batch = next(self.base)
         self.drawn.record_next(batch, self.token)
         return batch
@@ -96,7 +113,9 @@ class PrivateDataLoader(DataLoader):
             dataset, batch_sampler=_Epochs(drawn), collate_fn=collate_fn, num_workers=num_workers
         )
         self.__dict__["_drawn"] = drawn
+        self.__dict__["_size"] = len(dataset)
 
     def __iter__(self):
+        check_dataset_size(self.dataset, self._size)
         token = self._drawn.begin()
-        return _Iterator(super().__iter__(), self._drawn, token)
+        return _Iterator(super().__iter__(), self._drawn, token, self.dataset, self._size)

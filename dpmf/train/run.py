@@ -329,7 +329,6 @@ def _loop(run: _Run, trainer: Trainer, header: dict, *, resume: bool, on_epoch_e
         status="complete",
         final=outcome.metrics[-1],
         wall_seconds=round(time.perf_counter() - run.began, 2),
-        empty_batches=outcome.empty_batches,
         resumed_from_epoch=outcome.resumed_from_epoch,
     )
     return outcome
