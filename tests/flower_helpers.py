@@ -44,3 +44,27 @@ def client_app():
 def fedavg():
     """FedAvg over all P clients, no evaluation."""
     return fs.FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=P, min_available_nodes=P)
+
+
+# client j's evaluation reply: accuracy and loss on its own records, and their count
+EVAL_ACCURACY = (0.91, 0.62, 0.35)
+EVAL_LOSS = (0.2, 0.9, 1.7)
+EVAL_EXAMPLES = (10, 30, 60)
+
+
+def evaluating_client_app(evaluated: list):
+    """``client_app()`` whose client j also answers evaluation messages with its accuracy, loss and
+    example count (``EVAL_*[j]``); ``evaluated`` gets the partition id of every client that
+    evaluated."""
+    app = client_app()
+
+    @app.evaluate()
+    def evaluate(msg, context):
+        j = int(context.node_config["partition-id"])
+        evaluated.append(j)
+        metrics = MetricRecord(
+            {"num-examples": EVAL_EXAMPLES[j], "eval-acc": EVAL_ACCURACY[j], "eval-loss": EVAL_LOSS[j]}
+        )
+        return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)
+
+    return app

@@ -151,7 +151,7 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     """The rounds of ``dpmf fl`` over Flower's grid; the ledger in ``context.state``."""
     from dpmf.federated.checks import check_data
-    from dpmf.federated.run import _budget, _client_app, _Server
+    from dpmf.federated.run import _budget, _client_app, _ledger_notes, _Server
 
     config = config_from_run_config(context.run_config)
     comp, idx, sigmas, data = _setup(config)
@@ -161,12 +161,17 @@ def main(grid: Grid, context: Context) -> None:
     policy = seeds.SeedPolicy.of(config.seed)  # secret unless given; never stored or shown
     if policy.notice:
         _log(policy.notice)
+    if config.eval_fraction > 0:
+        from dpmf.federated.evaluation import EVAL_NOTE
+
+        _log(f"notice: {EVAL_NOTE}")
     server = _Server(config, data, comp, idx, sigmas, _log, policy.key)
     # the ledger entries of the mode's client part (record: the clients' (ε_k, δ), from public
     # facts σ_k, N_k, B, steps); the clients train in their own processes
     _client_app(config, data, idx, sigmas, server.ids, server, policy.key)
     stopped = _budget(config, server)
     rows = server.serve(grid)
+    _ledger_notes(config, server.ledger, policy)  # held-out evaluation, a given seed
     for e in server.ledger:
         _log(f"privacy: {format_entry(e)}")
     _log(f"test accuracy after round {rows[-1]['round']}: {100 * rows[-1]['test_accuracy']:.2f} %")
@@ -176,6 +181,7 @@ def main(grid: Grid, context: Context) -> None:
             "delta": [float(e.delta) for e in server.ledger],
             "protects": [e.protects for e in server.ledger],
             "lines": [format_entry(e) for e in server.ledger],
+            "notes": [e.note for e in server.ledger],
             "test-accuracy": [float(r["test_accuracy"]) for r in rows],
             "stopped": stopped,
         }

@@ -8,8 +8,12 @@ evaluates the global model on its held-out records (Flower's ``configure_evaluat
 ``federated_accuracy`` and ``federated_loss`` appear beside the central ``test_accuracy``.
 
 Privacy: the held-out records never enter training, so no ε of the ledger covers them; the
-evaluation metrics are non-private statistics of those records (the ledger says so). In
-``record`` mode N_k (and ε_k) is that of the training part.
+evaluation metrics are non-private statistics of those records. It is opt-in: with the default
+``eval_fraction = 0`` no evaluation message is sent and a client asked to evaluate refuses
+(``EVALUATION_OFF``: it never evaluates on its training records, whose statistics would leak
+outside their ε); with f > 0 the run logs ``EVAL_NOTE`` once and every ledger entry's note
+carries it (``dpmf fl``, the Flower app and ``dpmf fl --backend ray`` alike). In ``record`` mode
+N_k (and ε_k) is that of the training part.
 """
 
 from __future__ import annotations
@@ -19,11 +23,16 @@ from dataclasses import replace
 
 import numpy as np
 
-__all__ = ["split_held_out", "EVAL_NOTE"]
+__all__ = ["split_held_out", "EVAL_NOTE", "EVALUATION_OFF"]
 
 EVAL_NOTE = (
     "federated evaluation releases each participant's accuracy and loss on its held-out records "
     "every round: statistics of records that no ε here covers"
+)
+EVALUATION_OFF = (
+    "federated evaluation is off in this run (eval_fraction = 0): a client evaluates on held-out "
+    "records only, never on the records it trains on; set eval_fraction > 0 (dpmf fl "
+    "--eval-fraction, run config eval-fraction)"
 )
 
 

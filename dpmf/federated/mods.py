@@ -22,6 +22,12 @@ Each reply carries the client's arrays (ArrayRecord ``arrays``) and a MetricReco
 steps taken are kept in ``context.state`` (``dpmf-record``); a node whose private run is not in
 this process (a fresh process) is refused rather than restarted, since a restart would replay
 the noise. The noise key is secret (drawn from the operating system) unless a seed is given.
+
+Evaluation: the trainer answers train messages only, and ε covers only what they carry. An
+``evaluate`` handler that scores the global model on the same ``x, y`` releases the accuracy and
+loss of the protected records with no noise (and Flower's strategies ask every node for it by
+default, ``fraction_evaluate=1.0``): evaluate on records the trainer never sees, on the server
+(``Strategy.start(..., evaluate_fn=...)``), or set ``fraction_evaluate=0``.
 """
 
 from __future__ import annotations

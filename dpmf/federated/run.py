@@ -455,8 +455,11 @@ def _client_app_of(part, data: FederatedData, idx, decoded: dict | None = None):
 
     @app.evaluate()
     def evaluate_held_out(msg: Message, context) -> Message:
+        from dpmf.federated.evaluation import EVALUATION_OFF
         from dpmf.federated.models import evaluate, set_weights
 
+        if not data.eval_y:  # a client evaluates on held-out records only, never on its training data
+            raise RuntimeError(EVALUATION_OFF)
         j = int(context.node_config["partition-id"])
         i = idx[j]
         model = part.new_model()
@@ -528,6 +531,10 @@ def run_federated(
     policy = seeds.SeedPolicy.of(config.seed)  # secret unless given; never stored or shown
     if policy.notice:
         log(policy.notice)
+    if config.eval_fraction > 0:
+        from dpmf.federated.evaluation import EVAL_NOTE
+
+        log(f"notice: {EVAL_NOTE}")
     if backend == "ray":  # the Flower app under ``flwr run`` on the simulation engine
         from dpmf.federated.flwr_run import run_app
 
@@ -664,14 +671,23 @@ def _serve_locally(config: FLConfig, data, idx, sigmas, server: _Server, key: in
     return out["rows"], stopped
 
 
-def _finish_ledger(config: FLConfig, ledger: list, policy, log) -> None:
-    """The notes every entry carries (held-out evaluation, a given seed); each entry logged."""
-    if config.eval_fraction > 0:
-        from dpmf.federated.evaluation import EVAL_NOTE
+_SEED_NOTE = "the seed was given: only against whoever does not know it"
 
-        ledger[:] = [replace(e, note=e.note + "; " + EVAL_NOTE) for e in ledger]
+
+def _ledger_notes(config: FLConfig, ledger: list, policy) -> None:
+    """Add the notes every entry carries (held-out evaluation, a given seed) to ``ledger``, each
+    once (a ledger read back from the Flower app already has them)."""
+    from dpmf.federated.evaluation import EVAL_NOTE
+
+    notes = [EVAL_NOTE] if config.eval_fraction > 0 else []
     if not policy.is_secret:  # the guarantee holds only against whoever does not know the seed
-        given = "; the seed was given: only against whoever does not know it"
-        ledger[:] = [replace(e, note=e.note + given) for e in ledger]
+        notes.append(_SEED_NOTE)
+    for note in notes:
+        ledger[:] = [e if note in e.note else replace(e, note=e.note + "; " + note) for e in ledger]
+
+
+def _finish_ledger(config: FLConfig, ledger: list, policy, log) -> None:
+    """The notes every entry carries (``_ledger_notes``); each entry logged."""
+    _ledger_notes(config, ledger, policy)
     for e in ledger:
         log(f"privacy: {format_entry(e)}")

@@ -139,7 +139,8 @@ class ComplianceWeightedClientDP(CorrelatedClientDP):
         rule: the ``ComplianceWeighted`` that gives σ_k.
         node_clients: Flower node id → profile id of each participant (P = its length).
         kwargs: ``rounds``, ``clip_norm`` (ζ, the most compliant client's bound), ``delta``,
-            ``factorization``, ``accountant``, ``seed``.
+            ``factorization``, ``accountant``, ``seed``, ``evaluate_on_clients`` (default False:
+            no federated evaluation on the clients, as ``CorrelatedClientDP``).
 
     Raises:
         ValueError: as ``CorrelatedClientDP``, an unknown or repeated profile id, ``adaptive``
@@ -199,6 +200,12 @@ class ComplianceWeightedClientDP(CorrelatedClientDP):
         if client_id not in self.sigmas:
             raise ValueError(f"client_id={client_id!r} is invalid: participants are {list(self.sigmas)}")
         return self._per_client.get(client_id)
+
+    @property
+    def ledger(self):
+        """One ``PrivacyEntry`` per participant: ε_k of a whole client k at σ_k over the R rounds
+        (notes as ``CorrelatedClientDP.ledger``); empty before round 1."""
+        return [self._ledger_entry(c, pr, self.sigmas[c]) for c, pr in self._per_client.items()]
 
     def aggregate_train(self, server_round: int, replies):
         arrays, metrics = super().aggregate_train(server_round, replies)

@@ -21,6 +21,24 @@ by the wrapped strategy's weighting key alone (``weighted_by_key`` = 1) before i
 so a client's training loss or record count never reaches the returned metrics (its mean would
 be a statistic of the clients' data outside the reported ε).
 
+Federated evaluation is off unless ``evaluate_on_clients=True``. A client's evaluation reply is
+a statistic of its own data (its accuracy, loss and example count on its records) with no noise,
+and the wrapped strategy's ``aggregate_evaluate`` releases their example-weighted mean, which
+Flower logs and keeps in ``Result.evaluate_metrics_clientapp``: outside the reported ε. Flower's
+own DP wrappers (``DifferentialPrivacyServerSideFixedClipping``, ``…ClientSideFixedClipping``
+and the adaptive ones, in ``flwr.serverapp.strategy`` as in ``flwr.server.strategy``) hand
+``configure_evaluate`` and ``aggregate_evaluate`` to the wrapped strategy unchanged, so with
+Flower's default ``fraction_evaluate=1.0`` every round releases that mean; this wrapper does not:
+
+* by default ``configure_evaluate`` sends no evaluation message (no client computes anything;
+  a warning says so once when the wrapped strategy would have evaluated) and
+  ``aggregate_evaluate`` drops any replies it is given and returns None (a warning once);
+* with ``evaluate_on_clients=True`` both go to the wrapped strategy, a warning says once that
+  those metrics are not covered by (ε, δ), and so does the note of every ``ledger`` entry.
+
+Evaluation on the server's own held-out data (``Strategy.start(..., evaluate_fn=...)``) reads no
+client's data and is unaffected.
+
 Every reply's update is flattened, and gets its noise coordinates, in the key order of the
 global ArrayRecord the server sent in ``configure_train`` (not the reply's own order: an
 ArrayRecord is a mapping); a reply whose arrays have other names or shapes is refused with a
@@ -63,13 +81,28 @@ from dpmf import seeds
 from dpmf._validation import check_int, check_real
 from dpmf.federated.adaptive import AdaptiveClipping, adjusted_noise_multiplier, geometric_update
 from dpmf.federated.clip import update_scale
+from dpmf.federated.ledger import PrivacyEntry
 from dpmf.federated.replies import keep_weight_only, reply_updates
 
-__all__ = ["AdaptiveClipping", "CorrelatedClientDP", "EPSILON_KEY", "DELTA_KEY", "CLIP_NORM_KEY"]
+__all__ = ["AdaptiveClipping", "CorrelatedClientDP", "EPSILON_KEY", "DELTA_KEY", "CLIP_NORM_KEY",
+           "CLIENT_EVALUATION_NOTE"]  # fmt: skip
 
 EPSILON_KEY = "dp-client-epsilon"
 DELTA_KEY = "dp-client-delta"
 CLIP_NORM_KEY = "dp-client-clip-norm"
+CLIENT_EVALUATION_NOTE = (
+    "federated evaluation on the clients (evaluate_on_clients=True) releases each round's mean of "
+    "the clients' evaluation metrics on their own data: statistics not covered by this (ε, δ)"
+)
+_EVALUATION_OFF = (
+    "federated evaluation on the clients is off: their accuracy and loss on their own data carry no "
+    "noise and are outside the reported ε, so no evaluation message is sent; pass "
+    "evaluate_on_clients=True to run it anyway, or evaluate on server-side data (evaluate_fn)"
+)
+_DROPPED = (
+    "%d client evaluation replies dropped: their metrics are statistics of the clients' own data "
+    "outside the reported ε; pass evaluate_on_clients=True to aggregate them anyway"
+)
 _NOT_A_MEAN = ("FedMedian", "FedTrimmedAvg", "Krum", "MultiKrum", "Bulyan", "QFedAvg", "FedXgbBagging",
                "FedXgbCyclic")  # fmt: skip
 
@@ -98,12 +131,19 @@ class CorrelatedClientDP(_Base):
             predictable to whoever knows it).
         adaptive: None (fixed clipping) or an ``AdaptiveClipping`` (target_clipped_quantile,
             clip_norm_lr, clipped_count_stddev — default P/20).
+        evaluate_on_clients: False (default): no federated evaluation on the clients (none is
+            sent, replies given to ``aggregate_evaluate`` are dropped); True: the wrapped
+            strategy's federated evaluation, whose metrics no ε covers (a warning once, and the
+            note of the ``ledger`` entries).
 
     Client metrics are not released: they are not privatized (``aggregate_train`` keeps only
-    the strategy's weighting key of each reply; the returned metrics are the wrapper's own).
+    the strategy's weighting key of each reply; the returned metrics are the wrapper's own;
+    evaluation metrics only with ``evaluate_on_clients=True``). Flower's DP wrappers pass
+    federated evaluation through to the wrapped strategy; this one refuses it by default
+    (module docstring).
 
     Raises:
-        TypeError: not a Flower strategy.
+        TypeError: not a Flower strategy, or ``evaluate_on_clients`` not a bool.
         ValueError: a strategy whose aggregate is not a mean, or a parameter out of range
             (with ``adaptive``: σ ≥ 2σ_b, where the count alone would spend the budget); in
             ``aggregate_train``, a reply whose arrays' names or shapes differ from the global
@@ -123,6 +163,7 @@ class CorrelatedClientDP(_Base):
         accountant: str | None = None,
         seed: int | None = None,
         adaptive: AdaptiveClipping | None = None,
+        evaluate_on_clients: bool = False,
     ):
         from flwr.serverapp.strategy import FedAvg, Strategy
 
@@ -153,6 +194,12 @@ class CorrelatedClientDP(_Base):
                 "dpmf.federated.adaptive.AdaptiveClipping"
             )
         self.adaptive = adaptive
+        if not isinstance(evaluate_on_clients, bool):
+            raise TypeError(f"evaluate_on_clients={evaluate_on_clients!r} is invalid: must be True or False")
+        self.evaluate_on_clients = evaluate_on_clients
+        self._warned: set[str] = set()  # the evaluation warnings already logged (once each)
+        if evaluate_on_clients:
+            self._warn_once("evaluate", "%s", CLIENT_EVALUATION_NOTE)
         self.stream_noise_multiplier = self.noise_multiplier  # z_Δ: the updates' noise multiplier
         if adaptive is not None:
             self.clipped_count_stddev = adaptive.count_stddev(self.num_clients)
@@ -196,6 +243,30 @@ class CorrelatedClientDP(_Base):
     def privacy(self):
         """The run's ``PrivacyResult`` (ε of R rounds for a whole client); None before round 1."""
         return self._privacy
+
+    @property
+    def ledger(self) -> list[PrivacyEntry]:
+        """The run's ledger: one ``PrivacyEntry`` (mode ``client``: ε of a whole client over the R
+        rounds) whose note names what it does not cover (federated evaluation on the clients
+        when ``evaluate_on_clients``); empty before round 1."""
+        if self._privacy is None:
+            return []
+        subject = f"each of the {self.num_clients} clients"
+        return [self._ledger_entry(subject, self._privacy, self.noise_multiplier)]
+
+    def _ledger_entry(self, subject: str, pr, sigma: float) -> PrivacyEntry:
+        from dpmf.federated.modes import PRIVACY_MODES
+
+        note = PRIVACY_MODES["client"].note
+        if self.evaluate_on_clients:
+            note += "; " + CLIENT_EVALUATION_NOTE
+        return PrivacyEntry("client", "client", subject, float(pr.epsilon), self.delta, pr.accountant,
+                            pr.guarantee, float(sigma), self.rounds, self.num_clients, note)  # fmt: skip
+
+    def _warn_once(self, what: str, text: str, *args) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            logging.getLogger(__name__).warning(text, *args)
 
     def summary(self) -> None:
         self.strategy.summary()
@@ -285,7 +356,19 @@ class CorrelatedClientDP(_Base):
         return arrays, metrics
 
     def configure_evaluate(self, server_round: int, arrays, config, grid):
-        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+        """The wrapped strategy's evaluation messages with ``evaluate_on_clients``; else none."""
+        if self.evaluate_on_clients:
+            return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+        if getattr(self.strategy, "fraction_evaluate", 0.0):
+            self._warn_once("off", "%s", _EVALUATION_OFF)
+        return []
 
     def aggregate_evaluate(self, server_round: int, replies):
-        return self.strategy.aggregate_evaluate(server_round, replies)
+        """The wrapped strategy's aggregate of the evaluation replies with
+        ``evaluate_on_clients``; else None (the replies are dropped)."""
+        if self.evaluate_on_clients:
+            return self.strategy.aggregate_evaluate(server_round, replies)
+        dropped = len(list(replies))
+        if dropped:
+            self._warn_once("dropped", _DROPPED, dropped)
+        return None
