@@ -107,7 +107,9 @@ def test_matches_cvxpy_mean_se(workload, participation):
 
 def test_matches_cvxpy_min_sep_mean_se():
     w, part = prefix_sum(16), Participation.separated(4, 4)
-    ours = optimize_dense(w, part)
+    # the cutting-plane gap stops at the rounding of the dual solve: 1.6e-7 relative on an AVX2
+    # EPYC (below 1e-8 on others), so the certificate is asked for at 1e-6
+    ours = optimize_dense(w, part, tol=1e-6)
     cert = dense_cvxpy(w, part)
     assert ours.converged
     assert ours.value == pytest.approx(cert.value, rel=1e-4)
