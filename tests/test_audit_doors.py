@@ -137,13 +137,13 @@ def test_make_private_audit_removes_the_canary_slots_and_adds_the_in_canaries():
         t = run.steps_taken
         ref.load_state_dict(run.model.state_dict())
         run.backward(xb, target=yb, return_loss=False)
-        glob = pv._draws[t]
+        glob = pv.stage._draws[t]
         real = torch.from_numpy(glob[glob < 300])
         s = clipped_sum(ref, F.cross_entropy, x[real], y[real], clip_norm=1.0)
         flat = torch.cat([g.reshape(-1) for g in s.grads])
         slots = glob[glob >= 300] - 300
         slots = slots[audit.included[slots]]
-        flat = flat + pv.canaries[torch.from_numpy(slots)].sum(0) + noise.next() * pv.noise_std
+        flat = flat + pv.stage.canaries[torch.from_numpy(slots)].sum(0) + noise.next() * pv.noise_std
         got = torch.cat([p.grad.reshape(-1) for p in run.model.parameters()])
         torch.testing.assert_close(got, flat / run.plan.expected_batch_size, rtol=1e-10, atol=1e-10)
         checked += int(slots.size > 0)

@@ -239,3 +239,54 @@ def test_a_privatizer_refuses_a_clip_norm_other_than_the_plans():
     noise = plan.noise(sum(p.numel() for p in _model().parameters()), 1, dtype=torch.float64)
     with pytest.raises(ValueError, match="the plan's clip_norm is 0.7"):
         Privatizer(_model(), F.cross_entropy, plan=plan, clip_norm=1.0, noise=noise)
+
+
+def test_a_step_stage_adds_to_the_clipped_sum_before_the_noise_and_is_set_once():
+    # Two runs with one seed: the staged run's p.grad is the plain run's + v/B̄ (v added to the
+    # clipped sums before the noise), and select's removed examples are not clipped into it.
+    import dpmf
+    from dpmf.optim.privatize import StepStage
+
+    class AddV(StepStage):
+        def __init__(self, v):
+            self.v, self.seen = v, []
+
+        def before_release(self, step, params, sums):
+            for s, v in zip(sums, self.v, strict=True):
+                s.add_(v)
+
+        def after_release(self, step, params, written):
+            self.seen.append([p.grad.clone() for p in written])
+
+    def run(stage):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(5, 3).double()
+        g = torch.Generator().manual_seed(1)
+        data = torch.utils.data.TensorDataset(
+            torch.randn(40, 5, generator=g).double(), torch.randint(0, 3, (40,), generator=g)
+        )
+        private = dpmf.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=F.cross_entropy,
+            batch_size=8, steps=3, noise_multiplier=1.0, factorization="identity", scheme="poisson", seed=7,
+        )  # fmt: skip
+        if stage is not None:
+            with pytest.raises(TypeError, match="StepStage"):
+                private.privatizer.set_stage(object())
+            private.privatizer.set_stage(stage)
+            with pytest.raises(ValueError, match="set it once"):
+                private.privatizer.set_stage(StepStage())
+        x, y = next(iter(private.data_loader))
+        private.backward(x, target=y, return_loss=False)
+        grads = [p.grad.clone() for p in model.parameters()]
+        private.optimizer.step()
+        with pytest.raises(ValueError, match="before the first private step"):
+            private.privatizer.set_stage(StepStage())
+        return grads, private.plan.expected_batch_size
+
+    v = [torch.full((3, 5), 0.25, dtype=torch.float64), torch.arange(3.0, dtype=torch.float64)]
+    stage = AddV(v)
+    plain, b = run(None)
+    staged, _ = run(stage)
+    for a, s, vi, seen in zip(plain, staged, v, stage.seen[0], strict=True):
+        torch.testing.assert_close(s, a + vi / b, rtol=0, atol=1e-12)
+        assert torch.equal(seen, s)

@@ -95,7 +95,7 @@ def _instrument(privatizer, sampler, model, state: dict, n: int, *, orthonormal:
     ``state["count"]`` canary directions of norm ζ (orthonormal when ``orthonormal`` and m ≤ d:
     each canary's projection then holds no other canary) and record every batch ``sampler``
     draws (step → indices) for the scores."""
-    from dpmf.audit.private_audit import _audited_class
+    from dpmf.audit.private_audit import CanaryStage
 
     params = [p for p in model.parameters() if p.requires_grad]
     m, dim = state["count"], sum(p.numel() for p in params)
@@ -103,18 +103,8 @@ def _instrument(privatizer, sampler, model, state: dict, n: int, *, orthonormal:
     if orthonormal and m <= dim:
         u = np.linalg.qr(u.T)[0].T
     u = u / np.linalg.norm(u, axis=1, keepdims=True) * privatizer.clip_norm
-    draws: dict = {}
-    draw = sampler.next
-
-    def recording_next():
-        t = int(sampler.step)
-        idx = draw()
-        draws[t] = np.asarray(idx, dtype=np.int64).copy()
-        return idx
-
-    sampler.next = recording_next
-    privatizer.__class__ = _audited_class(type(privatizer))
-    privatizer._canary_setup(torch.as_tensor(u, dtype=params[0].dtype), state["included"], n, draws, 0, 1)
+    directions = torch.as_tensor(u, dtype=params[0].dtype)
+    privatizer.set_stage(CanaryStage(privatizer, sampler, directions, state["included"], n))
 
 
 @contextlib.contextmanager
@@ -325,7 +315,8 @@ def audit_fl_records(
         run_federated(config, compliance=compliance, data=data, log=log)
     run, n = state["run"], state["real"]
     pv = run.privatizer
-    steps = len(pv.projections)
+    stage = pv.stage
+    steps = len(stage.projections)
     total = n + m
     plan = pv.plan.replace(steps=steps, noise_multiplier=pv.noise_multiplier)  # N + m examples
     if plan.dataset_size != total:
@@ -333,11 +324,11 @@ def audit_fl_records(
     if abs(plan.sensitivity - pv.sensitivity) > 1e-9 * pv.sensitivity:
         raise RuntimeError("the record run's sensitivity is not its plan's: the audit cannot score it")
     participation = np.zeros((steps, total), dtype=bool)
-    for t, slots in pv.canary_steps.items():
+    for t, slots in stage.canary_steps.items():
         participation[t, n + slots] = True
     possible = _possible_steps(plan, run.sampler, participation)[:, n:]
     P = precision_matrix(plan, plan.noise_std(pv.clip_norm))
-    scores = likelihood_scores(plan, run.sampler, np.stack(pv.projections), possible, pv.clip_norm, P)
+    scores = likelihood_scores(plan, run.sampler, np.stack(stage.projections), possible, pv.clip_norm, P)
     return _audit_result(scores, state["included"], run.privacy.epsilon, config.delta, method, sig, "record")
 
 
@@ -424,7 +415,7 @@ def audit_fl_aggregator(
     dp, n = state["dp"], state["real"]
     pv = dp.step.privatizer
     plan = pv.plan
-    steps = len(pv.projections)
+    steps = len(pv.stage.projections)
     if plan.dataset_size != n + m or not isinstance(plan.scheme, Poisson) or steps > plan.steps:
         raise RuntimeError("the aggregator's plan is not Poisson DP-SGD over its canary slots: unscorable")
     if not np.allclose(plan.strategy.C.dense(), np.eye(plan.steps)):
@@ -434,7 +425,7 @@ def audit_fl_aggregator(
     possible = np.ones((steps, m), dtype=bool)  # Poisson: the batches are secret
     # the auditor knows the other records (white box): their clipped sum's projection is
     # subtracted, leaving the canaries' contributions and the noise
-    residual = np.stack(pv.projections) - np.stack(pv.known_projections)
+    residual = np.stack(pv.stage.projections) - np.stack(pv.stage.known_projections)
     scores = likelihood_scores(plan, dp.sampler, residual, possible, pv.clip_norm, P)
     entry = next(e for e in result.ledger if e.mode == "aggregator")
     return _audit_result(scores, state["included"], entry.epsilon, entry.delta, method, sig, "aggregator")

@@ -34,6 +34,7 @@ import torch
 from torch.utils.data import Dataset
 
 from dpmf._validation import check_int
+from dpmf.optim.privatize import StepStage
 
 __all__ = ["CanaryAudit", "audit_make_private"]
 
@@ -68,18 +69,32 @@ def _select_rows(tree, keep: torch.Tensor, n: int):
     return tree
 
 
-class _CanaryStep:
-    """Mixed into the run's privatizer class (``Privatizer`` or ``DistributedPrivatizer``):
-    canary slots removed from the batch, "in" canaries added once to the global clipped sum,
-    the release projected on the canary directions."""
+class CanaryStage(StepStage):
+    """The white-box canaries of a run, as a stage of its private step (``StepStage``): canary
+    slots removed from the batch, "in" canaries added once to the global clipped sum, the
+    release projected on the canary directions.
 
-    def _canary_setup(self, directions, included, real_size, draws, rank, world):
+    Args:
+        privatizer: the run's ``Privatizer`` or ``DistributedPrivatizer`` (its B̄ and, in a
+            distributed run, its collectives).
+        sampler: the run's global sampler; every batch it draws is recorded (step → indices).
+        directions: shape (m, d), the canary gradients (norm ζ).
+        included: shape (m,), boolean: which canaries are "in".
+        real_size: N, the real examples; slots N … N + m − 1 are the canaries'.
+    """
+
+    def __init__(self, privatizer, sampler, directions, included, real_size: int):
+        comm = getattr(privatizer, "collectives", None)
+        self.comm = comm
+        self.sharded = comm is not None and getattr(privatizer, "mode", None) == "sharded"
+        self.expected_batch_size = privatizer.expected_batch_size
         self.canaries = directions
         self._unit = directions / directions.norm(dim=1, keepdim=True)
         self._included = included
         self._real_size = real_size
-        self._draws = draws  # step → the global batch's indices
-        self._rank, self._world = rank, world
+        self._rank, self._world = (0, 1) if comm is None else (comm.rank, comm.world_size)
+        self._draws: dict[int, np.ndarray] = {}  # step → the global batch's indices
+        sampler.watch(self._draws.__setitem__)
         self.step_canaries = np.zeros(0, dtype=np.int64)
         self.projections: list[np.ndarray] = []
         # one process: each step's clipped sum of the real examples projected likewise, before
@@ -87,25 +102,18 @@ class _CanaryStep:
         self.known_projections: list[np.ndarray] = []
         self.canary_steps: dict[int, np.ndarray] = {}  # step → the canary slots drawn
 
-    def privatize(self, inputs, targets, *, example_ids=None, points=None, handed_out=None):
+    def select(self, step, inputs, targets, example_ids):
         from dpmf.distributed.sharding import rank_slice
 
-        t = self.noise.step
-        drawn = self.drawn
-        if drawn is not None:  # the usual check, on the batch as the loader yielded it
-            if handed_out is None:
-                drawn.check(t, inputs, targets, example_ids)
-            else:
-                drawn.check(t, handed_out, None, example_ids)
-        glob = self._draws.get(t)
+        glob = self._draws.get(step)
         if glob is None:
             raise RuntimeError(
-                f"audited step {t} refused: no batch was drawn for it by the run's data loader; "
+                f"audited step {step} refused: no batch was drawn for it by the run's data loader; "
                 "privatize the batches run.private.data_loader yields"
             )
         local = rank_slice(glob, self._rank, self._world) if self._world > 1 else glob
         slots = glob[glob >= self._real_size] - self._real_size
-        self.canary_steps[t] = slots
+        self.canary_steps[step] = slots
         self.step_canaries = slots[self._included[slots]]
         keep = torch.from_numpy(local < self._real_size)
         n = int(local.shape[0])
@@ -114,29 +122,22 @@ class _CanaryStep:
             targets = _select_rows(targets, keep, n)
             if example_ids is not None:
                 example_ids = _select_rows(example_ids, keep, n)
-        self.drawn = None
-        try:
-            out = super().privatize(inputs, targets, example_ids=example_ids, points=points)
-        finally:
-            self.drawn = drawn
-        if drawn is not None:
-            drawn.consume(t)
-        return out
+        return inputs, targets, example_ids
 
-    def _release(self, params, sums):
+    def before_release(self, step, params, sums):
         idx = np.asarray(self.step_canaries, dtype=np.int64)
-        comm = getattr(self, "collectives", None)
-        if comm is None:
+        if self.comm is None:
             flat = torch.cat([g.reshape(-1) for g in sums]).to(self._unit.dtype)
             self.known_projections.append((self._unit @ flat).double().cpu().numpy())
-        if idx.size and (comm is None or comm.rank == 0):  # once on the global clipped sum
+        if idx.size and (self.comm is None or self.comm.rank == 0):  # once on the global clipped sum
             added = self.canaries[torch.from_numpy(idx)].sum(dim=0)
             offset = 0
             for p, s in zip(params, sums, strict=True):
                 k = p.numel()
                 s.add_(added[offset : offset + k].view_as(s).to(s.dtype))
                 offset += k
-        written = super()._release(params, sums)
+
+    def after_release(self, step, params, written):
         mine = {id(p) for p in written}
         proj = torch.zeros(self._unit.shape[0], dtype=torch.float64, device=self._unit.device)
         offset = 0
@@ -146,20 +147,10 @@ class _CanaryStep:
                 g = p.grad.reshape(-1).to(self._unit.dtype)
                 proj += (self._unit[:, offset : offset + k] @ g).double()
             offset += k
-        if comm is not None and getattr(self, "mode", None) == "sharded":
-            comm.all_reduce(proj)  # each parameter's gradient lives on its owner only
+        if self.sharded:
+            self.comm.all_reduce(proj)  # each parameter's gradient lives on its owner only
         self.projections.append(proj.cpu().numpy() * self.expected_batch_size)
         self.step_canaries = np.zeros(0, dtype=np.int64)
-        return written
-
-
-_CLASSES: dict = {}
-
-
-def _audited_class(cls):
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Canary{cls.__name__}", (_CanaryStep, cls), {})
-    return _CLASSES[cls]
 
 
 class CanaryAudit:
@@ -187,7 +178,7 @@ class CanaryAudit:
         """
         from dpmf.audit.mechanism import _possible_steps, likelihood_scores, precision_matrix
 
-        pv, plan = self.private.privatizer, self.private.plan
+        pv, plan = self.private.privatizer.stage, self.private.plan
         if len(pv.projections) != plan.steps:
             raise RuntimeError(
                 f"the audit needs the whole run: {len(pv.projections)} of {plan.steps} steps taken"
@@ -290,26 +281,6 @@ def audit_make_private(module, optimizer, dataset, *, canaries: int = 1000, **kw
         device=params[0].device,
         dtype=params[0].dtype,
     )
-    sampler = private.sampler  # the global sampler: record every global batch as it is drawn
-    draws: dict[int, np.ndarray] = {}
-    draw = sampler.next
-
-    def recording_next():
-        t = int(sampler.step)
-        idx = draw()
-        draws[t] = np.asarray(idx, dtype=np.int64).copy()
-        return idx
-
-    sampler.next = recording_next
     pv = private.privatizer
-    comm = getattr(pv, "collectives", None)
-    pv.__class__ = _audited_class(type(pv))
-    pv._canary_setup(
-        directions,
-        included,
-        N,
-        draws,
-        0 if comm is None else comm.rank,
-        1 if comm is None else comm.world_size,
-    )
+    pv.set_stage(CanaryStage(pv, private.sampler, directions, included, N))
     return CanaryAudit(private, m, included, N)

@@ -113,7 +113,6 @@ from dpmf.optim.ghost_layers import (
     _as,
     _sq,
     clipping_handler,
-    code_print,
     row_norms,
     squares,
     weighted_sum,
@@ -343,7 +342,6 @@ class _Engine:
         canonical = {id(p): n for n, p in named.items()}  # a tied tensor: its first name
         by_param: dict[str, list[_Layer]] = {}
         modules = model.named_modules() if modules is None else modules  # (name, module), as named_modules()
-        prints: dict = {}  # type → code_print, taken once per type here (no user code runs between)
         for mname, m in modules:  # a shared module once: its uses are its calls
             own = [  # its own parameters, as named_parameters(recurse=False) without the generator
                 (canonical[id(p)], a)
@@ -355,11 +353,7 @@ class _Engine:
             handler, _ = clipping_handler(m)
             layer = _Layer(mname, m, handler, own)
             if handler is not None:
-                t = type(m)
-                code = prints.get(t)
-                if code is None:
-                    code = prints[t] = code_print(t)
-                layer.state = (t, code, tuple(m.__dict__), tuple(m.__dict__.values()))
+                layer.state = (tuple(m.__dict__), tuple(m.__dict__.values()))
             self.layers.append(layer)
             for q, _ in own:
                 by_param.setdefault(q, []).append(layer)
@@ -523,12 +517,10 @@ def _handler_broken(module: nn.Module, layer: _Layer) -> str | None:
         return "a forward hook ran before its output was recorded"
     if _module._global_backward_hooks and not _module._global_is_full_backward_hook:
         return "a legacy global backward hook may change its gradients"
-    t, code, keys, values = layer.state
+    keys, values = layer.state
     d = module.__dict__
     if len(d) != len(keys) or not all(map(operator.is_, d.values(), values)) or tuple(d) != keys:
         return "its attributes changed after the clipping handler was chosen"
-    if type(module) is not t or code_print(t) != code:  # module.__class__ = …, F.linear = …
-        return "its class or the torch code it runs changed after the clipping handler was chosen"
     return None
 
 

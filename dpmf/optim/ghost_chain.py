@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from torch.nn.modules import module as _module
 
 from dpmf.optim.ghost_layers import LinearHandler, clipping_handler
@@ -38,21 +37,6 @@ _ELEMENTWISE = (nn.Tanh, nn.ReLU, nn.Sigmoid, nn.GELU, nn.SiLU, nn.LeakyReLU, nn
 
 # what a call of a module runs: an instance attribute of one of these names replaces it
 _CALL_ATTRS = ("forward", "_call_impl", "_wrapped_call_impl")
-
-# torch's own code as it was when dpmf was imported: a method or function replaced on the class or
-# module afterwards (``nn.Tanh.forward = ...``, ``nn.Module.__call__ = ...``, ``F.linear = ...``)
-# runs something else than the chain this path assumes
-_CALL_METHODS = {a: getattr(nn.Module, a) for a in ("__call__",) + _CALL_ATTRS[1:]}
-_FORWARDS = {t: t.forward for t in (*_ELEMENTWISE, nn.Flatten, nn.Linear, nn.Sequential)}
-_SEQUENTIAL_ITER = nn.Sequential.__iter__
-_F_LINEAR = F.linear
-
-
-def _torch_code(t: type) -> bool:
-    """The type's forward and call machinery are still torch's own (see ``_FORWARDS``)."""
-    if _FORWARDS.get(t) is not t.forward or F.linear is not _F_LINEAR:
-        return False
-    return all(getattr(t, a) is f for a, f in _CALL_METHODS.items())
 
 
 def _no_hooks(m: nn.Module) -> bool:
@@ -69,7 +53,7 @@ def _global_hooks() -> bool:
 def _plain_child(m: nn.Module) -> bool:
     """A parameterless child of an allowed exact type, not in place, with its class's forward."""
     t = type(m)
-    if m._parameters or m._buffers or m._modules or not _no_hooks(m) or not _torch_code(t):
+    if m._parameters or m._buffers or m._modules or not _no_hooks(m):
         return False
     if t is nn.Flatten:
         return isinstance(m.start_dim, int) and m.start_dim >= 1
@@ -92,9 +76,7 @@ def chain_layers(model: nn.Module, names: list[str], named: dict):
     # a subclass that changes how it is called or which children it iterates is not a chain
     if t.__call__ is not nn.Module.__call__ or t._call_impl is not nn.Module._call_impl:
         return None
-    if t.__iter__ is not _SEQUENTIAL_ITER or not _torch_code(nn.Sequential):
-        return None
-    if not all(getattr(t, a) is f for a, f in _CALL_METHODS.items()):
+    if t.__iter__ is not nn.Sequential.__iter__ or t._wrapped_call_impl is not nn.Module._wrapped_call_impl:
         return None
     if model._parameters or model._buffers or not _no_hooks(model):
         return None
@@ -108,7 +90,7 @@ def chain_layers(model: nn.Module, names: list[str], named: dict):
             return None
         if type(m) is nn.Linear:
             handler, _ = clipping_handler(m)
-            if type(handler) is not LinearHandler or not _no_hooks(m) or not _torch_code(nn.Linear):
+            if type(handler) is not LinearHandler or not _no_hooks(m):
                 return None
             if m._buffers or m._modules or set(m._parameters) - {"weight", "bias"}:
                 return None

@@ -9,8 +9,9 @@ type, else by its nearest registered base class whose ``forward`` it does not ov
 subclass that changes the forward, or the ``_conv_forward`` it calls, is not the registered
 layer); then the handler's ``check`` may still decline it (for instance a sparse embedding). A
 module with a forward hook (its own or a global one: it may change the output whose gradient
-the handler's formulas take), a method of its class shadowed on the instance, or — for the
-built-in handlers — a torch function their forwards call replaced after import has none. During
+the handler's formulas take), or a method of its class shadowed on the instance (accelerate's
+hooks replace ``module.forward``) has none. Replacing torch's or dpmf's own code
+(``F.linear = …``, ``nn.Linear.forward = …``) is the trainer's code, trusted, and not looked for. During
 a recorded forward the engine also checks, at each call of a registered layer, that no hook ran
 before its own and that the instance's attributes are those of when the handler was chosen.
 Modules without a handler take the ``torch.func`` path of ``dpmf.optim.ghost`` (per module, or
@@ -253,47 +254,10 @@ class ClippingHandler:
 # type (or "module.QualName") → handler
 _REGISTRY: dict[object, ClippingHandler] = {}
 _BUILTIN: dict[object, ClippingHandler] = {}  # the handlers this module registers
-# the forward (and the methods it calls: ``_conv_forward``) of each type registered as a class, as
-# they were then: one replaced on the class afterwards (``nn.Linear.forward = ...``) is not the
-# computation the handler's formulas assume
-_FORWARD: dict[object, tuple] = {}
-# the torch functions the built-in layers' forwards call, as they were when dpmf was imported:
-# ``F.linear = ...`` replaced afterwards changes what every nn.Linear computes
-_TORCH_FUNCTIONS = {
-    (F, n): getattr(F, n)
-    for n in ("linear", "conv1d", "conv2d", "pad", "embedding", "layer_norm", "group_norm", "rms_norm")
-}
-_TORCH_FUNCTIONS[(torch, "addmm")] = torch.addmm
-_FUNCTION_NAMES = tuple(_TORCH_FUNCTIONS)  # (owner, name) of each
 
 
 def _forward_methods(cls) -> tuple:
     return (cls.forward, getattr(cls, "_conv_forward", None))
-
-
-def code_print(t: type) -> tuple:
-    """What the computation of a layer of type ``t`` depends on beyond the instance: the prints
-    of the classes of its MRO and the torch functions the built-in forwards call. Equal prints
-    taken before and at a call: neither was replaced in between (``dpmf.optim.ghost`` checks it
-    at each call of a registered layer, against a swap around that call)."""
-    mro = t.__mro__
-    kept = _MRO_DICTS.get(t)
-    if kept is None or kept[0] is not mro:  # first seen, or its bases reassigned
-        kept = _MRO_DICTS[t] = (mro, tuple(c.__dict__ for c in mro[:-1]))
-    dicts = kept[1]  # live views of the classes' namespaces
-    return (
-        mro,
-        [len(d) for d in dicts],
-        [d.get(k) for d in dicts for k in _CRITICAL],
-        [getattr(o, n) for o, n in _FUNCTION_NAMES],
-    )
-
-
-_MRO_DICTS: dict[type, tuple] = {}  # a type → (its MRO, the namespaces of its classes but object)
-
-
-def _torch_functions_replaced() -> bool:
-    return any(getattr(owner, n) is not f for (owner, n), f in _TORCH_FUNCTIONS.items())
 
 
 _CALLABLES: dict[type, frozenset] = {}  # a type → the names of its callable attributes
@@ -311,56 +275,8 @@ def _instance_method(module: nn.Module, own) -> str | None:
     return min(hit) if hit else None
 
 
-# What a registered layer's attribute reads go through: a class of its MRO (nn.Module included)
-# that gains a name (a ``weight`` property) or has one of these replaced changes what its forward
-# computes with, e.g. ``nn.Module.__getattr__`` returning 2·W for "weight"
-_CRITICAL = (
-    "forward",
-    "_conv_forward",
-    "__getattr__",
-    "__getattribute__",
-    "__call__",
-    "_call_impl",
-    "_wrapped_call_impl",
-)
-# each class of a registered type's MRO → [its print, its names, the names it gained since that
-# are neither data descriptors nor critical], as at registration (or as first seen)
-_CLASS_STATE: dict[type, list] = {}
-
-
-def _class_print(c: type) -> tuple:
-    d = c.__dict__
-    return (len(d), *map(d.get, _CRITICAL))
-
-
 def _data_descriptor(v) -> bool:
     return hasattr(type(v), "__set__") or hasattr(type(v), "__delete__")
-
-
-def _record_classes(cls: type) -> None:
-    _CLASS_STATE[cls] = [_class_print(cls), frozenset(cls.__dict__), frozenset()]
-    for c in cls.__mro__[1:]:
-        if c is object:
-            break
-        _CLASS_STATE.setdefault(c, [_class_print(c), frozenset(c.__dict__), frozenset()])
-
-
-def _class_changed(c: type, own) -> bool:
-    """Whether class ``c`` changed since recorded in a way the forward's attribute reads see: a
-    critical entry replaced, a data descriptor (a ``weight`` property) added, or a name added
-    that is one of ``own`` (the module's parameter, buffer and submodule names: a class attribute
-    is found before them). A method added (transformers adds ``nn.Module.smart_apply``) is not."""
-    state = _CLASS_STATE.setdefault(c, [_class_print(c), frozenset(c.__dict__), frozenset()])
-    now = _class_print(c)
-    if now != state[0]:
-        if now[1:] != state[0][1:]:
-            return True
-        d = c.__dict__
-        added = frozenset(k for k in d if k not in state[1])
-        if any(_data_descriptor(d[k]) for k in added):
-            return True
-        state[0], state[2] = now, added
-    return bool(state[2]) and not state[2].isdisjoint(own)
 
 
 def _subclass_shadows(t: type, cls: type, own) -> str | None:
@@ -432,11 +348,6 @@ def register_clipping_layer(module_type, handler: ClippingHandler, *, replace: b
             "pass replace=True to replace it (the per-example norms decide the clipping)"
         )
     _REGISTRY[key] = handler
-    if isinstance(module_type, type):
-        _FORWARD[key] = _forward_methods(module_type)
-        _record_classes(module_type)
-    else:
-        _FORWARD.pop(key, None)
 
 
 def registered_clipping_layers() -> dict[str, str]:
@@ -462,21 +373,9 @@ def clipping_handler(module: nn.Module) -> tuple[ClippingHandler | None, str | N
             continue
         if _forward_methods(t) != _forward_methods(cls):  # forward, or the _conv_forward it calls
             return None, f"{t.__name__} overrides the forward of the registered {cls.__name__}"
-        if _forward_methods(t) != _FORWARD.get(key, _forward_methods(cls)):
-            return (
-                None,
-                f"the forward of {cls.__name__} was replaced after its clipping handler was registered",
-            )
         shadow = None if t is cls else _subclass_shadows(t, cls, own)
         if shadow is not None:
             return None, f"{t.__name__} defines {shadow!r}, which the forward of {cls.__name__} would read"
-        for c in cls.__mro__:  # (the classes of a type registered by name: as first seen)
-            if c is object:
-                break
-            if _class_changed(c, own):
-                return None, f"{c.__name__} was changed after the clipping handler was registered"
-        if key in _BUILTIN and _torch_functions_replaced():
-            return None, "a torch function its forward calls (F.linear, F.conv2d, …) was replaced"
         reason = handler.check(module)
         if reason is not None:
             return None, reason

@@ -15,9 +15,10 @@ Two rules, checked by ``Privatizer`` at every step, whatever door built it (``ma
    identity of every parameter and buffer; ``check_state_unchanged`` compares after the
    forward/backward. torch bumps a tensor's version at every in-place operation on it or on a
    view sharing its counter (``detach()`` included). Writes through ``.data`` bypass the
-   counter (and autograd): the snapshot also keeps each buffer's values and a checksum of each
-   parameter's entries (its bytes summed as 64-bit words, ``content_sum``), so such a write is
-   seen as well (one pass over each parameter's memory per check).
+   counter (and autograd); a write of a parameter through ``.data`` inside the forward is not an
+   honest model's (it is the trainer's own code, outside the threat model) and is not looked
+   for. A buffer's values are compared too: a native kernel updating running statistics
+   (``F.batch_norm``) writes them without bumping their version.
 
 Both rules read the model through ``ModelWalk``: one iterative walk of the module tree (no
 generator per module, no name built twice) giving every module, parameter and buffer in the
@@ -30,9 +31,6 @@ trainable parameters and the state snapshot all read it) and one after.
 
 from __future__ import annotations
 
-import operator
-
-import numpy as np
 import torch
 from torch import nn
 
@@ -41,7 +39,6 @@ __all__ = [
     "ModelChangedError",
     "ModelStateChangedError",
     "ModelStructure",
-    "ContentMark",
     "StateSnapshot",
     "state_versions",
     "check_state_unchanged",
@@ -300,36 +297,25 @@ def _add_own(m: nn.Module, params: list, buffers: list) -> None:
 
 class StateSnapshot:
     """What ``check_state_unchanged`` compares: every parameter and buffer of a model (as
-    ``ModelWalk`` lists them), with its version, storage address, shape, strides, dtype, lazy
-    negation and conjugation bits and content (a copy of each buffer, a ``content_sum`` of each parameter)."""
+    ``ModelWalk`` lists them), with its version, storage address, shape, strides and dtype, and a
+    copy of each buffer (a native kernel that updates running statistics, ``F.batch_norm``,
+    writes its buffers without bumping their version)."""
 
-    __slots__ = ("tensors", "versions", "layouts", "copies", "sums", "host")
+    __slots__ = ("tensors", "versions", "layouts", "copies")
 
-    def __init__(self, params: list, buffers: list, views: WordViews | None):
+    def __init__(self, params: list, buffers: list):
         self.tensors = params + buffers
-        plain = _plain_all(self.tensors)  # what is read below: torch's own methods, not a subclass's
-        n = len(params)
-        self.versions = [t._version for t in plain]
-        # the layout and dtype too: ``p.data = p.data.view(...)`` keeps the address, size and
-        # words (so the checksum) but changes what the model computes with
-        # and the lazy negation and conjugation bits: ``p.data = torch._neg_view(p.data)`` keeps
-        # the address, layout and words but negates every value the model reads
-        self.layouts = [(t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_neg(), t.is_conj()) for t in plain]
+        self.versions = [t._version for t in self.tensors]
+        self.layouts = [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in self.tensors]
         with torch.no_grad():
-            self.copies = [b.clone() for b in plain[n:]]
-            # every dtype: a frozen integer, bool or complex parameter too
-            views = views if views is not None else WordViews()
-            sums = views.sums(plain[:n], self.layouts[:n])
-        self.sums = sums
-        self.host = all(type(s) is int for s in sums)  # CPU checksums: compared as a list
+            self.copies = [b.clone() for b in buffers]
 
     def changed(self, after: StateSnapshot) -> int | None:
         """The position (in ``tensors``) of the first tensor written, replaced, added or
         removed between this snapshot and ``after`` (``len(tensors)`` for a tensor added at the
-        end), or None."""
+        end), or None. One host synchronisation at most (the buffers' values, compared at once)."""
         mine, theirs = self.tensors, after.tensors
-        n_params = len(self.sums)
-        if len(mine) != len(theirs) or n_params != len(after.sums):
+        if len(mine) != len(theirs) or len(self.copies) != len(after.copies):
             return next(
                 (k for k, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a is not b),
                 min(len(mine), len(theirs)),
@@ -344,255 +330,35 @@ class StateSnapshot:
                 for k, (a, b) in enumerate(zip(mine, theirs, strict=True))
                 if a is not b or self.versions[k] != after.versions[k] or self.layouts[k] != after.layouts[k]
             )
-        same = self.sums == after.sums if self.host and after.host else _same_sums(self.sums, after.sums)
-        if not same:
-            return next(k for k in range(n_params) if not _same_sums([self.sums[k]], [after.sums[k]]))
-        for k, (c, c2) in enumerate(zip(self.copies, after.copies, strict=True)):
-            if not _same_content(c, c2):  # a buffer written through .data
-                return n_params + k
-        return None
+        if not self.copies:
+            return None
+        differs = torch.stack([_differs(c, c2) for c, c2 in zip(self.copies, after.copies, strict=True)])
+        if not bool(differs.any()):
+            return None
+        return len(mine) - len(self.copies) + int(differs.nonzero()[0, 0])
 
 
-def state_versions(
-    model: nn.Module, walk: ModelWalk | None = None, views: WordViews | None = None
-) -> StateSnapshot:
+def _differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor: whether two copies of one buffer differ (NaN equals NaN; no sync)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return torch.tensor(True, device=a.device)
+    if a.numel() == 0:
+        return torch.tensor(False, device=a.device)
+    same = a == b
+    if a.is_floating_point() or a.is_complex():
+        same = same | (a.isnan() & b.isnan())
+    return ~same.all()
+
+
+def state_versions(model: nn.Module, walk: ModelWalk | None = None) -> StateSnapshot:
     """The snapshot ``check_state_unchanged`` compares with: the version counter, storage
-    address and content of every parameter and buffer of ``model``. The content is a copy of a
-    buffer, and a checksum of a parameter's entries (writes through ``.data`` keep the version):
-    see ``content_sum``.
+    address and layout of every parameter and buffer of ``model``, and each buffer's values.
 
     Args:
         walk: a ``ModelWalk`` of ``model`` taken now (None: the module tree is walked again).
-        views: a ``WordViews`` kept from one check to the next (the same sums, without making
-            the parameters' word views again); None: made for this call.
     """
     params, buffers = _state_tensors(model, walk)
-    return StateSnapshot(params, buffers, views)
-
-
-# Tensor types whose methods are torch's own: a parameter of another subclass may override
-# data_ptr, is_contiguous, clone, … (a data_ptr that never changes made the kept word view of the
-# old memory read as the parameter's after ``spy.data = …`` in the forward); it is read through a
-# plain alias of it (same memory, version counter and layout)
-_PLAIN = (torch.Tensor, nn.Parameter)
-_TB = torch._C.TensorBase
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or a plain ``torch.Tensor`` alias of it when its type is another subclass."""
-    if type(t) in _PLAIN:
-        return t
-    with torch._C.DisableTorchFunctionSubclass():  # nor the subclass's __torch_function__
-        return _TB.as_subclass(_TB.detach(t), torch.Tensor)
-
-
-def _plain_all(tensors: list) -> list:
-    if all(type(t) in _PLAIN for t in tensors):
-        return tensors
-    return [_plain(t) for t in tensors]
-
-
-_WORD = np.dtype(np.uint64)
-_REDUCE = np.add.reduce
-
-
-def content_sum(p: torch.Tensor):
-    """A checksum of the entries of ``p`` that a write of any one entry changes.
-
-    On CPU (a strided tensor, any dtype): the sum, modulo 2⁶⁴, of its bytes read as 64-bit
-    words (a last partial word as an integer of its bytes), an ``int``. Two values of one word
-    differ by a non-zero amount below 2⁶⁴, so changing the entries of a single word always
-    changes the sum — where a float64 sum of float32 entries misses a change smaller than its
-    last bit — and it reads the memory once without converting it (half the time of numpy's
-    float64 reduction of float32 entries, a fifth of ``sum(dtype=float64)``). Writes that change
-    several words by amounts summing to 0 mod 2⁶⁴ are not seen (as with any sum; a swap of two
-    entries at the same offset within their words, for example). On another device: the
-    float64 sum, a 0-d tensor (no copy to the host); of an integer or bool tensor the int64 sum
-    (exact modulo 2⁶⁴), of a complex one the float64 sum of its real and imaginary parts.
-    """
-    if p.device.type != "cpu" or p.layout != torch.strided:
-        if p.is_complex():
-            return torch.view_as_real(p.detach()).sum(dtype=torch.float64)
-        if not p.is_floating_point():
-            return p.detach().sum(dtype=torch.int64)
-        return p.sum(dtype=torch.float64)
-    return _sum_words(*_words(p))
-
-
-def _words(p: torch.Tensor) -> tuple:
-    """(the whole 64-bit words of a CPU tensor's bytes as a uint64 array, its last bytes)."""
-    x = p.detach() if p.requires_grad else p
-    if x.is_neg() or x.is_conj():  # a lazy negated or conjugated view: its values, materialized
-        x = x.resolve_neg().resolve_conj()
-    if not x.is_contiguous():
-        x = x.contiguous()
-    if x.dtype in _NUMPY:
-        a = x.numpy().reshape(-1)
-    else:  # bfloat16 and others numpy has no type for: their bytes
-        a = x.reshape(-1).view(torch.uint8).numpy()
-    whole = a.nbytes - a.nbytes % 8
-    if whole == a.nbytes:
-        return a.view(_WORD), None
-    raw = a.view(np.uint8)
-    return raw[:whole].view(_WORD), raw[whole:]
-
-
-def _sum_words(words, tail) -> int:
-    head = int(np.add.reduce(words)) if words.size else 0
-    if tail is None:
-        return head
-    return (head + int.from_bytes(tail.tobytes(), "little")) % (1 << 64)
-
-
-class ContentMark:
-    """A tensor's version, storage address, shape, strides, dtype, negation and conjugation bits
-    and ``content_sum``, taken now; its word view is kept (a CPU tensor), so that checking the
-    tensor again reads its memory once more without making the view again.
-
-    Args:
-        t: the tensor (e.g. a private gradient just written).
-    """
-
-    __slots__ = ("_meta", "_sum", "_view")
-
-    def __init__(self, t: torch.Tensor):
-        t = _plain(t)
-        self._meta = (t._version, t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_neg(), t.is_conj())
-        if t.is_cpu and t.layout == torch.strided and t.is_contiguous() and not (t.is_neg() or t.is_conj()):
-            self._view = _words(t)
-            self._sum = _sum_words(*self._view)
-        else:
-            self._view = None
-            self._sum = content_sum(t)
-
-    def unchanged(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` (the tensor marked) has the same version, address, layout, dtype and
-        content as when marked — a write through ``t.data`` keeps the version but not the
-        content."""
-        t = _plain(t)
-        if (t._version, t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_neg(), t.is_conj()) != self._meta:
-            return False
-        if self._view is not None and t.is_cpu and t.is_contiguous():
-            return _sum_words(*self._view) == self._sum
-        return _same_sums([content_sum(t)], [self._sum])
-
-
-class WordViews:
-    """``content_sum`` with each CPU parameter's word view kept between calls: a view is
-    reused while the parameter is the same tensor on the same memory (contiguous, at the same
-    address, of the same size), else made again; views of tensors not summed since the last
-    ``prune`` are dropped then (nothing replaced stays alive)."""
-
-    __slots__ = ("_views", "_seen", "_last")
-
-    def __init__(self):
-        self._views: dict = {}
-        self._seen: set = set()
-        # the last ``sums`` with layouts: (tensors, layouts, each one's kept entry or None,
-        # the ids of the kept ones, every kept words array when none has a tail, else None)
-        self._last: tuple | None = None
-
-    def _kept(self, t: torch.Tensor):
-        """(t, address, size in bytes, words, tail) of a strided contiguous CPU tensor — the kept
-        entry while it is exactly ``t``'s memory, else made again — or None for any other tensor."""
-        if t.layout != torch.strided or not t.is_cpu or not t.is_contiguous() or t.is_neg() or t.is_conj():
-            return None
-        k = id(t)
-        e = self._views.get(k)
-        if e is None or e[0] is not t or e[1] != t.data_ptr() or e[2] != t.nbytes:
-            e = self._views[k] = (t, t.data_ptr(), t.nbytes, *_words(t))
-        self._seen.add(k)
-        return e
-
-    def sum(self, p: torch.Tensor):
-        """``content_sum(p)``."""
-        return self._summed(p)[0]
-
-    def _summed(self, p: torch.Tensor) -> tuple:
-        """(``content_sum(p)``, the kept entry read, or None when ``p`` has no word view)."""
-        e = self._kept(p)
-        if e is None:
-            return content_sum(p), None
-        return (int(_REDUCE(e[3])) if e[4] is None else _sum_words(e[3], e[4])), e
-
-    def sums(self, tensors: list, layouts: list | None = None) -> list:
-        """``[content_sum(t) for t in tensors]``, one sum per tensor listed several times (a
-        tied parameter under each of its names).
-
-        Args:
-            layouts: each tensor's (address, shape, strides, dtype, negation and conjugation
-                bits) taken now, or None. When
-                the tensors are those of the last call with layouts (the same objects, in the
-                same order) and their layouts are unchanged, every kept view is still exactly
-                its tensor's memory (the rule of ``sum``): the views are read without checking
-                each tensor again.
-        """
-        last = self._last
-        if (
-            layouts is not None
-            and last is not None
-            and last[1] == layouts
-            and len(last[0]) == len(tensors)
-            and all(map(operator.is_, last[0], tensors))
-        ):
-            self._seen.update(last[3])
-            if last[4] is not None:
-                return [int(_REDUCE(w)) for w in last[4]]
-            kept = zip(tensors, last[2], strict=True)
-            return [content_sum(t) if e is None else _sum_words(e[3], e[4]) for t, e in kept]
-        once: dict = {}
-        out, entries = [], []
-        for t in tensors:
-            got = once.get(id(t))
-            if got is None:
-                got = once[id(t)] = self._summed(t)
-            out.append(got[0])
-            entries.append(got[1])  # the entry read now (None: no view; never an older one)
-        if layouts is not None:
-            plain = None if any(e is None or e[4] is not None for e in entries) else [e[3] for e in entries]
-            ids = tuple(id(t) for t, e in zip(tensors, entries, strict=True) if e is not None)
-            self._last = (list(tensors), list(layouts), entries, ids, plain)
-        return out
-
-    def prune(self) -> None:
-        """Drop the views of tensors not summed since the last ``prune``."""
-        for k in [k for k in self._views if k not in self._seen]:
-            del self._views[k]
-        if self._last is not None and not all(k in self._seen for k in self._last[3]):
-            self._last = None
-        self._seen = set()
-
-
-_NUMPY = {
-    torch.float16,
-    torch.float32,
-    torch.float64,
-    torch.complex64,
-    torch.complex128,
-}
-
-
-def _same_sums(a: list, b: list) -> bool:
-    """Whether two lists of ``content_sum`` values are equal (device sums: NaN equals NaN)."""
-    if len(a) != len(b):
-        return False
-    for x, y in zip(a, b, strict=True):
-        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and _same_content(x, y)):
-                return False
-        elif x != y:
-            return False
-    return True
-
-
-def _same_content(a, b) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    if a.shape != b.shape or a.device != b.device:
-        return False
-    if torch.equal(a, b):
-        return True
-    return bool(((a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else (a == b)).all())
+    return StateSnapshot(params, buffers)
 
 
 def check_state_unchanged(
@@ -600,7 +366,6 @@ def check_state_unchanged(
     before: StateSnapshot,
     during: str,
     step: int | None = None,
-    views: WordViews | None = None,
 ) -> None:
     """Raise if a parameter or buffer of ``model`` was written, replaced or added since
     ``before = state_versions(model)``.
@@ -611,13 +376,12 @@ def check_state_unchanged(
     Args:
         during: what ran in between, for the message (e.g. ``"the private forward/backward"``).
         step: the step, for the message.
-        views: the ``WordViews`` ``before`` was taken with (None: made for this call).
 
     Raises:
         ModelStateChangedError: naming the tensor, why it matters and the fix.
     """
     params, buffers = _state_tensors(model)
-    position = before.changed(StateSnapshot(params, buffers, views))
+    position = before.changed(StateSnapshot(params, buffers))
     if position is None:
         return
     walk = ModelWalk(model)

@@ -35,18 +35,16 @@ from dpmf.optim.batches import DrawnBatches
 from dpmf.optim.clipping import check_per_example_safe, clipped_sum, trainable_parameters
 from dpmf.optim.ghost import CLIPPING_MODES
 from dpmf.optim.model_guard import (
-    ContentMark,
     ModelStateChangedError,
     ModelStructure,
     ModelWalk,
-    WordViews,
     check_state_unchanged,
     state_versions,
 )
 from dpmf.optim.noise import CorrelatedNoise
 from dpmf.seeds import KeyHolder
 
-__all__ = ["AUTO_MICRO_BATCH_ENTRIES", "PrivateStep", "Privatizer"]
+__all__ = ["AUTO_MICRO_BATCH_ENTRIES", "PrivateStep", "Privatizer", "StepStage"]
 
 AUTO_MICRO_BATCH_ENTRIES = 1 << 24
 
@@ -75,6 +73,29 @@ class PrivateStep:
     fresh_noise_std: float
     clipped_fraction: float
     mean_norm: float
+
+
+class StepStage:
+    """A stage a white-box audit inserts into the private step (``Privatizer.set_stage``); every
+    method's default leaves the step as it is.
+
+    Called in this order within ``privatize`` at step t, after the batch check and before the
+    noise: ``select`` (the examples the step clips, e.g. canary slots removed), the clipped sum,
+    ``before_release`` (add to the clipped sums in place: the canaries), the noise and the
+    division by B̄ (``_release``), ``after_release`` (read the private gradients just written).
+    A stage can only add to what the step releases, never remove noise: the noise, its scale and
+    the accounting are the plan's whatever a stage does.
+    """
+
+    def select(self, step: int, inputs, targets, example_ids):
+        """(inputs, targets, example_ids) the step clips; default: as given."""
+        return inputs, targets, example_ids
+
+    def before_release(self, step: int, params: list, sums: list) -> None:
+        """Change the clipped sums (one tensor per parameter of ``params``) in place."""
+
+    def after_release(self, step: int, params: list, written: list) -> None:
+        """Read ``p.grad`` of the parameters ``written`` (this process's, in a sharded run)."""
 
 
 def _clip_norm_of(plan, clip_norm) -> float:
@@ -157,7 +178,7 @@ class Privatizer(KeyHolder):
         _check_noise_matches_plan(noise, plan)
         self.plan = plan
         self.last_step: PrivateStep | None = None
-        self._written: list | None = None  # (param, grad tensor, its ContentMark) of the last step
+        self._written: list | None = None  # (param, grad tensor, its version and address) of the last step
         self.model = model
         self.loss_fn = loss_fn
         self.clip_norm = _clip_norm_of(plan, clip_norm)
@@ -184,9 +205,9 @@ class Privatizer(KeyHolder):
             )
         self.noise = noise
         self.structure = ModelStructure(model)
-        self._views = WordViews()  # the parameters' word views, kept between state checks
         self.drawn: DrawnBatches | None = None
         self._probed = False  # batch independence (dpmf.optim.batch_probe), on the first batch
+        self.stage: StepStage | None = None  # an audit's stage (set_stage)
         self._micro_batch_given = micro_batch_size is not None
         entries = sum(p.numel() for _, p in named)  # one per-example gradient
         self.micro_batch_size = micro_batch_size or max(8, AUTO_MICRO_BATCH_ENTRIES // entries)
@@ -225,9 +246,9 @@ class Privatizer(KeyHolder):
             self.structure.check_optimizer("optimizer.step()")
         if self._written is None:
             raise RuntimeError(f"optimizer.step() refused: no private gradient for this step; {fix}")
-        for p, g, mark in self._written:
-            # the mark has the content too: a write through p.grad.data keeps the version
-            if p.grad is not g or not mark.unchanged(g):
+        for p, g, version in self._written:
+            # a plain loss.backward() accumulates into p.grad in place (its version moves)
+            if p.grad is not g or (g._version, g.data_ptr()) != version:
                 raise RuntimeError(
                     "optimizer.step() refused: p.grad was replaced or modified after the private "
                     f"step wrote it (a parameter of shape {tuple(p.shape)}); {fix}"
@@ -250,7 +271,7 @@ class Privatizer(KeyHolder):
         """
         self.check_gradients()
         fn()
-        self._written = [(p, p.grad, ContentMark(p.grad)) for p, _, _ in self._written]
+        self._written = [(p, p.grad, (p.grad._version, p.grad.data_ptr())) for p, _, _ in self._written]
 
     def consume(self) -> None:
         """Mark this step's private gradients as used (the next ``step()`` needs a new one)."""
@@ -263,6 +284,21 @@ class Privatizer(KeyHolder):
         self.structure.bind(optimizer)
         if hasattr(optimizer, "bind"):
             optimizer.bind(self)
+
+    def set_stage(self, stage: StepStage) -> None:
+        """Insert ``stage`` (a white-box audit's canaries) into every later step.
+
+        Raises:
+            TypeError: ``stage`` is not a ``StepStage``.
+            ValueError: a stage is already set, or a step was already taken.
+        """
+        if not isinstance(stage, StepStage):
+            raise TypeError(f"stage={stage!r} is invalid: must be a dpmf.optim.privatize.StepStage")
+        if self.stage is not None or self.noise.step != 0:
+            raise ValueError(
+                "stage is invalid here: set it once, before the first private step (build the run again)"
+            )
+        self.stage = stage
 
     def draw_from(self, sampler) -> DrawnBatches:
         """Take every step's batch from ``sampler`` (the plan's, at this privatizer's step):
@@ -334,7 +370,9 @@ class Privatizer(KeyHolder):
                 self.drawn.check(t, inputs, targets, example_ids)
             else:
                 self.drawn.check(t, handed_out, None, example_ids)
-        before = state_versions(self.model, walk, self._views)
+        if self.stage is not None:
+            inputs, targets, example_ids = self.stage.select(t, inputs, targets, example_ids)
+        before = state_versions(self.model, walk)
         named = trainable_parameters(self.model, walk)
         try:
             if not self._probed and batch_size_of(inputs) >= 2:  # once, on the first batch of ≥ 2
@@ -354,10 +392,10 @@ class Privatizer(KeyHolder):
                 walk=walk,
             )
         except BatchCouplingError:  # a forward that writes the model also changes its outputs
-            check_state_unchanged(self.model, before, "the private forward/backward", t, self._views)
+            check_state_unchanged(self.model, before, "the private forward/backward", t)
             raise
         except RuntimeError as err:  # torch.func refuses some in-place writes itself
-            check_state_unchanged(self.model, before, "the private forward/backward", t, self._views)
+            check_state_unchanged(self.model, before, "the private forward/backward", t)
             text = str(err)
             if "in-place" in text or "inplace" in text or "mutate" in text:
                 raise ModelStateChangedError(
@@ -366,16 +404,20 @@ class Privatizer(KeyHolder):
                     "forward releases the batch without noise: remove the write from the forward"
                 ) from err
             raise
-        check_state_unchanged(self.model, before, "the private forward/backward", t, self._views)
-        self._views.prune()
+        check_state_unchanged(self.model, before, "the private forward/backward", t)
         # the parameters of the sums: those of the walk (the check above saw every parameter
         # still in place; a requires_grad changed meanwhile is refused by the optimizer's step)
         params = [p for _, p in named]
-        written = self._release(params, list(summed.grads))
+        sums = list(summed.grads)
+        if self.stage is not None:
+            self.stage.before_release(t, params, sums)
+        written = self._release(params, sums)
+        if self.stage is not None:
+            self.stage.after_release(t, params, written)
         batch_size, clipped, norm_sum = self._batch_figures(summed)
         scale = self.noise_std
         fresh = scale * abs(self.noise.innovation(t)) / self.expected_batch_size
-        self._written = [(p, p.grad, ContentMark(p.grad)) for p in written]
+        self._written = [(p, p.grad, (p.grad._version, p.grad.data_ptr())) for p in written]
         if self.drawn is not None:
             self.drawn.consume(t)
         self.last_step = PrivateStep(

@@ -93,6 +93,7 @@ class BatchSampler(KeyHolder):
             raise TypeError("seed=None is invalid here: give the run's key (dpmf.seeds.draw_key())")
         self.rng = _seeds.generator(self.seed, "sampler")
         self.step = 0
+        self._watchers: list = []
         self._setup()
 
     def _setup(self) -> None:
@@ -112,8 +113,20 @@ class BatchSampler(KeyHolder):
         if self.step >= self.steps:
             raise RuntimeError(f"sampler exhausted: the run has {self.steps} steps and all were drawn")
         idx = np.sort(self._draw(self.step)).astype(np.int64)
+        for watch in getattr(self, "_watchers", ()):
+            watch(self.step, idx.copy())
         self.step += 1
         return idx
+
+    def watch(self, fn) -> None:
+        """Call ``fn(step, indices)`` after each draw from now on (a white-box audit records the
+        batches it scores; the indices are secret: never log them). Not part of the state."""
+        self._watchers.append(fn)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_watchers"] = []  # a copy sent to a loader's worker process watches nothing
+        return state
 
     def _draw(self, t: int) -> np.ndarray:
         raise NotImplementedError
