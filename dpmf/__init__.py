@@ -11,7 +11,14 @@ __version__ = "0.1.0"
 
 _PLAN_NAMES = ("PrivatePlan", "account", "calibrate", "max_steps", "max_batch_size", "account_segments")
 
-__all__ = [*_PLAN_NAMES, "make_private", "PrivateTraining", "register_clipping_layer", "ClippingHandler"]
+__all__ = [
+    *_PLAN_NAMES,
+    "make_private",
+    "PrivateTraining",
+    "register_clipping_layer",
+    "clipping_layer",
+    "ClippingHandler",
+]
 
 
 def __getattr__(name):
@@ -24,8 +31,8 @@ def __getattr__(name):
         from dpmf.train import private
 
         return getattr(private, name)
-    if name in ("register_clipping_layer", "ClippingHandler"):
-        from dpmf.optim import ghost_layers
+    if name in ("register_clipping_layer", "clipping_layer", "ClippingHandler"):
+        from dpmf.optim import clipping_layers
 
-        return getattr(ghost_layers, name)
+        return getattr(clipping_layers, name)
     raise AttributeError(f"module 'dpmf' has no attribute {name!r}")

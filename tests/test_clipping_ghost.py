@@ -422,7 +422,7 @@ def test_a_training_run_is_the_same_with_book_keeping_and_with_vmap(tmp_path):
 def test_a_linear_handler_subclass_with_its_own_sq_norms_keeps_the_old_contract():
     # a registered subclass overriding sq_norms(module, calls, attrs, dtype) is called without
     # the engine's pending keyword, and its squares are used as they are
-    from dpmf.optim.ghost_layers import LinearHandler, register_clipping_layer
+    from dpmf.optim.clipping_layers import LinearHandler, register_clipping_layer
 
     calls = []
 

@@ -122,3 +122,32 @@ def test_bad_registrations_are_refused():
     with pytest.raises(TypeError, match="handler=.*ClippingHandler"):
         register_clipping_layer(Bilinear, lambda m: None)
     assert dpmf.register_clipping_layer is register_clipping_layer
+
+
+class Bilinear2(Bilinear):
+    """The same layer, another type (the registry is keyed by type)."""
+
+
+def test_the_decorator_registers_a_handler_as_dpmfs_own_layers_are():
+    from dpmf.optim import clipping_layer
+    from dpmf.optim.clipping_layers import registered_clipping_layers
+
+    @clipping_layer(Bilinear2)
+    class Handler2(BilinearHandler):
+        name = "bilinear2"
+
+    assert registered_clipping_layers()[f"{__name__}.Bilinear2"] == "bilinear2"
+    torch.manual_seed(0)
+    model = Net().double()
+    model.bil = Bilinear2(6, 5).double()
+    x, y = data()
+    assert ghost_layer_kinds(model)["bil"] == "bilinear2"
+    ref = clipped_sum(model, loss, x, y, clip_norm=1.0, clipping="vmap")
+    for mode in ("bk", "ghost"):
+        out = clipped_sum(model, loss, x, y, clip_norm=1.0, clipping=mode)
+        torch.testing.assert_close(out.norms, ref.norms, rtol=1e-10, atol=0)
+        for a, b in zip(out.grads, ref.grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    # dpmf's own layers are registered through the same decorator, and are not silently replaced
+    with pytest.raises(ValueError, match="replace=True"):
+        clipping_layer(nn.Linear)(type("Other", (ClippingHandler,), {}))

@@ -157,7 +157,7 @@ def test_tied_embeddings_are_clipped_without_per_example_gradients_equal_to_vmap
     def instantiated(*args, **kwargs):
         raise AssertionError("a (b, V, d) per-example embedding gradient was instantiated")
 
-    monkeypatch.setattr(dpmf.optim.ghost_layers.EmbeddingHandler, "per_example", instantiated)
+    monkeypatch.setattr(dpmf.optim.clipping_layers.embedding.EmbeddingHandler, "per_example", instantiated)
     for mode in ("bk", "ghost"):
         out = clipped_sum(model, loss, x, y, clip_norm=zeta, clipping=mode)
         torch.testing.assert_close(out.norms, ref.norms, rtol=1e-5, atol=0)

@@ -36,9 +36,9 @@ from torch import nn
 from torch.func import grad, vmap
 
 from dpmf._validation import check_choice, check_int, check_real
+from dpmf.optim.clipping_layers import row_norms
 from dpmf.optim.func_call import functional_call
 from dpmf.optim.ghost import CLIPPING_MODES, ghost_clipped_sum
-from dpmf.optim.ghost_layers import row_norms
 from dpmf.optim.model_guard import ModelWalk
 
 __all__ = [

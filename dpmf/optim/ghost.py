@@ -33,7 +33,7 @@ norms; c_i = min(1, ζ/‖g_i‖). Then, in one of two ways:
   output gradients, one GEMM per layer and no second backward (Bu et al., "Differentially
   Private Optimization on Large Model at Small Cost", ICML 2023, Algorithm 1).
 
-Which layers have closed forms is the clipping-layer registry (``dpmf.optim.ghost_layers``:
+Which layers have closed forms is the clipping-layer registry (``dpmf.optim.clipping_layers``:
 module type → handler; ``register_clipping_layer`` adds one). A parameter shared by several
 registered layers gets the sum of its uses' per-example gradients, instantiated by their
 handlers — except a weight tied between one embedding and one linear output layer (GPT-2's
@@ -78,7 +78,7 @@ an instantiated gradient whose entries themselves overflow float32 is not finite
 raises ``NonFiniteGradientError`` (compute in float64). A ghost norm of several tokens,
 ⟨AAᵀ, GGᵀ⟩, can cancel: its Gram matrices are taken in float64 and a bound on the rounding
 added, so that it is never below the norm of the vector book-keeping sums
-(``ghost_layers._gram_sq``); so are an embedding's norm (equal tokens whose gradients cancel)
+(``clipping_layers.norms._gram_sq``); so are an embedding's norm (equal tokens whose gradients cancel)
 and a tied embedding's (its two uses cancelling, ``ghost_tied``). Its book-keeping sum (c∘G)ᵀA
 is taken in float64 when a product c_i·g is below float32's normal range (rounded there by up to
 a third, then multiplied by the activations).
@@ -105,18 +105,17 @@ from torch.nn.modules import module as _module
 from torch.overrides import TorchFunctionMode
 
 from dpmf.optim.choices import CLIPPING_MODES
-from dpmf.optim.func_call import functional_call
-from dpmf.optim.ghost_chain import chain_layers, chain_output_gradients
-from dpmf.optim.ghost_layers import (
+from dpmf.optim.clipping_layers import (
     ClippingHandler,
     PendingNorm,
-    _as,
-    _sq,
     clipping_handler,
     row_norms,
     squares,
     weighted_sum,
 )
+from dpmf.optim.clipping_layers.norms import _as, _sq
+from dpmf.optim.func_call import functional_call
+from dpmf.optim.ghost_chain import chain_layers, chain_output_gradients
 from dpmf.optim.ghost_tied import TiedEmbeddingLinear, tied_embedding_linear
 
 __all__ = ["CLIPPING_MODES", "GhostResult", "ghost_clipped_sum", "ghost_layer_kinds"]
@@ -125,7 +124,7 @@ __all__ = ["CLIPPING_MODES", "GhostResult", "ghost_clipped_sum", "ghost_layer_ki
 def ghost_layer_kinds(model: nn.Module) -> dict[str, str]:
     """How each module owning trainable parameters is handled before any run-time check: the
     name of its registered handler (``linear``, ``conv``, ``conv1d``, ``embedding``, ``norm``,
-    or a user's; ``dpmf.optim.ghost_layers``) or ``generic`` (``torch.func``).
+    or a user's; ``dpmf.optim.clipping_layers``) or ``generic`` (``torch.func``).
 
     Module names are those of ``model.named_modules()`` (``""`` for the model itself).
     """

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
-from dpmf.optim.ghost_layers import LinearHandler, clipping_handler
+from dpmf.optim.clipping_layers import LinearHandler, clipping_handler
 
 __all__ = ["chain_layers", "chain_output_gradients"]
 

@@ -7,7 +7,7 @@ gradients G_i ∈ ℝ^{T_o×V}) has as per-example gradient the sum of both uses
     g_i = S_i + L_i,   S_i = Σ_t e_{x_i[t]} E_i[t]ᵀ  (the lookup's scatter),   L_i = G_iᵀA_i,
 
 so that ‖g_i‖² = ‖S_i‖² + ‖L_i‖² + 2⟨S_i, L_i⟩. The first two are the embedding's and the linear
-layer's own ghost norms (``dpmf.optim.ghost_layers``); the cross term needs only the rows of L_i
+layer's own ghost norms (``dpmf.optim.clipping_layers``); the cross term needs only the rows of L_i
 at the example's tokens:
 
     ⟨S_i, L_i⟩ = Σ_t ⟨E_i[t], L_i[x_i[t]]⟩ = Σ_{s,t} G_i[s, x_i[t]] · (A_i E_iᵀ)[s, t],
@@ -30,7 +30,8 @@ import math
 import torch
 from torch import nn
 
-from dpmf.optim.ghost_layers import EmbeddingHandler, LinearHandler, _gamma, most_repeated, row_norms
+from dpmf.optim.clipping_layers import EmbeddingHandler, LinearHandler, most_repeated, row_norms
+from dpmf.optim.clipping_layers.norms import _gamma
 
 __all__ = ["TiedEmbeddingLinear", "tied_embedding_linear"]
 
@@ -92,7 +93,7 @@ class TiedEmbeddingLinear:
         1.03·ζ), so the three terms are taken in float64 from the exact widened inputs, and, with
         M_i = Σ_t ‖E_i[t]‖ + Σ_s ‖A_i[s]‖‖G_i[s]‖, the float64 rounding (γ₆₄·M_i²) and that of the
         two book-keeping sums and their addition (γ_{n+2}(u)·M_i per example's share, n the most
-        terms one entry of a sum adds) are added, as in ``ghost_layers._gram_sq``. An instantiated
+        terms one entry of a sum adds) are added, as in ``clipping_layers.norms._gram_sq``. An instantiated
         L̂_i (float32) is itself what the sum adds: the norm is then that of S_i + L̂_i, with ‖L̂_i‖
         in M_i."""
         _, self.emb_state = self._EMB.sq_norms(self.emb, self.emb_calls, ["weight"], dtype)
