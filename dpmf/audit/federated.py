@@ -30,18 +30,19 @@ no other part of the run: no data, no training), so the release is that of the s
 on K + |in| clients, whose ε (the ledger's client entry) does not depend on the number of
 clients.
 
-The auditor sees every round's noisy mean (white box: the aggregate the strategy receives, read
-where Flower's ``FedAvg.aggregate_train`` — which FedProx, FedAdam and FedYogi call for their
-mean — computes it; for FedAvg it is the released model itself): S_r = K·(m_r − θ_{r−1}) is the
+The auditor sees every round's noisy mean (white box: the mean of the privatized replies, each of
+weight 1, which Flower's ``FedAvg.aggregate_train`` — called by FedProx, FedAdam and FedYogi for
+their mean — computes; for FedAvg it is the released model itself): S_r = K·(m_r − θ_{r−1}) is the
 noisy sum, y_rj = ⟨S_r, u_j⟩/ζ its projection, and score_j = ⟨P1, y_j⟩/√(1ᵀP1),
 P = CᵀC/(σ_cζ·sens)² (the whitened sum of the projections over the R rounds; for independent
 noise the sum divided by σ_c·ζ·√R). A median (FedMedian) is not a mean and is refused.
 
-The canaries are injected for the duration of the audit by subclasses of the run's components
-(``ClientLevelNoise``: its ``next`` adds the "in" canaries' sum to the round's noise vector,
-which ``dpmf fl`` adds to the sum before dividing by K; ``AggregatorDPSGD``: canary slots and
-the audited private step; ``PrivateLocalRun``: the same in a client's run); ``dpmf fl`` itself
-has no canary option.
+The canaries enter through the run's documented audit hooks (``run_federated(…, audit=…)``,
+``dpmf.federated.hooks.AuditHooks``): client mode adds the "in" canaries' sum to each round's
+sum of clipped updates before the division by K and reads the privatized replies, whose mean
+is what the strategy aggregates; record and aggregator modes append canary slots to one private
+run's data and give its privatizer the audited step's stage (``dpmf.audit.private_audit``).
+``dpmf fl`` itself has no canary option, and nothing of the run is replaced.
 
 Methods: ``one-run`` and ``one-run-fdp`` are valid for the m canaries of one run. ``gdp`` and
 ``clopper-pearson`` treat the canaries as independent trials (the canaries share the run): a
@@ -51,11 +52,12 @@ capped by m, cannot (``tests/test_audit_doors.py``).
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import numpy as np
 import torch
+
+from dpmf.federated.hooks import AuditHooks
 
 __all__ = ["audit_fl_aggregator", "audit_fl_clients", "audit_fl_records"]
 
@@ -107,51 +109,32 @@ def _instrument(privatizer, sampler, model, state: dict, n: int, *, orthonormal:
     privatizer.set_stage(CanaryStage(privatizer, sampler, directions, state["included"], n))
 
 
-@contextlib.contextmanager
-def _canary_hooks(state: dict):
-    from dpmf.federated import local
+class _CanaryClients(AuditHooks):
+    """Canary clients: the "in" canaries' updates join each round's sum of clipped updates,
+    and each round's noisy sum is recorded from the privatized replies (weight 1 each, so the
+    strategy's mean is theirs)."""
 
-    base = local.ClientLevelNoise
+    def __init__(self, state: dict):
+        self.state = state
 
-    class CanaryClientNoise(base):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            state["noise"] = self
-            state["rounds"] = int(args[1])
-            state["factorization"] = kwargs.get("factorization", "identity")
-            dim, m = int(kwargs["dim"]), state["count"]
-            g = np.random.default_rng(state["directions_seed"])
-            u = g.standard_normal((m, dim))
-            if m <= dim:  # orthonormal: each canary's projection holds no other canary
-                u = np.linalg.qr(u.T)[0].T
-            self.canaries = u / np.linalg.norm(u, axis=1, keepdims=True) * self.clip_norm
-            self.canary_sum = self.canaries[state["included"]].sum(axis=0)
+    def client_noise(self, noise):
+        state = self.state
+        state["noise"], state["rounds"] = noise, noise.rounds
+        state["factorization"] = noise.factorization
+        dim, m = noise.noise.dim, state["count"]
+        u = np.random.default_rng(state["directions_seed"]).standard_normal((m, dim))
+        if m <= dim:  # orthonormal: each canary's projection holds no other canary
+            u = np.linalg.qr(u.T)[0].T
+        state["canaries"] = u / np.linalg.norm(u, axis=1, keepdims=True) * noise.clip_norm
+        state["canary_sum"] = state["canaries"][state["included"]].sum(axis=0)
 
-        def next(self):
-            return super().next() + self.canary_sum
+    def client_updates(self, server_round):
+        return self.state.get("canary_sum")
 
-    from flwr.serverapp.strategy import FedAvg
-
-    configure, aggregate = FedAvg.configure_train, FedAvg.aggregate_train
-
-    def recording_configure(self, server_round, arrays, config, grid):
-        state["base"] = _flat(arrays)  # θ_{r−1}, the global model sent this round
-        return configure(self, server_round, arrays, config, grid)
-
-    def recording_aggregate(self, server_round, replies):
-        replies = list(replies)
-        agg, metrics = aggregate(self, server_round, replies)
-        if agg is not None:  # the noisy mean m_r of the privatized replies
-            state.setdefault("sums", []).append(len(replies) * (_flat(agg) - state["base"]))
-        return agg, metrics
-
-    local.ClientLevelNoise = CanaryClientNoise
-    FedAvg.configure_train, FedAvg.aggregate_train = recording_configure, recording_aggregate
-    try:
-        yield
-    finally:
-        local.ClientLevelNoise = base
-        FedAvg.configure_train, FedAvg.aggregate_train = configure, aggregate
+    def client_round(self, server_round, arrays, replies):
+        base = _flat(arrays)  # θ_{r−1}, the global model sent this round
+        mean = np.mean([_flat(next(iter(m.content.array_records.values()))) for m in replies], axis=0)
+        self.state.setdefault("sums", []).append(len(replies) * (mean - base))
 
 
 def _flat(arrays) -> np.ndarray:
@@ -220,19 +203,17 @@ def audit_fl_clients(
         "included": seeds.generator(key, "audit-included").random(m) < 0.5,
         "directions_seed": seeds.derive_int(key, "audit-canaries", bits=63),
     }
-    with _canary_hooks(state):
-        result = run_federated(config, compliance=compliance, data=data, log=log)
+    result = run_federated(config, compliance=compliance, data=data, log=log, audit=_CanaryClients(state))
     if "noise" not in state or not state.get("sums"):
         raise RuntimeError(
-            "the run's client noise was not built by dpmf.federated.local.ClientLevelNoise (or no mean "
-            "was aggregated by Flower's FedAvg.aggregate_train): the audit could not inject or read "
-            "its canaries"
+            "the run built no client-level noise or aggregated no round: the audit could not inject "
+            "or read its canaries"
         )
     noise, R = state["noise"], state["rounds"]
     sums = np.stack(state["sums"])  # (R, d): the noisy sums of clipped updates
     if sums.shape[0] != R:
         raise RuntimeError(f"the audit saw {sums.shape[0]} aggregates of {R} rounds: it cannot score them")
-    y = sums @ (noise.canaries / noise.clip_norm).T  # (R, m)
+    y = sums @ (state["canaries"] / noise.clip_norm).T  # (R, m)
     spec = state["factorization"]
     C = factorize(prefix_sum(R), spec if spec != "identity" else "identity").C.dense()
     P = C.T @ C / noise.std_on_sum**2
@@ -243,29 +224,26 @@ def audit_fl_clients(
     return _audit_result(scores, state["included"], entry.epsilon, entry.delta, method, sig, "client")
 
 
-@contextlib.contextmanager
-def _record_hooks(state: dict):
-    from dpmf.federated import local
+class _CanaryRecords(AuditHooks):
+    """Canary records in one private run (``role``: the first participant's, or the server's
+    aggregator dataset): m slots appended to its data, the audited step's stage on its privatizer."""
 
-    base = local.PrivateLocalRun
+    def __init__(self, state: dict, role: str, orthonormal: bool):
+        self.state, self.role, self.orthonormal = state, role, orthonormal
 
-    class CanaryLocalRun(base):
-        def __init__(self, x, y, model, **kwargs):
-            audited = "run" not in state  # the first participant's run
-            n = int(y.shape[0])
-            if audited:
-                x, y = _with_canary_slots(x, y, state["count"])
-            super().__init__(x, y, model, **kwargs)
-            if not audited:
-                return
-            state["run"], state["real"] = self, n
-            _instrument(self.privatizer, self.sampler, model, state, n, orthonormal=False)
+    def private_records(self, role, j, x, y):
+        if role != self.role or j != 0:
+            return x, y
+        self.state["real"] = int(y.shape[0])
+        return _with_canary_slots(x, y, self.state["count"])
 
-    local.PrivateLocalRun = CanaryLocalRun
-    try:
-        yield
-    finally:
-        local.PrivateLocalRun = base
+    def private_run(self, role, j, run):
+        if role != self.role or j != 0:
+            return
+        state = self.state
+        state["run"] = run
+        privatizer = run.step.privatizer if role == "aggregator" else run.privatizer
+        _instrument(privatizer, run.sampler, run.model, state, state["real"], orthonormal=self.orthonormal)
 
 
 def audit_fl_records(
@@ -311,8 +289,8 @@ def audit_fl_records(
         "included": seeds.generator(key, "audit-included").random(m) < 0.5,
         "directions_seed": seeds.derive_int(key, "audit-canaries", bits=63),
     }
-    with _record_hooks(state):
-        run_federated(config, compliance=compliance, data=data, log=log)
+    hooks = _CanaryRecords(state, "record", orthonormal=False)
+    run_federated(config, compliance=compliance, data=data, log=log, audit=hooks)
     run, n = state["run"], state["real"]
     pv = run.privatizer
     stage = pv.stage
@@ -330,26 +308,6 @@ def audit_fl_records(
     P = precision_matrix(plan, plan.noise_std(pv.clip_norm))
     scores = likelihood_scores(plan, run.sampler, np.stack(stage.projections), possible, pv.clip_norm, P)
     return _audit_result(scores, state["included"], run.privacy.epsilon, config.delta, method, sig, "record")
-
-
-@contextlib.contextmanager
-def _aggregator_hooks(state: dict):
-    from dpmf.federated import local
-
-    base = local.AggregatorDPSGD
-
-    class CanaryAggregatorDPSGD(base):
-        def __init__(self, x, y, model, **kwargs):
-            n = int(y.shape[0])
-            super().__init__(*_with_canary_slots(x, y, state["count"]), model, **kwargs)
-            state["dp"], state["real"] = self, n
-            _instrument(self.step.privatizer, self.sampler, model, state, n, orthonormal=True)
-
-    local.AggregatorDPSGD = CanaryAggregatorDPSGD
-    try:
-        yield
-    finally:
-        local.AggregatorDPSGD = base
 
 
 def audit_fl_aggregator(
@@ -405,14 +363,11 @@ def audit_fl_aggregator(
         "included": seeds.generator(key, "audit-included").random(m) < 0.5,
         "directions_seed": seeds.derive_int(key, "audit-canaries", bits=63),
     }
-    with _aggregator_hooks(state):
-        result = run_federated(config, compliance=compliance, data=data, log=log)
-    if "dp" not in state:
-        raise RuntimeError(
-            "the server's DP-SGD was not built by dpmf.federated.local.AggregatorDPSGD: the audit could "
-            "not inject its canaries"
-        )
-    dp, n = state["dp"], state["real"]
+    hooks = _CanaryRecords(state, "aggregator", orthonormal=True)
+    result = run_federated(config, compliance=compliance, data=data, log=log, audit=hooks)
+    if "run" not in state:
+        raise RuntimeError("the run built no aggregator DP-SGD: the audit could not inject its canaries")
+    dp, n = state["run"], state["real"]
     pv = dp.step.privatizer
     plan = pv.plan
     steps = len(pv.stage.projections)

@@ -548,6 +548,8 @@ class ClientLevelNoise:
         self.privacy = self.plan.account(delta=delta, progress=False)
         self.noise = self.plan.noise(dim, seed, dtype=torch.float64)
         self.clip_norm = self.plan.clip_norm
+        self.rounds = int(rounds)
+        self.factorization = factorization
 
     @property
     def std_on_sum(self) -> float:

@@ -53,6 +53,7 @@ import numpy as np
 from dpmf import seeds
 from dpmf._validation import check_choice, check_int, check_real
 from dpmf.federated._registry import PRIVACY_MODES as _REGISTRY
+from dpmf.federated.hooks import AuditHooks
 from dpmf.federated.ledger import PrivacyEntry
 
 __all__ = [
@@ -94,10 +95,12 @@ class ServerPart:
         server: the run's server (``dpmf.federated.run._Server``: ``config``, ``data``,
             ``idx``, ``sigmas``, ``dim``, ``new_model()``).
         key: the run's key (secret; child keys only, never shown).
+        audit: a white-box audit's ``dpmf.federated.hooks.AuditHooks`` (None: none).
     """
 
     def __init__(self, mode: PrivacyMode, server, key: int):
         self.mode, self.server, self.config = mode, server, server.config
+        self.audit = getattr(server, "audit", None) or AuditHooks()  # dpmf.federated.hooks
         self.entries: list[PrivacyEntry] = []
 
     def select(self, msgs, grid) -> tuple[list, int]:
@@ -142,7 +145,8 @@ class ClientPart:
         key: the run's key (secret; child keys only, never shown).
     """
 
-    def __init__(self, mode: PrivacyMode, config, data, idx, sigmas, ids, key: int):
+    def __init__(self, mode: PrivacyMode, config, data, idx, sigmas, ids, key: int, audit=None):
+        self.audit = audit or AuditHooks()  # dpmf.federated.hooks
         self.mode, self.config, self.data = mode, config, data
         self.idx, self.sigmas, self.ids, self._key = list(idx), sigmas, list(ids), key
         self.entries: list[PrivacyEntry] = []
@@ -181,8 +185,8 @@ class LocalSGDClients(ClientPart):
     when the mode shares the clients' statistics (``PrivacyMode.shares_statistics``), else 1
     and NaN (a record count or a loss is a non-private statistic of the protected data)."""
 
-    def __init__(self, *args):
-        super().__init__(*args)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self._models: dict = {}
 
     def train(self, j, weights, steps, proximal_mu, server_round):
@@ -269,9 +273,10 @@ class PrivacyMode:
         """This mode's server part of one run (default: no server-side mechanism)."""
         return ServerPart(self, server, key)
 
-    def client(self, config, data, idx, sigmas, ids, key: int) -> ClientPart:
-        """This mode's client part of one run (default: plain local SGD)."""
-        return LocalSGDClients(self, config, data, idx, sigmas, ids, key)
+    def client(self, config, data, idx, sigmas, ids, key: int, audit=None) -> ClientPart:
+        """This mode's client part of one run (default: plain local SGD); ``audit``: a white-box
+        audit's ``AuditHooks``."""
+        return LocalSGDClients(self, config, data, idx, sigmas, ids, key, audit=audit)
 
     def start_ahead(self, config, data, idx, sigmas) -> None:
         """Start the background work of a run before it is built, from its settings alone
@@ -352,12 +357,14 @@ class _AggregatorServer(ServerPart):
                 f"server_batch_size={config.server_batch_size} is invalid: the aggregator dataset has "
                 f"{n_agg} records"
             )
+        x, y = self.audit.private_records("aggregator", 0, data.aggregator_x, data.aggregator_y)
         self.dp = local.AggregatorDPSGD(
-            data.aggregator_x, data.aggregator_y, server.new_model(),
+            x, y, server.new_model(),
             sigmas=steps if config.server_noise else np.zeros_like(steps), clip_norm=config.clip_norm,
             batch_size=config.server_batch_size, lr=config.server_lr,
             seed=seeds.child_key(key, "fl-aggregator"),
         )  # fmt: skip
+        self.audit.private_run("aggregator", 0, self.dp)
         if config.server_noise:
             pr = self._privacy(steps)
             eps, acc, guar = pr.epsilon, pr.accountant, pr.guarantee
@@ -480,18 +487,18 @@ class _RecordClients(ClientPart):
     free, the participants are stepped in forked worker processes too (``parallel.ForkedRuns``;
     the same results bit for bit)."""
 
-    def __init__(self, *args):
+    def __init__(self, *args, **kwargs):
         from dpmf.federated import local
         from dpmf.federated.prefetch import start_record_privacy, usable_cores
 
-        super().__init__(*args)
+        super().__init__(*args, **kwargs)
         config, data, sigmas = self.config, self.data, self.sigmas
         self.runs = {}
         self._forked = None  # parallel.ForkedRuns once started; False: every run steps here
         self._retired: set = set()  # participants whose worker has ended
         self._done: dict = {}  # participant → its round trained ahead here (or its failure)
         for j, i in enumerate(self.idx):
-            x, y = data.client_x[i], data.client_y[i]
+            x, y = self.audit.private_records("record", j, data.client_x[i], data.client_y[i])
             self.runs[j] = local.PrivateLocalRun(
                 x, y, self.new_model(), noise_multiplier=float(sigmas[j]), clip_norm=config.clip_norm,
                 batch_size=config.local_batch_size,  # ≤ N_k: checked by ``check_data``
@@ -500,6 +507,7 @@ class _RecordClients(ClientPart):
                 optimizer=config.local_optimizer, lr=config.local_lr,
                 seed=seeds.child_key(self._key, "fl-record", i),
             )  # fmt: skip
+            self.audit.private_run("record", j, self.runs[j])
         # every run built (its settings checked): one accounting per distinct setting, in
         # background processes while the clients train (``complete_entries`` waits for them);
         # on every core when a privacy budget needs them before the first round (those that
@@ -613,8 +621,8 @@ class RecordMode(PrivacyMode):
     def server(self, server, key):
         return _RecordServer(self, server, key)
 
-    def client(self, config, data, idx, sigmas, ids, key):
-        return _RecordClients(self, config, data, idx, sigmas, ids, key)
+    def client(self, config, data, idx, sigmas, ids, key, audit=None):
+        return _RecordClients(self, config, data, idx, sigmas, ids, key, audit=audit)
 
     def start_ahead(self, config, data, idx, sigmas):
         # the accountings, e.g. while the caller imports torch (``_RecordClients`` finds them
@@ -660,6 +668,7 @@ class _ClientServer(ServerPart):
             )
         else:
             self.noise = local.ClientLevelNoise(P, R, seed=seeds.child_key(key, "fl-client-noise"), **common)
+            self.audit.client_noise(self.noise)
         pr = self.noise.privacy
         self.entries = [
             mode.entry(
@@ -706,7 +715,11 @@ class _ClientServer(ServerPart):
         grow = len(replies) / divisor  # the mean of the replies is then Σ/K̄ (1.0 without sampling)
         # every update in the global model's key order, every reply checked before any noise
         updates = [reply_updates(msg, None, base, server_round) for msg in replies]
-        noise = self.noise.next() / divisor
+        noise = self.noise.next()
+        canaries = self.audit.client_updates(server_round)  # a white-box audit's, else None
+        if canaries is not None:
+            noise = noise + canaries
+        noise = noise / divisor
         for msg, upd in zip(replies, updates, strict=True):
             rec_key = next(iter(msg.content.array_records.keys()))
             norm = math.sqrt(sum(float(np.sum(u * u)) for u in upd.values()))
@@ -719,6 +732,7 @@ class _ClientServer(ServerPart):
             msg.content[rec_key] = ArrayRecord(out)
             met_key = next(iter(msg.content.metric_records.keys()))
             msg.content[met_key]["num-examples"] = 1
+        self.audit.client_round(server_round, arrays, replies)
         return replies
 
     def epsilons_after(self, rounds):

@@ -295,11 +295,20 @@ class _Server:
     """
 
     def __init__(
-        self, config: FLConfig, data: FederatedData, comp: ComplianceSet, idx, sigmas, log, key: int
+        self,
+        config: FLConfig,
+        data: FederatedData,
+        comp: ComplianceSet,
+        idx,
+        sigmas,
+        log,
+        key: int,
+        audit=None,
     ):
         from dpmf.federated.models import get_weights
 
         self.config, self.data, self.log = config, data, log
+        self.audit = audit  # a white-box audit's hooks (dpmf.federated.hooks), or None
         self.ids = [comp.profiles[i].client_id for i in idx]
         self.idx, self.sigmas = list(idx), np.asarray(sigmas, dtype=np.float64)
         self.model = self.new_model()
@@ -496,6 +505,7 @@ def run_federated(
     backend: str = "local",
     data: FederatedData | None = None,
     log=print,
+    audit=None,
 ) -> FLResult:
     """Run one seed of a compliance-aware federated experiment on Flower.
 
@@ -508,6 +518,8 @@ def run_federated(
             and refuses a mode whose clients keep private state between rounds, ``record``).
         data: already loaded data (else loaded from the config).
         log: where notices and the ledger lines go.
+        audit: a white-box audit's ``dpmf.federated.hooks.AuditHooks`` (``dpmf.audit.federated``);
+            None: none. Only with ``backend='local'``.
 
     Returns:
         ``FLResult``.
@@ -517,6 +529,13 @@ def run_federated(
         ValueError: invalid settings, before any training.
     """
     _check_backend(config, backend)
+    if audit is not None:
+        from dpmf.federated.hooks import AuditHooks
+
+        if not isinstance(audit, AuditHooks):
+            raise TypeError(f"audit={audit!r} is invalid: must be a dpmf.federated.hooks.AuditHooks")
+        if backend != "local":
+            raise ValueError(f"backend={backend!r} is invalid with an audit: audits run with backend='local'")
     began = time.perf_counter()
     if compliance is None:
         compliance = example_profiles(config.num_clients)
@@ -546,7 +565,7 @@ def run_federated(
         rows, ledger, stopped = run_app(config, len(idx), log=log)
         server = SimpleNamespace(ledger=ledger, ids=[comp.profiles[i].client_id for i in idx], sigmas=sigmas)
     else:
-        server = _Server(config, data, comp, idx, sigmas, log, policy.key)
+        server = _Server(config, data, comp, idx, sigmas, log, policy.key, audit)
         rows, stopped = _serve_locally(config, data, idx, sigmas, server, policy.key)
     _finish_ledger(config, server.ledger, policy, log)
     data_info = {
@@ -642,7 +661,7 @@ def _serve_locally(config: FLConfig, data, idx, sigmas, server: _Server, key: in
 
     part = None
     try:
-        part = config.mode.client(config, data, idx, sigmas, server.ids, key)
+        part = config.mode.client(config, data, idx, sigmas, server.ids, key, audit=server.audit)
         decoded: dict = {}
         app = _client_app_of(part, data, idx, decoded)
         # the client part's entries (record: accounted in the background while the clients
