@@ -293,11 +293,15 @@ def test_scheme_names_are_written_only_in_the_scheme_registry_and_the_cli():
                 assert node.value not in names, f"{path}:{node.lineno} spells the scheme {node.value!r}"
 
 
-def test_a_name_exported_from_its_own_submodule_stays_the_export_after_that_submodule_is_imported():
-    # dpmf.optim imports its names on first use; importing the submodule dpmf.optim.newton_schulz
-    # first must not replace the package's function newton_schulz by the module
+def test_no_submodule_of_dpmf_optim_is_named_as_a_name_it_exports():
+    # the import system binds a submodule on its package when it is imported: a submodule named
+    # as one of the package's exports would replace that export by the module
+    import dpmf.optim
+
+    homes = dpmf.optim._HOMES
+    assert not [k for k, v in homes.items() if v.rsplit(".", 1)[1] == k]
     code = (
-        "import dpmf.optim.newton_schulz\n"
+        "import dpmf.optim.orthogonalization\n"
         "from dpmf.optim import newton_schulz\n"
         "import dpmf.optim\n"
         "print(callable(newton_schulz), dpmf.optim.newton_schulz is newton_schulz)\n"

@@ -16,8 +16,6 @@ orthogonalization and its bias correction.
 """
 
 import importlib
-import sys
-import types
 
 # Every name is imported from its module on first use (PEP 562): importing a torch-free module
 # of this package (the optimizer registry) does not import torch.
@@ -49,8 +47,8 @@ _HOMES = {
     "matrix_view": "dpmf.optim.matrix",
     "ModelChangedError": "dpmf.optim.model_guard",
     "ModelStateChangedError": "dpmf.optim.model_guard",
-    "QUINTIC_COEFFICIENTS": "dpmf.optim.newton_schulz",
-    "newton_schulz": "dpmf.optim.newton_schulz",
+    "QUINTIC_COEFFICIENTS": "dpmf.optim.orthogonalization",
+    "newton_schulz": "dpmf.optim.orthogonalization",
     "BandedSqrtNoise": "dpmf.optim.noise",
     "BLTNoise": "dpmf.optim.noise",
     "CorrelatedNoise": "dpmf.optim.noise",
@@ -201,17 +199,3 @@ def __getattr__(name):
 
 def __dir__():
     return sorted(set(globals()) | set(__all__))
-
-
-class _Package(types.ModuleType):
-    """This package: the import system binds a submodule on it when the submodule is first
-    imported, which would hide a name exported from a submodule of the same name (the function
-    ``newton_schulz`` of ``dpmf.optim.newton_schulz``); such a name stays the export."""
-
-    def __setattr__(self, name, value):
-        if isinstance(value, types.ModuleType) and _HOMES.get(name) == value.__name__:
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

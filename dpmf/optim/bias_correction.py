@@ -43,7 +43,7 @@ from collections.abc import Callable
 import torch
 
 from dpmf._validation import check_int, check_real
-from dpmf.optim.newton_schulz import QUINTIC_COEFFICIENTS, newton_schulz
+from dpmf.optim.orthogonalization import QUINTIC_COEFFICIENTS, newton_schulz
 
 __all__ = ["richardson_weights", "bias_corrected", "newton_schulz_bc"]
 

@@ -35,7 +35,7 @@ from torch.optim.optimizer import required
 
 from dpmf._validation import check_choice, check_int, check_real
 from dpmf.optim.matrix import check_matrix_parameter
-from dpmf.optim.newton_schulz import QUINTIC_COEFFICIENTS
+from dpmf.optim.orthogonalization import QUINTIC_COEFFICIENTS
 from dpmf.optim.registry import get_optimizer, matrix_rule_names, rule_names, spec_of_rule
 from dpmf.optim.transforms import (
     AddDecayedWeights,

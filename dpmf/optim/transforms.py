@@ -40,7 +40,7 @@ import torch
 from dpmf._validation import check_int, check_real
 from dpmf.optim.bias_correction import newton_schulz_bc
 from dpmf.optim.matrix import aspect_factor, check_matrix_parameter, matrix_view
-from dpmf.optim.newton_schulz import QUINTIC_COEFFICIENTS, check_coefficients, newton_schulz
+from dpmf.optim.orthogonalization import QUINTIC_COEFFICIENTS, check_coefficients, newton_schulz
 from dpmf.optim.power_iteration import initial_vector, top_singular_value
 
 __all__ = [
