@@ -25,13 +25,25 @@ def _model():
     return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(6, 3))
 
 
+class _Draws:
+    """A sampler's ``watch`` only: the test announces each step's global batch itself."""
+
+    def watch(self, fn):
+        self.announce = fn
+
+
 def _privatizers(plan, canaries):
+    from dpmf.audit.private_audit import CanaryStage
+
     m1, m2 = _model(), _model()
     d = sum(p.numel() for p in m1.parameters())
     common = dict(plan=plan, clip_norm=1.0)
     a = Privatizer(m1, F.cross_entropy, noise=plan.noise(d, 7), **common)
-    b = K.CanaryPrivatizer(m2, F.cross_entropy, noise=plan.noise(d, 7), canaries=canaries, **common)
-    return m1, m2, a, b
+    b = Privatizer(m2, F.cross_entropy, noise=plan.noise(d, 7), **common)
+    draws = _Draws()
+    included = np.ones(canaries.shape[0], dtype=bool)
+    b.set_stage(CanaryStage(b, draws, canaries, included, 100, slots_in_batch=False))
+    return m1, m2, a, b, draws
 
 
 def test_canaries_are_added_to_the_clipped_sum_and_projected():
@@ -39,10 +51,10 @@ def test_canaries_are_added_to_the_clipped_sum_and_projected():
     d = 6 * 3 + 3
     canaries = K.gradient_canaries(d, 5, 1.0, seed=3)
     assert torch.allclose(canaries.norm(dim=1), torch.ones(5))
-    m1, m2, a, b = _privatizers(plan, canaries)
+    m1, m2, a, b, draws = _privatizers(plan, canaries)
     x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
-    for t in range(3):
-        b.step_canaries = np.array([1, 3]) if t != 1 else np.array([], dtype=np.int64)
+    for t in range(3):  # canary slots 100 + 1 and 100 + 3 in the global batch of steps 0 and 2
+        draws.announce(t, np.array([0, 5, 101, 103]) if t != 1 else np.array([0, 5]))
         a.privatize(x, y)
         b.privatize(x, y)
         ga = torch.cat([p.grad.reshape(-1) for p in m1.parameters()])
@@ -52,7 +64,7 @@ def test_canaries_are_added_to_the_clipped_sum_and_projected():
         torch.testing.assert_close(added, want, atol=1e-5, rtol=0)
         # the recorded projections are those of the released noisy sum on the unit directions
         np.testing.assert_allclose(
-            b.projections[t],
+            b.stage.projections[t],
             (canaries @ gb).double().numpy() * plan.expected_batch_size,
             rtol=1e-5,
             atol=1e-5,

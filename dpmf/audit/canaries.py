@@ -6,8 +6,8 @@ is a gradient the clipping would let through). It is a pseudo-example of the dat
 (index N + j), sampled at each step by the plan's scheme like every example, and, if it is
 "in" (probability ½, independently of everything else), u_j is added to the CLIPPED SUM at the
 steps it is sampled. Nothing else changes: the noise, its scale and the divisor are the plan's.
-The injection lives in ``CanaryPrivatizer``, a subclass of ``dpmf.optim.Privatizer`` used only by
-the audit runner (``dpmf.audit.runner``); training has no canary option.
+The injection is a stage of the private step (``dpmf.audit.private_audit.CanaryStage``, a
+``dpmf.optim.privatize.StepStage``) that only the audits set; training has no canary option.
 
 Score: the released noisy gradient of step t (B̄·p.grad) is projected on each unit direction
 u_j/ζ; the projections y_j ∈ ℝⁿ are combined over the canary's possible steps π_j with the
@@ -28,9 +28,8 @@ import numpy as np
 import torch
 
 from dpmf.optim.clipping import trainable_parameters
-from dpmf.optim.privatize import Privatizer
 
-__all__ = ["CanaryPrivatizer", "gradient_canaries", "input_canaries", "white_box_scores"]
+__all__ = ["gradient_canaries", "input_canaries", "white_box_scores"]
 
 
 def gradient_canaries(dim: int, count: int, clip_norm: float, *, seed: int, device=None, dtype=torch.float32):
@@ -47,45 +46,6 @@ def gradient_canaries(dim: int, count: int, clip_norm: float, *, seed: int, devi
     u = torch.randn(count, dim, generator=gen, dtype=torch.float64)
     u = u / u.norm(dim=1, keepdim=True) * float(clip_norm)
     return u.to(device=device or "cpu", dtype=dtype)
-
-
-class CanaryPrivatizer(Privatizer):
-    """A ``Privatizer`` that adds the gradient canaries sampled at this step to the clipped sum
-    and records the release's projection on every canary direction.
-
-    Args (besides ``Privatizer``'s):
-        canaries: shape (m, d), each of norm ζ (``gradient_canaries``).
-
-    Before each ``privatize``, set ``step_canaries`` to the indices (into ``canaries``) of the
-    "in" canaries sampled at this step. After the run, ``projections`` holds, shape (n, m), the
-    projection of each step's released noisy sum (B̄·p.grad) on the unit directions u_j/ζ.
-    """
-
-    def __init__(self, *args, canaries: torch.Tensor, **kwargs):
-        super().__init__(*args, **kwargs)
-        if canaries.ndim != 2 or canaries.shape[1] != self.noise.dim:
-            raise ValueError(
-                f"canaries is invalid: shape {tuple(canaries.shape)}; must be (m, {self.noise.dim})"
-            )
-        self.canaries = canaries
-        self._unit = canaries / canaries.norm(dim=1, keepdim=True)
-        self.step_canaries = np.zeros(0, dtype=np.int64)
-        self.projections: list[np.ndarray] = []
-
-    def _release(self, params, sums):
-        idx = np.asarray(self.step_canaries, dtype=np.int64)
-        if idx.size:
-            added = self.canaries[torch.from_numpy(idx)].sum(dim=0)
-            offset = 0
-            for p, s in zip(params, sums, strict=True):
-                k = p.numel()
-                s.add_(added[offset : offset + k].view_as(s).to(s.dtype))
-                offset += k
-        written = super()._release(params, sums)
-        flat = torch.cat([p.grad.reshape(-1) for p in params]).to(self._unit.dtype)
-        self.projections.append((self._unit @ flat).double().cpu().numpy() * self.expected_batch_size)
-        self.step_canaries = np.zeros(0, dtype=np.int64)
-        return written
 
 
 def white_box_scores(projections: np.ndarray, possible: np.ndarray, plan, clip_norm: float) -> np.ndarray:

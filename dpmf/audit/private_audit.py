@@ -81,9 +81,12 @@ class CanaryStage(StepStage):
         directions: shape (m, d), the canary gradients (norm ζ).
         included: shape (m,), boolean: which canaries are "in".
         real_size: N, the real examples; slots N … N + m − 1 are the canaries'.
+        slots_in_batch: the batches the step receives hold the slots' rows, which ``select``
+            removes (``make_private``'s loader yields them); False: the door gives the real
+            examples only (``dpmf audit``'s loop).
     """
 
-    def __init__(self, privatizer, sampler, directions, included, real_size: int):
+    def __init__(self, privatizer, sampler, directions, included, real_size: int, *, slots_in_batch=True):
         comm = getattr(privatizer, "collectives", None)
         self.comm = comm
         self.sharded = comm is not None and getattr(privatizer, "mode", None) == "sharded"
@@ -92,6 +95,7 @@ class CanaryStage(StepStage):
         self._unit = directions / directions.norm(dim=1, keepdim=True)
         self._included = included
         self._real_size = real_size
+        self._slots_in_batch = slots_in_batch
         self._rank, self._world = (0, 1) if comm is None else (comm.rank, comm.world_size)
         self._draws: dict[int, np.ndarray] = {}  # step → the global batch's indices
         sampler.watch(self._draws.__setitem__)
@@ -115,6 +119,8 @@ class CanaryStage(StepStage):
         slots = glob[glob >= self._real_size] - self._real_size
         self.canary_steps[step] = slots
         self.step_canaries = slots[self._included[slots]]
+        if not self._slots_in_batch:
+            return inputs, targets, example_ids
         keep = torch.from_numpy(local < self._real_size)
         n = int(local.shape[0])
         if not bool(keep.all()):

@@ -125,8 +125,8 @@ def run_audit(
     from dpmf.audit import canaries as K
     from dpmf.audit import estimators as E
     from dpmf.audit.mechanism import _possible_steps, likelihood_scores, precision_matrix
+    from dpmf.audit.private_audit import CanaryStage
     from dpmf.optim import LearningRateSchedule
-    from dpmf.optim.noise import ChunkedKeys
     from dpmf.train.build import build_optimizer, resolve_device, sub_seed
     from dpmf.train.config import TrainConfig
     from dpmf.train.data import load_dataset
@@ -157,32 +157,23 @@ def run_audit(
 
     model = build_model(config.model, data.input_shape, data.num_classes, seed=sub_seed(seed, 0)).to(device)
     dtype = next(model.parameters()).dtype
-    dim = K.param_dim(model)
-    sampler = plan.sampler(seed)  # as dpmf train: keyed by derive(seed, "sampler")
-    sizes = tuple(p.numel() for p in model.parameters() if p.requires_grad)
-    keys = ChunkedKeys(sizes) if config.noise_keys == "chunked" else None  # as dpmf train keys it
-    noise = plan.noise(dim, seed, device=device, dtype=dtype, keys=keys)
     optimizer = build_optimizer(config, model, log=log, seed=seed)
-    common = dict(
-        plan=plan,
-        clip_norm=config.clip_norm,
-        noise=noise,
-        micro_batch_size=config.micro_batch_size,
-        clipping=config.clipping,
-    )
+    # the step of dpmf train for the same key: sampler, noise and privatizer from the plan
+    step = plan.private_step(model, F.cross_entropy, seed=policy, flags=config.execution_flags())
+    sampler, privatizer, drawn = step.sampler, step.privatizer, step.batches
     if kind == "white-box":
         directions = K.gradient_canaries(
-            dim,
+            K.param_dim(model),
             m,
             config.clip_norm,
             seed=seeds.derive_int(seed, "audit-canaries", bits=63),
             device=device,
             dtype=dtype,
         )
-        privatizer = K.CanaryPrivatizer(model, F.cross_entropy, canaries=directions, **common)
+        # the loop below hands the step its real examples only (no slot rows to remove)
+        stage = CanaryStage(privatizer, sampler, directions, included, N, slots_in_batch=False)
+        privatizer.set_stage(stage)
     else:
-        from dpmf.optim.privatize import Privatizer
-
         cx, cy = K.input_canaries(
             data.train_x,
             data.train_y,
@@ -190,7 +181,6 @@ def run_audit(
             data.num_classes,
             seed=seeds.derive_int(seed, "audit-canaries", bits=63),
         )
-        privatizer = Privatizer(model, F.cross_entropy, **common)
     privatizer.bind(optimizer)
     chi = LearningRateSchedule(plan.schedule, plan.steps).multipliers
     base = [g["lr"] for g in optimizer.param_groups]
@@ -200,8 +190,7 @@ def run_audit(
         from tqdm.auto import tqdm
 
         steps = tqdm(steps, desc=f"audit ({kind}, {m} canaries)", unit="step", leave=False)
-    drawn = privatizer.draw_from(sampler)  # as dpmf train: only the drawn batch, once
-    for t in steps:
+    for t in steps:  # as dpmf train: only the drawn batch, once
         drawn_at, batch = drawn.draw()
         participation[t, batch] = True
         real = batch[batch < N]
@@ -209,9 +198,7 @@ def run_audit(
         canary_in = canary[included[canary]]
         x, y = data.train_x[torch.from_numpy(real)], data.train_y[torch.from_numpy(real)]
         ids = real
-        if kind == "white-box":
-            privatizer.step_canaries = canary_in
-        elif canary_in.size:
+        if kind == "input" and canary_in.size:
             x = torch.cat([x, cx[torch.from_numpy(canary_in)]])
             y = torch.cat([y, cy[torch.from_numpy(canary_in)]])
             ids = np.concatenate([real, N + canary_in])  # an "in" input canary is example N + j
@@ -225,9 +212,7 @@ def run_audit(
     if kind == "white-box":
         possible = _possible_steps(plan, sampler, participation)[:, N:]
         P = precision_matrix(plan, plan.noise_std(config.clip_norm))
-        scores = likelihood_scores(
-            plan, sampler, np.stack(privatizer.projections), possible, config.clip_norm, P
-        )
+        scores = likelihood_scores(plan, sampler, np.stack(stage.projections), possible, config.clip_norm, P)
     else:
         scores = -K.canary_losses(model, cx, cy)
     ins, outs = scores[included], scores[~included]
