@@ -188,3 +188,30 @@ def test_bad_clip_norm_and_micro_batch_are_refused():
         clipped_sum(
             frozen, F.cross_entropy, torch.zeros(1, 2), torch.zeros(1, dtype=torch.long), clip_norm=1.0
         )
+
+
+# -- vmap clipping: one layer reachable by two paths ----------------------------------------------
+# torch.func.functional_call (torch 2.13) does not put back the parameters of a submodule reachable
+# by two paths (nn.Sequential(layer, act, layer)): after clipping="vmap" the layer would hold a stale
+# plain tensor instead of its Parameter (the optimizer's parameter no longer in the model), and a
+# later "bk"/"ghost" clipping of the model would find no parameter in use and return zero norms and
+# sums. dpmf's functional_call restores every submodule's own tensors.
+def test_vmap_leaves_a_layer_used_twice_with_its_parameters():
+    torch.manual_seed(5)
+    layer = nn.Linear(6, 6)
+    model = nn.Sequential(layer, nn.Tanh(), layer)
+    weight, bias = layer.weight, layer.bias
+    x, y = torch.randn(8, 6), torch.randint(0, 6, (8,))
+    ref = clipped_sum(model, F.cross_entropy, x, y, clip_norm=0.5, clipping="vmap")
+    assert layer.weight is weight and layer.bias is bias
+    norms = []
+    for i in range(8):  # explicit per-example gradient norms
+        g = torch.autograd.grad(F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]), [weight, bias])
+        norms.append(float(torch.sqrt(sum((t**2).sum() for t in g))))
+    torch.testing.assert_close(
+        ref.norms.double(), torch.tensor(norms, dtype=torch.float64), rtol=1e-5, atol=0
+    )
+    got = clipped_sum(model, F.cross_entropy, x, y, clip_norm=0.5, clipping="bk")
+    torch.testing.assert_close(got.norms, ref.norms, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got.grads, ref.grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -151,3 +151,57 @@ def test_the_decorator_registers_a_handler_as_dpmfs_own_layers_are():
     # dpmf's own layers are registered through the same decorator, and are not silently replaced
     with pytest.raises(ValueError, match="replace=True"):
         clipping_layer(nn.Linear)(type("Other", (ClippingHandler,), {}))
+
+
+def test_the_built_in_linear_handler_is_not_silently_replaced():
+    import torch
+
+    from dpmf.optim import clipped_sum, register_clipping_layer
+    from dpmf.optim.clipping_layers import LinearHandler
+    from dpmf.optim.clipping_layers.registry import _REGISTRY
+
+    class Unclipped(LinearHandler):
+        """Reports every example's norm as 0: nothing would ever be clipped."""
+
+        name = "unclipped"
+
+        def sq_norms(self, module, calls, attrs, dtype):
+            norms, state = super().sq_norms(module, calls, attrs, dtype)
+            return {a: torch.zeros_like(v) for a, v in norms.items()}, state
+
+    key = "torch.nn.modules.linear.Linear"
+    own = _REGISTRY[key]
+    try:
+        _refuse_and_replace(key, own, Unclipped, register_clipping_layer, clipped_sum)
+    finally:
+        _REGISTRY[key] = own  # whatever happened, the next tests clip with the built-in handler
+
+
+def _refuse_and_replace(key, own, Unclipped, register_clipping_layer, clipped_sum):
+    import torch
+    from torch import nn
+
+    from dpmf.optim.clipping_layers.registry import _REGISTRY
+
+    with pytest.raises(ValueError, match=rf"^module_type='{key}' is invalid: dpmf's own 'linear' handler"):
+        register_clipping_layer(nn.Linear, Unclipped())
+    with pytest.raises(ValueError, match="pass replace=True"):
+        register_clipping_layer(key, Unclipped())
+    assert _REGISTRY[key] is own
+    g = torch.Generator().manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    x, y = (
+        torch.randn(6, 4, generator=g, dtype=torch.float64),
+        torch.randn(6, 3, generator=g, dtype=torch.float64),
+    )
+    loss = lambda out, t: ((out - t) ** 2).sum()  # noqa: E731
+    ref = clipped_sum(model, loss, x, y, clip_norm=0.1, clipping="vmap")  # torch.func, no handler
+    out = clipped_sum(model, loss, x, y, clip_norm=0.1, clipping="ghost")
+    assert float(ref.norms.min()) > 0.1  # every example is clipped
+    torch.testing.assert_close(out.norms, ref.norms, rtol=1e-9, atol=0)
+    # an explicit replacement is still possible (and undone here)
+    register_clipping_layer(nn.Linear, Unclipped(), replace=True)
+    try:
+        assert float(clipped_sum(model, loss, x, y, clip_norm=0.1, clipping="ghost").norms.max()) == 0.0
+    finally:
+        register_clipping_layer(nn.Linear, own, replace=True)

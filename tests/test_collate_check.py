@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch.utils.data._utils.collate import default_collate
 
+import dpmf
 from dpmf.train.collate_check import check_collate_independent
 
 pytestmark = pytest.mark.torch
@@ -73,3 +74,35 @@ def test_a_coupling_collate_fn_is_refused_in_one_line(coupling):
     with pytest.raises(ValueError, match="collate_fn=couple is invalid") as err:
         check_collate_independent(data, couple)
     assert "\n" not in str(err.value) and "transform" in str(err.value)
+
+
+# -- make_private: a collate_fn that couples the examples of a batch -----------------------------------
+# make_private refuses BatchNorm because it couples examples, and equally a collate_fn that does the
+# same to the inputs (here: centring each batch on its mean; in-batch mixup is another). Every
+# example's input would then depend on every other example of the batch, so one example moves all B
+# clipped gradients: the sensitivity is no longer ζ. backward alone cannot see it (its fingerprints
+# are those of the coupled batch the loader yielded); a check such as collate_fn([dataset[i]])
+# against row i of the batch does.
+def test_a_collate_fn_that_couples_the_examples_is_refused():
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.data._utils.collate import default_collate
+
+    def centred(batch):
+        x, y = default_collate(batch)
+        return x - x.mean(0, keepdim=True), y
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g)
+    )
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    with pytest.raises((ValueError, RuntimeError), match="collate"):
+        private = dpmf.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=F.cross_entropy, batch_size=8,
+            steps=2, noise_multiplier=1.0, factorization="identity", scheme="poisson", seed=1,
+            collate_fn=centred,
+        )  # fmt: skip
+        x, y = next(iter(private.data_loader))
+        private.backward(x, target=y, return_loss=False)

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from gpt2_helpers import DictData, private_run
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -159,3 +160,20 @@ def test_a_forks_checkpoint_resumes_its_own_noise(tmp_path, saved):
     again.resume(path)
     assert torch.equal(_grads(again), expected)
     assert again.ledger()["siblings"] == 2
+
+
+# -- make_private: resume into another (reordered) data set -----------------------------------------
+# resume/load_state_dict refuse another data set of the same size whatever its type: a data digest
+# kept only for a TensorDataset (None for a dict data set, as Hugging Face data usually is) would let
+# the same examples in another order through, which moves each person to another index and so to
+# other steps of the sampler (under cyclic schemes, past min-sep). The docstring promises
+# "ValueError: … another plan or data".
+def test_resume_refuses_a_reordered_dict_data_set(tmp_path):
+    first = private_run()
+    first.backward(next(iter(first.data_loader)), return_loss=False)
+    first.optimizer.step()
+    path = str(tmp_path / "run.pt")
+    first.save(path)
+    reordered = private_run(data=DictData(order=range(31, -1, -1)))
+    with pytest.raises(ValueError, match="data"):
+        reordered.resume(path)

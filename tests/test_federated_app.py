@@ -86,3 +86,29 @@ def test_run_config_values_are_parsed_strictly_for_their_keys_type():
         ) as err:
             config_from_run_config({key: value})
         assert "\n" not in str(err.value)
+
+
+# -- Flower run config: values checked for their key's type, not converted with int()/bool() ----------
+# config_from_run_config refuses, naming the key, what its type's constructor would coerce:
+# bool("false") is True (compliant-only silently inverted), int(2.9) is 2 (rounds silently
+# truncated), and int("abc") / int(nan) raise "invalid literal for int() with base 10: 'abc'" naming
+# no key.
+@pytest.mark.torch
+@pytest.mark.parametrize(
+    "key, value",
+    [("compliant-only", "false"), ("rounds", 2.9), ("rounds", "abc"), ("seed", float("nan"))],
+)
+def test_flower_run_config_refuses_values_that_int_or_bool_would_coerce(key, value):
+    pytest.importorskip("flwr")
+    from dpmf.federated.app import config_from_run_config
+
+    cfg = {"dataset": "breast-cancer", "clients": 2, "rounds": 2, key: value}
+    try:
+        config = config_from_run_config(cfg)
+    except ValueError as err:
+        assert key in str(err) or key.replace("-", "_") in str(err), str(err)
+        return
+    if key == "compliant-only":
+        assert config.compliant_only is False
+    else:
+        pytest.fail(f"{key}={value!r} was accepted as {config.rounds!r}")

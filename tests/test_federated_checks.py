@@ -117,3 +117,24 @@ def test_parallel_record_accountings_equal_the_serial_ones_bit_for_bit(monkeypat
     serial = [local._record_privacy(*s).epsilon for s in settings]
     assert parallel == serial and parallel[0] == parallel[2] and parallel[0] > parallel[1] > parallel[3]
     assert prefetch_record_privacy(settings) == 0  # all cached
+
+
+# -- dpmf fl: --seeds with a huge range is refused before it is expanded ------------------------------
+# parse_seeds refuses a huge range with a ValueError naming the seeds instead of building the whole
+# list: `dpmf fl --seeds 0-1000000000` was killed by the OOM killer (rc 137) instead of exiting 2 with
+# a one-line error. Run here in a subprocess under a 4 GB address-space limit with 10¹² seeds
+# (MemoryError at once if the list is built).
+@pytest.mark.torch
+def test_a_huge_seed_range_is_refused_with_a_value_error():
+    import subprocess
+    import sys
+
+    code = (
+        "import resource; resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
+        "from dpmf.federated.report import parse_seeds\n"
+        "try:\n    parse_seeds('0-1000000000000')\n"
+        "except ValueError as e:\n    print('ValueError', e)\n"
+        "except BaseException as e:\n    print(type(e).__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.startswith("ValueError") and "seeds" in out.stdout, out.stdout + out.stderr[-300:]

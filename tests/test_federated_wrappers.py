@@ -175,3 +175,86 @@ def test_client_metrics_are_not_passed_to_the_strategys_metrics_aggregation():
         )
     assert seen == [{"num-examples": 1}] * P
     assert set(metrics) == {EPSILON_KEY, DELTA_KEY, "dp-client-clip-norm"}
+
+
+# -- federated: CorrelatedClientDP releases no client metric without noise -----------------------------
+def _flower_app(reply):
+    from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+
+    app = ClientApp()
+
+    @app.train()
+    def train(msg, context):
+        j = int(context.node_config["partition-id"])
+        w = {k: a.numpy() for k, a in msg.content["arrays"].items()}
+        arrays, metrics = reply(j, w)
+        content = RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
+                              "metrics": MetricRecord(metrics)})  # fmt: skip
+        return Message(content=content, reply_to=msg)
+
+    return app
+
+
+def _one_round(dp, app, clients):
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, ConfigRecord
+
+    from dpmf.federated.grid import LocalGrid, server_identity
+
+    grid = LocalGrid(app, clients)
+    shapes = {"w": (2, 3), "b": (3,)}
+    with server_identity():
+        arrays = ArrayRecord({k: Array(np.zeros(s, np.float32)) for k, s in shapes.items()})
+        return dp.aggregate_train(
+            1, grid.send_and_receive(dp.configure_train(1, arrays, ConfigRecord({}), grid))
+        )
+
+
+def _fedavg(p):
+    from flwr.serverapp import strategy as fs
+
+    return fs.FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=p, min_available_nodes=p)
+
+
+# aggregate_train does not pass the clients' MetricRecords to the wrapped FedAvg, which would return
+# their (weighted) mean next to dp-client-epsilon: a client statistic (here a training loss, one
+# client's 1e6 sets it alone) released with no clipping or noise, outside the reported ε.
+@pytest.mark.torch
+def test_client_level_wrapper_does_not_release_the_clients_metrics_without_noise():
+    pytest.importorskip("flwr")
+    from dpmf.federated.wrappers import EPSILON_KEY, CorrelatedClientDP
+
+    losses = [3.25, 7.5, 1e6]
+    app = _flower_app(lambda j, w: (w, {"num-examples": 10, "train-loss": losses[j]}))
+    dp = CorrelatedClientDP(_fedavg(3), num_clients=3, rounds=2, noise_multiplier=1.0, clip_norm=0.5)
+    _, metrics = _one_round(dp, app, 3)
+    assert EPSILON_KEY in metrics
+    assert "train-loss" not in metrics, f"released without noise: train-loss={metrics['train-loss']}"
+
+
+# The noise follows the global model's keys, not the order of each reply's own ArrayRecord keys
+# (noise[off:off+size] in that order): a client that sends its arrays in another key order (its
+# right: an ArrayRecord is a mapping) would get other noise coordinates on each array than the
+# others, so the mean's noise would be an average of different slices: here 0.61× the norm of the
+# plan's noise (less private than the ε reported).
+@pytest.mark.torch
+def test_client_level_noise_does_not_depend_on_a_replys_key_order():
+    pytest.importorskip("flwr")
+    import numpy as np
+
+    from dpmf import seeds
+    from dpmf.federated.local import ClientLevelNoise
+    from dpmf.federated.wrappers import CorrelatedClientDP
+
+    def reply(j, w):  # no update; client 0 lists its arrays in reverse order
+        keys = list(w)[::-1] if j == 0 else list(w)
+        return {k: w[k].copy() for k in keys}, {"num-examples": 10}
+
+    dp = CorrelatedClientDP(_fedavg(3), num_clients=3, rounds=2, noise_multiplier=1.0, clip_norm=0.5, seed=7)
+    agg, _ = _one_round(dp, _flower_app(reply), 3)
+    ref = ClientLevelNoise(3, 2, noise_multiplier=1.0, clip_norm=0.5, delta=1e-5, factorization="identity",
+                           dim=9, seed=seeds.child_key(7, "fl-client-noise"))  # fmt: skip
+    want = ref.next() / 3
+    got = np.concatenate([agg["w"].numpy().ravel(), agg["b"].numpy().ravel()])
+    np.testing.assert_allclose(got, want, atol=1e-6)

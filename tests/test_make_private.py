@@ -474,3 +474,37 @@ def test_dict_inputs_give_the_private_gradient_of_model_kwargs(digits):
         grads.append([p.grad.clone() for p in inner.parameters()])
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+# -- make_private: a trainable parameter the forward does not use, under the default clipping -----------
+# With clipping="auto" (the default) or "bk", a trainable parameter that the forward never uses (an
+# unused head, a LoRA adapter after peft's merge_adapter()) gets a zero per-example gradient (then
+# noise), as under "ghost" and "vmap", instead of making backward crash inside clipped_sum with a bare
+# "KeyError: 'unused.weight'" (a one-line refusal up front would do as well).
+@pytest.mark.parametrize("clipping", ["auto", "bk"])
+def test_an_unused_trainable_parameter_gets_noise_only_under_bk(clipping):
+    import torch.nn.functional as F
+    from torch import nn
+
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(4, 2), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.used(x)
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g)
+    )
+    torch.manual_seed(0)
+    model = TwoHeads()
+    private = dpmf.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=F.cross_entropy, batch_size=8,
+        steps=2, noise_multiplier=1.0, factorization="identity", scheme="poisson", seed=1, clipping=clipping,
+    )  # fmt: skip
+    x, y = next(iter(private.data_loader))
+    private.backward(x, target=y, return_loss=False)
+    grad = model.unused.weight.grad
+    assert grad is not None and torch.isfinite(grad).all() and float(grad.abs().max()) > 0  # the noise

@@ -125,3 +125,23 @@ def test_memory_budget_override(monkeypatch):
     monkeypatch.setenv("DPMF_MEMORY_LIMIT_GIB", "-1")
     with pytest.raises(ValueError, match="DPMF_MEMORY_LIMIT_GIB"):
         PrivatePlan(dataset_size=1000, batch_size=10, steps=100, strategy="sqrt_prefix")
+
+
+# -- workloads: an inverse-power γ so small that the schedule would be NaN -----------------------------
+# Schedule("inverse_power", gamma=1e-17) is refused naming gamma, or gives a finite schedule: values()
+# divides (t^−γ − n^−γ)/(1 − n^−γ), 0/0 with n^−γ == 1.0 in float64 — χ NaN with a RuntimeWarning,
+# and `dpmf curves --schedule inverse_power --gamma 1e-17` failing later with "chi is invalid:
+# contains NaN or infinite entries", which names neither gamma nor the allowed range.
+@pytest.mark.torch
+def test_inverse_power_with_a_tiny_gamma_is_refused_or_finite():
+    import numpy as np
+
+    from dpmf.workloads.schedules import Schedule
+
+    try:
+        sched = Schedule("inverse_power", beta=0.5, gamma=1e-17)
+    except ValueError as err:
+        assert "gamma" in str(err)
+        return
+    chi = sched.values(5)
+    assert np.all(np.isfinite(chi)) and np.all(np.diff(chi) <= 0)

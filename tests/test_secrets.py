@@ -18,6 +18,7 @@ import dpmf
 from dpmf import seeds
 from dpmf.mechanisms import factorize
 from dpmf.optim.noise import ChunkedKeys, identity_noise, noise_for_factorization
+from dpmf.plan import PrivatePlan
 from dpmf.plan.samplers import PoissonSampler
 from dpmf.train.build import sub_seed
 from dpmf.train.config import TrainConfig
@@ -392,3 +393,81 @@ def test_distributed_resume_adopts_rank_zeros_secret_key(tmp_path):
 
     for a, b in zip(simulate(3, second)[1], done[0][0], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+SECRET = 98765432
+
+
+@pytest.mark.parametrize(
+    "bad, kind",
+    [(-SECRET, ValueError), (SECRET + 0.5, ValueError), (str(SECRET), TypeError), (float("nan"), ValueError)],
+    ids=["negative", "non-integral", "string", "nan"],
+)
+@pytest.mark.parametrize(
+    "use",
+    [
+        lambda s: PrivatePlan(1000, 50, steps=20, seed=s),
+        lambda s: PrivatePlan(1000, 50, steps=20).with_settings(seed=s),
+        lambda s: PrivatePlan(1000, 50, steps=20).sampler(s),
+        lambda s: __import__("dpmf.seeds").seeds.SeedPolicy.of(s),
+    ],
+    ids=["plan", "with_settings", "sampler", "SeedPolicy"],
+)
+def test_an_invalid_seed_is_refused_without_showing_it(bad, kind, use):
+    # a seed meant as secret (a typo, a string from the environment) must not reach the logs
+    with pytest.raises(kind, match=r"^seed \(value not shown: it is secret\) is invalid: got ") as info:
+        use(bad)
+    assert str(SECRET) not in str(info.value)
+
+
+def test_the_shared_privacy_ledger_never_names_a_given_noise_seed():
+    import json
+
+    from dpmf.train.ledger import privacy_ledger
+
+    # make_private/dpmf train sample the Monte Carlo accountant with the given seed (reproducible)
+    plan = PrivatePlan(64, 16, steps=4, scheme="balls_in_bins", clip_norm=1.0, seed=SECRET).with_noise(3.0)
+    res = plan.account(delta=1e-3, seed=SECRET)
+    assert res.seed == SECRET and str(SECRET) in res.method  # the run's own result keeps it
+    ledger = privacy_ledger(plan, res, steps_taken=4, clip_norm=1.0, seed_given=True)
+    text = json.dumps(ledger)
+    assert str(SECRET) not in text  # before: "…samples/direction, seed 98765432)" in privacy.json
+    assert ledger["epsilon"] == res.epsilon and "seed withheld" in ledger["method"]
+
+
+def test_a_misspelled_accountant_setting_is_refused_without_its_value():
+    from dpmf.accountants.registry import MonteCarlo
+
+    plan = PrivatePlan(64, 16, steps=4, scheme="balls_in_bins", clip_norm=1.0)
+    for call in (
+        lambda: plan.with_accountant(MonteCarlo(), confidnce=None),  # before: silently kept 0.99
+        lambda: plan.calibrate(1.0, 1e-3, sead=SECRET),  # before: silently seed 0
+    ):
+        with pytest.raises(
+            TypeError, match=r"^setting '(confidnce|sead)' is invalid: the accountant settings are "
+        ) as info:
+            call()
+        assert str(SECRET) not in str(info.value)
+    assert plan.with_accountant(confidence=0.95).accountant == MonteCarlo(confidence=0.95)
+
+
+def test_objects_holding_the_key_refuse_pickling_so_it_never_reaches_a_world_readable_file():
+    import copy
+    import pickle
+
+    import torch
+    import torch.nn.functional as F
+
+    from dpmf import seeds
+
+    plan = PrivatePlan(100, 10, steps=20, strategy="bsr:4", scheme="fixed_order", noise_multiplier=1.0,
+                       clip_norm=1.0)  # fmt: skip
+    step = plan.private_step(torch.nn.Linear(3, 2), F.cross_entropy)
+    holders = [step, step.policy, step.noise, step.sampler, step.privatizer, seeds.SeedPolicy.of(None)]
+    for obj in holders:
+        with pytest.raises(TypeError, match="cannot be pickled or deep-copied: it holds the run's secret"):
+            pickle.dumps(obj)
+        with pytest.raises(TypeError, match="secret noise key"):
+            copy.deepcopy(obj)
+    # the plan itself holds no key and still pickles
+    assert pickle.loads(pickle.dumps(plan)).to_dict() == plan.to_dict()
