@@ -123,10 +123,8 @@ def run_audit(
     from dpmf import seeds
     from dpmf._io import atomic_write_json
     from dpmf.audit import canaries as K
-    from dpmf.audit import estimators as E
     from dpmf.audit.mechanism import _possible_steps, likelihood_scores, precision_matrix
     from dpmf.audit.private_audit import CanaryStage
-    from dpmf.optim import LearningRateSchedule
     from dpmf.train.build import build_optimizer, resolve_device, sub_seed
     from dpmf.train.config import TrainConfig
     from dpmf.train.data import load_dataset
@@ -147,7 +145,6 @@ def run_audit(
         data = load_dataset(config.dataset, config.data_dir)
     N = len(data)
     config, plan = plan_for(config, N + m, progress=False, log=log)
-    privacy = plan.privacy
     policy = seeds.SeedPolicy.of(config.seed)  # a given seed: reproducible and predictable
     if policy.notice:
         log(policy.notice)
@@ -182,14 +179,49 @@ def run_audit(
             seed=seeds.derive_int(seed, "audit-canaries", bits=63),
         )
     privatizer.bind(optimizer)
+    canary_inputs = None if kind == "white-box" else (cx, cy)
+    desc = f"audit ({kind}, {m} canaries)" if progress else None
+    participation = _train(
+        data, model, optimizer, privatizer, drawn, plan, N, included, canary_inputs, device, desc
+    )
+
+    if kind == "white-box":
+        possible = _possible_steps(plan, sampler, participation)[:, N:]
+        P = precision_matrix(plan, plan.noise_std(config.clip_norm))
+        scores = likelihood_scores(plan, sampler, np.stack(stage.projections), possible, config.clip_norm, P)
+    else:
+        scores = -K.canary_losses(model, cx, cy)
+    with torch.no_grad():
+        model.eval()
+        logits = model(data.test_x[:2048].to(device))
+        accuracy = float((logits.argmax(1).cpu() == data.test_y[:2048]).float().mean())
+    result = _report(
+        config, plan, scores, included, method, sig, kind, accuracy, time.perf_counter() - start, log
+    )
+    os.makedirs(out_dir, exist_ok=True)
+    atomic_write_json(os.path.join(out_dir, "audit.json"), result)
+    ins, outs = scores[included], scores[~included]
+    _figure(ins, outs, result, os.path.join(out_dir, "audit.png"))
+    return result
+
+
+def _train(data, model, optimizer, privatizer, drawn, plan, N, included, input_canaries, device, desc):
+    """The audited run: every step of ``plan`` on the batch its sampler drew (real examples,
+    plus the "in" input canaries when ``input_canaries`` = (x, y) is given; white-box canaries
+    are the privatizer's stage). Returns the participation, shape (steps, N + m), boolean."""
+    import torch
+
+    from dpmf.optim import LearningRateSchedule
+
+    m = included.shape[0]
     chi = LearningRateSchedule(plan.schedule, plan.steps).multipliers
     base = [g["lr"] for g in optimizer.param_groups]
     participation = np.zeros((plan.steps, N + m), dtype=bool)
     steps = range(plan.steps)
-    if progress:
+    if desc is not None:
         from tqdm.auto import tqdm
 
-        steps = tqdm(steps, desc=f"audit ({kind}, {m} canaries)", unit="step", leave=False)
+        steps = tqdm(steps, desc=desc, unit="step", leave=False)
     for t in steps:  # as dpmf train: only the drawn batch, once
         drawn_at, batch = drawn.draw()
         participation[t, batch] = True
@@ -198,7 +230,8 @@ def run_audit(
         canary_in = canary[included[canary]]
         x, y = data.train_x[torch.from_numpy(real)], data.train_y[torch.from_numpy(real)]
         ids = real
-        if kind == "input" and canary_in.size:
+        if input_canaries is not None and canary_in.size:
+            cx, cy = input_canaries
             x = torch.cat([x, cx[torch.from_numpy(canary_in)]])
             y = torch.cat([y, cy[torch.from_numpy(canary_in)]])
             ids = np.concatenate([real, N + canary_in])  # an "in" input canary is example N + j
@@ -208,21 +241,22 @@ def run_audit(
         privatizer.privatize(x.to(device), y.to(device), example_ids=torch.from_numpy(ids))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    return participation
 
-    if kind == "white-box":
-        possible = _possible_steps(plan, sampler, participation)[:, N:]
-        P = precision_matrix(plan, plan.noise_std(config.clip_norm))
-        scores = likelihood_scores(plan, sampler, np.stack(stage.projections), possible, config.clip_norm, P)
-    else:
-        scores = -K.canary_losses(model, cx, cy)
+
+def _report(config, plan, scores, included, method, sig, kind, accuracy, seconds, log) -> dict:
+    """``audit.json``'s dict from the canaries' scores (shape (m,)), logged in three lines.
+
+    Raises:
+        ValueError: every canary fell on one side (no bound can be estimated).
+    """
+    from dpmf.audit import estimators as E
+
+    privacy, m = plan.privacy, included.shape[0]
     ins, outs = scores[included], scores[~included]
     if ins.size == 0 or outs.size == 0:
         raise ValueError(f"canaries={m} is invalid: every canary fell on one side; use more canaries")
     eps_lb = estimate(method, ins, outs, delta=config.delta, significance=sig)
-    with torch.no_grad():
-        model.eval()
-        logits = model(data.test_x[:2048].to(device))
-        accuracy = float((logits.argmax(1).cpu() == data.test_y[:2048]).float().mean())
     result = {
         "claimed": {
             "epsilon": float(privacy.epsilon),
@@ -248,15 +282,12 @@ def run_audit(
             "mislabeled canary"
         ),
         "test_accuracy": accuracy,
-        "seconds": time.perf_counter() - start,
+        "seconds": seconds,
         "config": config.to_dict(),
         "plan": plan.to_dict(),
         "seed_given": config.seed is not None,
     }
     result["config"].pop("seed", None)  # the noise seed is secret
-    os.makedirs(out_dir, exist_ok=True)
-    atomic_write_json(os.path.join(out_dir, "audit.json"), result)
-    _figure(ins, outs, result, os.path.join(out_dir, "audit.png"))
     heuristic = "" if method in VALID_IN_ONE_RUN else "; independent-trials heuristic"
     log(
         f"claimed: ε = {privacy.epsilon:.4g} at δ = {privacy.delta:g} "
