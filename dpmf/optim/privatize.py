@@ -372,8 +372,39 @@ class Privatizer(KeyHolder):
                 self.drawn.check(t, handed_out, None, example_ids)
         if self.stage is not None:
             inputs, targets, example_ids = self.stage.select(t, inputs, targets, example_ids)
-        before = state_versions(self.model, walk)
         named = trainable_parameters(self.model, walk)
+        summed = self._clipped_sum(inputs, targets, t, walk, example_ids, points)
+        # the parameters of the sums: those of the walk (the check above saw every parameter
+        # still in place; a requires_grad changed meanwhile is refused by the optimizer's step)
+        params = [p for _, p in named]
+        sums = list(summed.grads)
+        if self.stage is not None:
+            self.stage.before_release(t, params, sums)
+        written = self._release(params, sums)
+        if self.stage is not None:
+            self.stage.after_release(t, params, written)
+        batch_size, clipped, norm_sum = self._batch_figures(summed)
+        scale = self.noise_std
+        fresh = scale * abs(self.noise.innovation(t)) / self.expected_batch_size
+        self._written = [(p, p.grad, (p.grad._version, p.grad.data_ptr())) for p in written]
+        if self.drawn is not None:
+            self.drawn.consume(t)
+        self.last_step = PrivateStep(
+            t,
+            batch_size,
+            self.expected_batch_size,
+            scale,
+            fresh,
+            clipped / batch_size if batch_size else 0.0,
+            norm_sum / batch_size if batch_size else 0.0,
+        )
+        return self.last_step
+
+    def _clipped_sum(self, inputs, targets, t: int, walk, example_ids, points):
+        """``clipped_sum`` of the batch under this step's settings (the batch-independence probe
+        first, on the first batch of ≥ 2 examples), with the model's parameters and buffers
+        unchanged around it (``ModelStateChangedError`` otherwise)."""
+        before = state_versions(self.model, walk)
         try:
             if not self._probed and batch_size_of(inputs) >= 2:  # once, on the first batch of ≥ 2
                 self._probe(inputs, targets, t, walk)
@@ -405,31 +436,7 @@ class Privatizer(KeyHolder):
                 ) from err
             raise
         check_state_unchanged(self.model, before, "the private forward/backward", t)
-        # the parameters of the sums: those of the walk (the check above saw every parameter
-        # still in place; a requires_grad changed meanwhile is refused by the optimizer's step)
-        params = [p for _, p in named]
-        sums = list(summed.grads)
-        if self.stage is not None:
-            self.stage.before_release(t, params, sums)
-        written = self._release(params, sums)
-        if self.stage is not None:
-            self.stage.after_release(t, params, written)
-        batch_size, clipped, norm_sum = self._batch_figures(summed)
-        scale = self.noise_std
-        fresh = scale * abs(self.noise.innovation(t)) / self.expected_batch_size
-        self._written = [(p, p.grad, (p.grad._version, p.grad.data_ptr())) for p in written]
-        if self.drawn is not None:
-            self.drawn.consume(t)
-        self.last_step = PrivateStep(
-            t,
-            batch_size,
-            self.expected_batch_size,
-            scale,
-            fresh,
-            clipped / batch_size if batch_size else 0.0,
-            norm_sum / batch_size if batch_size else 0.0,
-        )
-        return self.last_step
+        return summed
 
     def _probe(self, inputs, targets, t: int, walk) -> None:
         """``probe_batch_independence`` under this step's clipping method (once per privatizer)."""
