@@ -33,7 +33,7 @@ class _Draws:
 
 
 def _privatizers(plan, canaries):
-    from dpmf.audit.private_audit import CanaryStage
+    from dpmf.audit.stage import CanaryStage
 
     m1, m2 = _model(), _model()
     d = sum(p.numel() for p in m1.parameters())

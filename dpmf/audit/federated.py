@@ -97,7 +97,7 @@ def _instrument(privatizer, sampler, model, state: dict, n: int, *, orthonormal:
     ``state["count"]`` canary directions of norm ζ (orthonormal when ``orthonormal`` and m ≤ d:
     each canary's projection then holds no other canary) and record every batch ``sampler``
     draws (step → indices) for the scores."""
-    from dpmf.audit.private_audit import CanaryStage
+    from dpmf.audit.stage import CanaryStage
 
     params = [p for p in model.parameters() if p.requires_grad]
     m, dim = state["count"], sum(p.numel() for p in params)

@@ -124,7 +124,7 @@ def run_audit(
     from dpmf._io import atomic_write_json
     from dpmf.audit import canaries as K
     from dpmf.audit.mechanism import _possible_steps, likelihood_scores, precision_matrix
-    from dpmf.audit.private_audit import CanaryStage
+    from dpmf.audit.stage import CanaryStage
     from dpmf.train.build import build_optimizer, resolve_device, sub_seed
     from dpmf.train.config import TrainConfig
     from dpmf.train.data import load_dataset

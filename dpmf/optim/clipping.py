@@ -356,23 +356,7 @@ def clipped_sum(
     """
     clip_norm = check_real("clip_norm", clip_norm, low=0.0, low_inclusive=False)
     clipping = check_choice("clipping", clipping, CLIPPING_MODES)
-    if not isinstance(inputs, torch.Tensor):  # a tuple (model(*x)) or dict (model(**x)) of tensors
-        leaves = _leaves(inputs)
-        if not isinstance(inputs, dict):
-            if clipping in ("ghost", "bk"):
-                raise ValueError(
-                    f"clipping={clipping!r} is invalid with tuple inputs: ghost norms need one input "
-                    "tensor or a dict (model(**batch)); use clipping='auto' or 'vmap'"
-                )
-            clipping = "vmap"
-        first = leaves[0]
-        if any(t.shape[0] != first.shape[0] for t in leaves):
-            raise ValueError("inputs are invalid: the tensors of a tuple/dict batch differ in dimension 0")
-        batch = int(first.shape[0])
-        device = first.device
-    else:
-        batch = int(inputs.shape[0])
-        device = inputs.device
+    batch, device, clipping = _batch_of(inputs, clipping)
     target_batch = int(_leaves(targets)[0].shape[0])
     if micro_batch_size is not None:
         micro_batch_size = check_int("micro_batch_size", micro_batch_size, minimum=1)
@@ -409,38 +393,11 @@ def clipped_sum(
                 _AUTO_VMAP.setdefault(model, {})[_signature(inputs, names, model)] = True
                 used = "vmap"
                 continue  # this micro-batch again, at the vmap path's size
-            else:
-                norms, grads = got
-                # ghost_clipped_sum sums nothing (no grads) exactly when a norm is not finite:
-                # its own check on the norms is not repeated here
-                if not grads:
-                    bad = [n for n in names if not bool(torch.isfinite(norms[1][n]).all())]
-                    _raise_non_finite(bad, norms[0], start, step, example_ids)
-                for k, n in enumerate(names):
-                    p, g = named[k][1], grads[n]
-                    if g.dtype != p.dtype or g.shape != p.shape:
-                        g = g.to(p.dtype).reshape(p.shape)
-                    if sums[k] is None:
-                        sums[k] = g if g.is_contiguous() else g.contiguous()
-                    else:
-                        sums[k].add_(g)
-                all_norms.append(norms[0])
-                start = stop
-                continue
-        try:
-            grads = _vmap_gradients(model, loss_fn, x, y, plan, names)
-        except RuntimeError as exc:
-            if "vmap" not in str(exc):
-                raise
-            raise RuntimeError(
-                f"clipping={clipping!r}: torch.func per-example gradients (vmap) cannot run this model: "
-                f"{str(exc).splitlines()[0]} Use clipping='auto' with layers that have clipping handlers "
-                "(dpmf.register_clipping_layer; Hugging Face models: a dpmf.train.hf loss), or make the "
-                "model's forward free of data-dependent branches (transformers: attn_implementation='eager')"
-            ) from exc
-        grads = [grads[n] for n in names]
-        with torch.autocast(device.type, enabled=False):  # norms and sums not in bf16
-            _vmap_clip_into(sums, names, grads, clip_norm, start, step, example_ids, all_norms)
+            _add_ghost_sums(sums, named, got, start, step, example_ids, all_norms)
+        else:
+            grads = _vmap_micro_batch(model, loss_fn, x, y, plan, names, clipping)
+            with torch.autocast(device.type, enabled=False):  # norms and sums not in bf16
+                _vmap_clip_into(sums, names, grads, clip_norm, start, step, example_ids, all_norms)
         start = stop
     norms = torch.cat(all_norms) if all_norms else torch.zeros(0, dtype=torch.float64)
     sums = [
@@ -448,6 +405,74 @@ def clipped_sum(
         for t, (_, p) in zip(sums, named, strict=True)
     ]
     return ClippedSum(sums, norms, batch, clip_norm, used)
+
+
+def _batch_of(inputs, clipping: str) -> tuple[int, torch.device, str]:
+    """(B, the device, the clipping method) of a batch of inputs: one tensor, or a tuple
+    (``model(*x)``: vmap only) or dict (``model(**x)``) of tensors of one dimension 0.
+
+    Raises:
+        ValueError: tuple inputs under ghost/bk, or tensors of different dimension 0.
+    """
+    if isinstance(inputs, torch.Tensor):
+        return int(inputs.shape[0]), inputs.device, clipping
+    leaves = _leaves(inputs)
+    if not isinstance(inputs, dict):
+        if clipping in ("ghost", "bk"):
+            raise ValueError(
+                f"clipping={clipping!r} is invalid with tuple inputs: ghost norms need one input "
+                "tensor or a dict (model(**batch)); use clipping='auto' or 'vmap'"
+            )
+        clipping = "vmap"
+    first = leaves[0]
+    if any(t.shape[0] != first.shape[0] for t in leaves):
+        raise ValueError("inputs are invalid: the tensors of a tuple/dict batch differ in dimension 0")
+    return int(first.shape[0]), first.device, clipping
+
+
+def _add_ghost_sums(sums: list, named: list, got, start: int, step, example_ids, all_norms: list) -> None:
+    """Add a ghost/bk micro-batch's clipped sums (``got`` = (norms, grads)) into ``sums``
+    (None entries: the first micro-batch), in the parameters' dtype and shape.
+
+    Raises:
+        NonFiniteGradientError: the micro-batch summed nothing because a norm is not finite.
+    """
+    norms, grads = got
+    names = [n for n, _ in named]
+    # ghost_clipped_sum sums nothing (no grads) exactly when a norm is not finite: its own check
+    # on the norms is not repeated here
+    if not grads:
+        bad = [n for n in names if not bool(torch.isfinite(norms[1][n]).all())]
+        _raise_non_finite(bad, norms[0], start, step, example_ids)
+    for k, n in enumerate(names):
+        p, g = named[k][1], grads[n]
+        if g.dtype != p.dtype or g.shape != p.shape:
+            g = g.to(p.dtype).reshape(p.shape)
+        if sums[k] is None:
+            sums[k] = g if g.is_contiguous() else g.contiguous()
+        else:
+            sums[k].add_(g)
+    all_norms.append(norms[0])
+
+
+def _vmap_micro_batch(model, loss_fn, x, y, plan, names: list, clipping: str) -> list:
+    """Per-example gradients of one micro-batch by ``vmap(grad(·))``, one per name of ``names``.
+
+    Raises:
+        RuntimeError: torch.func cannot run the model (with what to use instead).
+    """
+    try:
+        grads = _vmap_gradients(model, loss_fn, x, y, plan, names)
+    except RuntimeError as exc:
+        if "vmap" not in str(exc):
+            raise
+        raise RuntimeError(
+            f"clipping={clipping!r}: torch.func per-example gradients (vmap) cannot run this model: "
+            f"{str(exc).splitlines()[0]} Use clipping='auto' with layers that have clipping handlers "
+            "(dpmf.register_clipping_layer; Hugging Face models: a dpmf.train.hf loss), or make the "
+            "model's forward free of data-dependent branches (transformers: attn_implementation='eager')"
+        ) from exc
+    return [grads[n] for n in names]
 
 
 def _leaves(tree) -> list[torch.Tensor]:
