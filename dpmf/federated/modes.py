@@ -34,8 +34,8 @@ mode            unit (``protects``)             noise
                                                 by a strategy, clients sampled or not)
 ==============  ==============================  ===============================================
 
-Adding a mode is one subclass with ``@register_privacy_mode`` (docs/architecture.md, "Add a
-federated privacy mode"); a mode that needs a setting no ``FLConfig`` field holds adds that
+Adding a mode is one subclass with ``@register_privacy_mode`` (docs/architecture.md,
+"Extending"); a mode that needs a setting no ``FLConfig`` field holds adds that
 field too.
 
 Module level imports numpy and the ledger only (``FLConfig`` validates without torch or

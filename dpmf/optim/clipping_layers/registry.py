@@ -153,7 +153,7 @@ def register_clipping_layer(module_type, handler: ClippingHandler, *, replace: b
             ``handler`` is not a ``ClippingHandler``.
         ValueError: a layer with a built-in handler, without ``replace=True``.
 
-    Example: ``tests/test_clipping_registry.py`` and docs/architecture.md ("Add a clipping layer").
+    Example: ``tests/test_clipping_registry.py`` and docs/architecture.md ("Extending").
     """
     if isinstance(module_type, str):
         if "." not in module_type:
