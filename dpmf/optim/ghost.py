@@ -928,36 +928,8 @@ def ghost_clipped_sum(
         if not allow_fallback and any(layer.fallback for layer in engine.layers):
             return None
         engine.anchor = torch.zeros((), device=device, requires_grad=True)
-        leaves, losses = [], []
-        for j, (_, shift) in enumerate(points):
-            engine.point = j
-            if shift is None:
-                values = {n: named[n] for n in names}
-                owner_ids = {q: id(named[q]) for q in names}
-            else:
-                values = {n: (named[n].detach() + shift[n]).requires_grad_(True) for n in names}
-                owner_ids = {q: id(values[q]) for q in names}
-            engine.owner_of = {}
-            for layer in engine.layers:
-                for q, _ in layer.params:
-                    engine.owner_of.setdefault(owner_ids[q], []).append(layer)
-            if shift is None:  # the parameters themselves: watched through their class
-                engine.params_of = {id(lay): [values[q] for q, _ in lay.params] for lay in engine.layers}
-            with _watching(engine, list(values.values()) if shift is None else None):
-                out = _forward(model, inputs, None if shift is None else values)
-            engine.stack.clear()
-            engine.owner_of = {}
-            engine.params_of = {}
-            per = per_example_losses(loss_fn, out, targets)
-            del out  # the output (e.g. a language model's logits) is not needed by the backward
-            losses.append(per)
-            leaves.append(values)
-        # every recorded tensor must have the examples along dim 0
-        for layer in engine.layers:
-            if layer.fallback is None and any(
-                isinstance(c.inputs[0], torch.Tensor) and c.inputs[0].shape[:1] != (b,) for c in layer.calls
-            ):
-                layer.fallback = "its dim 0 does not follow the examples"
+        leaves, losses = _forward_points(engine, model, loss_fn, inputs, targets, points, named, names)
+        _check_inputs_follow_examples(engine, b)
         if not allow_fallback and any(layer.fallback for layer in engine.layers):
             return None
         if len(points) == 1 and points[0][0] == 1.0:  # one point of weight 1: no scaling nodes
@@ -968,109 +940,179 @@ def ghost_clipped_sum(
         engine.process_early(b, dtype, device.type if autocast_on else None)
         if total.requires_grad:
             torch.autograd.grad(total, [engine.anchor], retain_graph=keep, allow_unused=True)
-        for layer in engine.layers:
-            for c in layer.calls:
-                c.recording = False
-                c.arrived = None
-                if c.grad is not None and c.grad.shape[:1] != (b,):
-                    layer.fallback = layer.fallback or "its dim 0 does not follow the examples"
-        # a tied parameter: every use recorded, else the whole-model path for all its uses
-        for holders in engine.tied.values():
-            if any(layer.fallback for layer in holders):
-                for layer in holders:
-                    layer.fallback = layer.fallback or "its tied parameter's other use falls back"
+        _close_recording(engine, b)
         if not allow_fallback and any(layer.fallback for layer in engine.layers):
             return None
         engine.mode = "off"
         with torch.autocast(device.type, enabled=False) if autocast_on else _null():
-            handlers, sq = [], {}
-            fallback = {}
-            tied_per: dict[str, torch.Tensor] = {}
-            unused: list[str] = []  # parameters of modules the forward did not call
-            paired = _tied_pairs(engine, dtype)  # embedding + output layer: no instantiation
-            for layer in engine.layers:
-                if layer.fallback is not None:
-                    fallback[layer.name or "<model>"] = layer.fallback
-                    continue
-                if id(layer) in engine.early:  # its norms were taken in the backward
-                    h, done = engine.early[id(layer)]
-                    sq.update(done)
-                    handlers.append(h)
-                    continue
-                tied_attrs = [a for q, a in layer.params if q in engine.tied]
-                if not layer.calls:  # not called: its parameters get a zero per-example gradient
-                    for q, _ in layer.params:
-                        if q not in engine.tied:
-                            sq[q] = torch.zeros(b, dtype=torch.float64, device=device)
-                            unused.append(q)
-                    continue
-                h = _Handler(layer, dtype, tied_attrs)
-                sq.update(h.sq_norms())
-                handlers.append(h)
-                for q, a in layer.params:
-                    if q in engine.tied and q not in paired:  # the sum of the uses' gradients
-                        g = h.per_example(a)
-                        tied_per[q] = g if q not in tied_per else tied_per[q] + g
-            for q, t in paired.items():
-                sq[q] = t.sq_norms()
-            for q, g in tied_per.items():
-                part = row_norms(g)
-                if not bool(torch.isfinite(part).all()):
-                    part = torch.linalg.vector_norm(g.reshape(b, -1), dim=1, dtype=torch.float64)
-                sq[q] = part.double() ** 2
-            for q in engine.tied:
-                if q not in sq and not any(layer.fallback for layer in engine.tied[q]):
-                    sq[q] = torch.zeros(b, dtype=torch.float64, device=device)  # no use was called
-                    tied_per[q] = torch.zeros((b, *named[q].shape), dtype=dtype, device=device)
-            rest = [n for n in names if n not in sq]
-            per_example = subset_gradients(rest) if rest else {}
-            for n, g in per_example.items():
-                part = row_norms(g)
-                if not bool(torch.isfinite(part).all()):
-                    part = torch.linalg.vector_norm(g.reshape(b, -1), dim=1, dtype=torch.float64)
-                sq[n] = part.double() ** 2
+            handlers, sq, fallback, tied_per, unused, paired, per_example = _layer_norms(
+                engine, names, named, b, dtype, device, subset_gradients
+            )
             sq, norms, finite = _settled_norms(sq, names, handlers)
-            result_grads = {}
             if not finite:
                 return GhostResult({}, norms, sq, fallback)
             factors = norms.new_tensor(clip_norm) / torch.clamp(norms, min=clip_norm)
-            for n, g in per_example.items():
-                result_grads[n] = torch.tensordot(_factors_down(factors, g.dtype), g, dims=1)
-            for q, g in tied_per.items():
-                c = _factors_down(factors, g.dtype)
-                result_grads[q] = torch.tensordot(c, g, dims=1).to(named[q].dtype)
-            for q, t in paired.items():
-                result_grads[q] = t.clipped_sum(factors).to(named[q].dtype)
-            cast: dict = {}  # the factors in each handler's dtype, converted once
-            tiny = _subnormal_in_float32(factors)
-            with torch.no_grad():
-                for h in handlers:
-                    # torch.func gradients (possibly with their own dropout masks) are summed
-                    # from the same vectors whose norms were taken, in both methods; so is every
-                    # layer under autocast, where a second backward would round differently
-                    # (low precision) from the float32 vectors whose norms were taken, and an
-                    # example's clipped gradient could exceed ζ; and a layer whose parameter has a
-                    # tensor hook (p.register_hook(lambda g: 10 * g)): the second backward would
-                    # run it on the clipped sum (4·ζ released), the norms never see it
-                    if method == "bk" or not h.sum_by_backward or autocast_on or _hooked(h, named):
-                        result_grads.update(h.summed(_factors_for(h, factors, cast, tiny)))
-            handlers.clear()
-            for q in unused:  # a zero sum (the noise is added to it), in both methods
-                result_grads[q] = torch.zeros_like(named[q], memory_format=torch.contiguous_format)
-            if method == "ghost":
-                wanted = [n for n in names if n not in result_grads]
-                if wanted:
-                    c = _factors_down(factors, losses[0].dtype)
-                    second = sum(w * (c * ell).sum() for (w, _), ell in zip(points, losses, strict=True))
-                    inputs_ = [leaf[n] for leaf in leaves for n in wanted]
-                    gs = torch.autograd.grad(second, inputs_, allow_unused=True)
-                    k = 0
-                    for _ in leaves:
-                        for n in wanted:
-                            g = gs[k] if gs[k] is not None else torch.zeros_like(named[n])
-                            result_grads[n] = g if n not in result_grads else result_grads[n] + g
-                            k += 1
+            parts = (handlers, per_example, tied_per, paired, unused)
+            result_grads = _clipped_sums(
+                method, parts, factors, named, names, points, losses, leaves, autocast_on
+            )
     return GhostResult(result_grads, norms, sq, fallback)
+
+
+def _check_inputs_follow_examples(engine, b: int) -> None:
+    """Send to torch.func every layer whose recorded input does not have the b examples along
+    dim 0 (``batch_first=False``)."""
+    for layer in engine.layers:
+        if layer.fallback is None and any(
+            isinstance(c.inputs[0], torch.Tensor) and c.inputs[0].shape[:1] != (b,) for c in layer.calls
+        ):
+            layer.fallback = "its dim 0 does not follow the examples"
+
+
+def _close_recording(engine, b: int) -> None:
+    """After the backward: stop recording; an output gradient whose dim 0 is not the b examples,
+    or a tied parameter with a use that falls back, sends the layer (all the uses) to torch.func."""
+    for layer in engine.layers:
+        for c in layer.calls:
+            c.recording = False
+            c.arrived = None
+            if c.grad is not None and c.grad.shape[:1] != (b,):
+                layer.fallback = layer.fallback or "its dim 0 does not follow the examples"
+    # a tied parameter: every use recorded, else the whole-model path for all its uses
+    for holders in engine.tied.values():
+        if any(layer.fallback for layer in holders):
+            for layer in holders:
+                layer.fallback = layer.fallback or "its tied parameter's other use falls back"
+
+
+def _forward_points(engine, model, loss_fn, inputs, targets, points, named: dict, names: list):
+    """The recorded forward at every evaluation point (the parameters watched for uses outside
+    their modules): (the leaves each point's losses depend on, the (b,) per-example losses)."""
+    leaves, losses = [], []
+    for j, (_, shift) in enumerate(points):
+        engine.point = j
+        if shift is None:
+            values = {n: named[n] for n in names}
+            owner_ids = {q: id(named[q]) for q in names}
+        else:
+            values = {n: (named[n].detach() + shift[n]).requires_grad_(True) for n in names}
+            owner_ids = {q: id(values[q]) for q in names}
+        engine.owner_of = {}
+        for layer in engine.layers:
+            for q, _ in layer.params:
+                engine.owner_of.setdefault(owner_ids[q], []).append(layer)
+        if shift is None:  # the parameters themselves: watched through their class
+            engine.params_of = {id(lay): [values[q] for q, _ in lay.params] for lay in engine.layers}
+        with _watching(engine, list(values.values()) if shift is None else None):
+            out = _forward(model, inputs, None if shift is None else values)
+        engine.stack.clear()
+        engine.owner_of = {}
+        engine.params_of = {}
+        per = per_example_losses(loss_fn, out, targets)
+        del out  # the output (e.g. a language model's logits) is not needed by the backward
+        losses.append(per)
+        leaves.append(values)
+    return leaves, losses
+
+
+def _layer_norms(engine, names: list, named: dict, b: int, dtype, device, subset_gradients):
+    """The per-example squared norms of every trainable parameter, shape (b,) each: from the
+    layers' handlers (taken early in the backward or now), tied uses, zero for parameters of
+    layers not called, the whole-model torch.func path for the rest. Returns (handlers, sq,
+    fallback reasons, tied per-example gradients, unused names, tied embedding/output pairs,
+    torch.func per-example gradients)."""
+    handlers, sq = [], {}
+    fallback = {}
+    tied_per: dict[str, torch.Tensor] = {}
+    unused: list[str] = []  # parameters of modules the forward did not call
+    paired = _tied_pairs(engine, dtype)  # embedding + output layer: no instantiation
+    for layer in engine.layers:
+        if layer.fallback is not None:
+            fallback[layer.name or "<model>"] = layer.fallback
+            continue
+        if id(layer) in engine.early:  # its norms were taken in the backward
+            h, done = engine.early[id(layer)]
+            sq.update(done)
+            handlers.append(h)
+            continue
+        tied_attrs = [a for q, a in layer.params if q in engine.tied]
+        if not layer.calls:  # not called: its parameters get a zero per-example gradient
+            for q, _ in layer.params:
+                if q not in engine.tied:
+                    sq[q] = torch.zeros(b, dtype=torch.float64, device=device)
+                    unused.append(q)
+            continue
+        h = _Handler(layer, dtype, tied_attrs)
+        sq.update(h.sq_norms())
+        handlers.append(h)
+        for q, a in layer.params:
+            if q in engine.tied and q not in paired:  # the sum of the uses' gradients
+                g = h.per_example(a)
+                tied_per[q] = g if q not in tied_per else tied_per[q] + g
+    for q, t in paired.items():
+        sq[q] = t.sq_norms()
+    for q, g in tied_per.items():
+        part = row_norms(g)
+        if not bool(torch.isfinite(part).all()):
+            part = torch.linalg.vector_norm(g.reshape(b, -1), dim=1, dtype=torch.float64)
+        sq[q] = part.double() ** 2
+    for q in engine.tied:
+        if q not in sq and not any(layer.fallback for layer in engine.tied[q]):
+            sq[q] = torch.zeros(b, dtype=torch.float64, device=device)  # no use was called
+            tied_per[q] = torch.zeros((b, *named[q].shape), dtype=dtype, device=device)
+    rest = [n for n in names if n not in sq]
+    per_example = subset_gradients(rest) if rest else {}
+    for n, g in per_example.items():
+        part = row_norms(g)
+        if not bool(torch.isfinite(part).all()):
+            part = torch.linalg.vector_norm(g.reshape(b, -1), dim=1, dtype=torch.float64)
+        sq[n] = part.double() ** 2
+    return handlers, sq, fallback, tied_per, unused, paired, per_example
+
+
+def _clipped_sums(method: str, parts, factors, named: dict, names: list, points, losses, leaves, autocast_on):
+    """Σ_i c_i·g_i of every trainable parameter, c = ``factors`` (shape (b,)): from the kept
+    per-example gradients, the handlers' book-keeping sums, and (``method="ghost"``) a second
+    backward of Σ_i c_i·ℓ_i for the rest."""
+    handlers, per_example, tied_per, paired, unused = parts
+    result_grads = {}
+    for n, g in per_example.items():
+        result_grads[n] = torch.tensordot(_factors_down(factors, g.dtype), g, dims=1)
+    for q, g in tied_per.items():
+        c = _factors_down(factors, g.dtype)
+        result_grads[q] = torch.tensordot(c, g, dims=1).to(named[q].dtype)
+    for q, t in paired.items():
+        result_grads[q] = t.clipped_sum(factors).to(named[q].dtype)
+    cast: dict = {}  # the factors in each handler's dtype, converted once
+    tiny = _subnormal_in_float32(factors)
+    with torch.no_grad():
+        for h in handlers:
+            # torch.func gradients (possibly with their own dropout masks) are summed
+            # from the same vectors whose norms were taken, in both methods; so is every
+            # layer under autocast, where a second backward would round differently
+            # (low precision) from the float32 vectors whose norms were taken, and an
+            # example's clipped gradient could exceed ζ; and a layer whose parameter has a
+            # tensor hook (p.register_hook(lambda g: 10 * g)): the second backward would
+            # run it on the clipped sum (4·ζ released), the norms never see it
+            if method == "bk" or not h.sum_by_backward or autocast_on or _hooked(h, named):
+                result_grads.update(h.summed(_factors_for(h, factors, cast, tiny)))
+    handlers.clear()
+    for q in unused:  # a zero sum (the noise is added to it), in both methods
+        result_grads[q] = torch.zeros_like(named[q], memory_format=torch.contiguous_format)
+    if method == "ghost":
+        wanted = [n for n in names if n not in result_grads]
+        if wanted:
+            c = _factors_down(factors, losses[0].dtype)
+            second = sum(w * (c * ell).sum() for (w, _), ell in zip(points, losses, strict=True))
+            inputs_ = [leaf[n] for leaf in leaves for n in wanted]
+            gs = torch.autograd.grad(second, inputs_, allow_unused=True)
+            k = 0
+            for _ in leaves:
+                for n in wanted:
+                    g = gs[k] if gs[k] is not None else torch.zeros_like(named[n])
+                    result_grads[n] = g if n not in result_grads else result_grads[n] + g
+                    k += 1
+    return result_grads
 
 
 def _hooked(h: _Handler, named: dict) -> bool:
