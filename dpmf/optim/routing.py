@@ -131,41 +131,10 @@ def route_parameters(
     everything = {n for n, _ in named_all}
 
     def _check_names(label, names):
-        names = set(names)
-        missing = sorted(names - everything)
-        if missing:
-            raise ValueError(f"{label} is invalid: {missing} are not parameters of the model")
-        return names & trainable
+        return _checked_names(label, names, everything, trainable)
 
-    if embedding_names is not None:
-        emb = _check_names("embedding_names", embedding_names)
-    elif module is not None:
-        ids = {
-            id(p)
-            for m in module.modules()
-            if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
-            for p in m.parameters(recurse=False)
-        }
-        emb = _names_of(named, ids)
-    else:
-        emb = set()
-
-    head_set: set[str] = set()
-    if head is not None:
-        if head_names is not None:
-            head_set = _check_names("head_names", head_names)
-        elif module is not None:
-            linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
-            if not linears:
-                raise ValueError(
-                    f"head={head!r} is invalid for this model: it has no nn.Linear layer; "
-                    "name the head's parameters with head_names"
-                )
-            head_set = _names_of(named, {id(p) for p in linears[-1].parameters(recurse=False)})
-        else:
-            raise ValueError(
-                f"head={head!r} needs head_names when the model is given as (name, parameter) pairs"
-            )
+    emb = _embedding_names(named, module, embedding_names, _check_names)
+    head_set = _head_names(named, module, head, head_names, _check_names)
 
     explicit = dict(rules or {})
     if explicit:
@@ -186,6 +155,58 @@ def route_parameters(
             check_matrix_parameter(name, p.shape)
         groups.setdefault(rule, []).append((name, p))
     return [{"params": params, "rule": rule, **opts.get(rule, {})} for rule, params in groups.items()]
+
+
+def _checked_names(label: str, names, everything: set, trainable: set) -> set:
+    """The trainable ones of ``names``.
+
+    Raises:
+        ValueError: a name that is no parameter of the model.
+    """
+    names = set(names)
+    missing = sorted(names - everything)
+    if missing:
+        raise ValueError(f"{label} is invalid: {missing} are not parameters of the model")
+    return names & trainable
+
+
+def _embedding_names(named: list, module, embedding_names, check) -> set:
+    """The embedding tables' parameter names: those given, else those of the model's
+    nn.Embedding/nn.EmbeddingBag modules (none for (name, parameter) pairs)."""
+    if embedding_names is not None:
+        return check("embedding_names", embedding_names)
+    if module is None:
+        return set()
+    ids = {
+        id(p)
+        for m in module.modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+        for p in m.parameters(recurse=False)
+    }
+    return _names_of(named, ids)
+
+
+def _head_names(named: list, module, head, head_names, check) -> set:
+    """The output head's parameter names when ``head`` is set: those given, else those of the
+    model's last nn.Linear.
+
+    Raises:
+        ValueError: no way to find the head (no nn.Linear, or (name, parameter) pairs without
+            ``head_names``).
+    """
+    if head is None:
+        return set()
+    if head_names is not None:
+        return check("head_names", head_names)
+    if module is None:
+        raise ValueError(f"head={head!r} needs head_names when the model is given as (name, parameter) pairs")
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise ValueError(
+            f"head={head!r} is invalid for this model: it has no nn.Linear layer; "
+            "name the head's parameters with head_names"
+        )
+    return _names_of(named, {id(p) for p in linears[-1].parameters(recurse=False)})
 
 
 def _default_rule(name, p, matrix_rule, vector_rule, embeddings, emb, head, head_set):
