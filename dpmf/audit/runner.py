@@ -117,14 +117,12 @@ def run_audit(
             filter (its look-ahead is not supported here); ``out_dir`` a file, or holding an
             earlier audit without ``overwrite``.
     """
-    import torch
     import torch.nn.functional as F
 
     from dpmf import seeds
     from dpmf._io import atomic_write_json
     from dpmf.audit import canaries as K
     from dpmf.audit.mechanism import _possible_steps, likelihood_scores, precision_matrix
-    from dpmf.audit.stage import CanaryStage
     from dpmf.train.build import build_optimizer, resolve_device, sub_seed
     from dpmf.train.config import TrainConfig
     from dpmf.train.data import load_dataset
@@ -153,33 +151,14 @@ def run_audit(
     included = audit_rng.random(m) < 0.5
 
     model = build_model(config.model, data.input_shape, data.num_classes, seed=sub_seed(seed, 0)).to(device)
-    dtype = next(model.parameters()).dtype
     optimizer = build_optimizer(config, model, log=log, seed=seed)
     # the step of dpmf train for the same key: sampler, noise and privatizer from the plan
     step = plan.private_step(model, F.cross_entropy, seed=policy, flags=config.execution_flags())
     sampler, privatizer, drawn = step.sampler, step.privatizer, step.batches
-    if kind == "white-box":
-        directions = K.gradient_canaries(
-            K.param_dim(model),
-            m,
-            config.clip_norm,
-            seed=seeds.derive_int(seed, "audit-canaries", bits=63),
-            device=device,
-            dtype=dtype,
-        )
-        # the loop below hands the step its real examples only (no slot rows to remove)
-        stage = CanaryStage(privatizer, sampler, directions, included, N, slots_in_batch=False)
-        privatizer.set_stage(stage)
-    else:
-        cx, cy = K.input_canaries(
-            data.train_x,
-            data.train_y,
-            m,
-            data.num_classes,
-            seed=seeds.derive_int(seed, "audit-canaries", bits=63),
-        )
+    stage, canary_inputs = _canaries(
+        kind, privatizer, sampler, model, data, included, N, seed, config.clip_norm
+    )
     privatizer.bind(optimizer)
-    canary_inputs = None if kind == "white-box" else (cx, cy)
     desc = f"audit ({kind}, {m} canaries)" if progress else None
     participation = _train(
         data, model, optimizer, privatizer, drawn, plan, N, included, canary_inputs, device, desc
@@ -190,11 +169,8 @@ def run_audit(
         P = precision_matrix(plan, plan.noise_std(config.clip_norm))
         scores = likelihood_scores(plan, sampler, np.stack(stage.projections), possible, config.clip_norm, P)
     else:
-        scores = -K.canary_losses(model, cx, cy)
-    with torch.no_grad():
-        model.eval()
-        logits = model(data.test_x[:2048].to(device))
-        accuracy = float((logits.argmax(1).cpu() == data.test_y[:2048]).float().mean())
+        scores = -K.canary_losses(model, *canary_inputs)
+    accuracy = _test_accuracy(model, data, device)
     result = _report(
         config, plan, scores, included, method, sig, kind, accuracy, time.perf_counter() - start, log
     )
@@ -203,6 +179,37 @@ def run_audit(
     ins, outs = scores[included], scores[~included]
     _figure(ins, outs, result, os.path.join(out_dir, "audit.png"))
     return result
+
+
+def _test_accuracy(model, data, device) -> float:
+    """The trained model's accuracy on (at most) the first 2048 test examples."""
+    import torch
+
+    with torch.no_grad():
+        model.eval()
+        logits = model(data.test_x[:2048].to(device))
+        return float((logits.argmax(1).cpu() == data.test_y[:2048]).float().mean())
+
+
+def _canaries(kind: str, privatizer, sampler, model, data, included, N: int, seed: int, clip_norm: float):
+    """(the white-box ``CanaryStage`` set on ``privatizer``, None) or (None, the input canaries'
+    (x, y)), m = ``included.shape[0]`` canaries drawn from the run's key."""
+    from dpmf import seeds
+    from dpmf.audit import canaries as K
+    from dpmf.audit.stage import CanaryStage
+
+    m = included.shape[0]
+    canary_seed = seeds.derive_int(seed, "audit-canaries", bits=63)
+    if kind != "white-box":
+        return None, K.input_canaries(data.train_x, data.train_y, m, data.num_classes, seed=canary_seed)
+    p0 = next(model.parameters())
+    directions = K.gradient_canaries(
+        K.param_dim(model), m, clip_norm, seed=canary_seed, device=p0.device, dtype=p0.dtype
+    )
+    # the loop hands the step its real examples only (no slot rows to remove)
+    stage = CanaryStage(privatizer, sampler, directions, included, N, slots_in_batch=False)
+    privatizer.set_stage(stage)
+    return stage, None
 
 
 def _train(data, model, optimizer, privatizer, drawn, plan, N, included, input_canaries, device, desc):

@@ -358,24 +358,30 @@ def clipped_sum(
     clipping = check_choice("clipping", clipping, CLIPPING_MODES)
     batch, device, clipping = _batch_of(inputs, clipping)
     target_batch = int(_leaves(targets)[0].shape[0])
-    if micro_batch_size is not None:
-        micro_batch_size = check_int("micro_batch_size", micro_batch_size, minimum=1)
-    if micro_batch_entries is not None:
-        micro_batch_entries = check_int("micro_batch_entries", micro_batch_entries, minimum=1)
     walk = ModelWalk(model) if walk is None else walk
     check_per_example_safe(model, walk)
     if batch != target_batch:
         raise ValueError(f"inputs and targets are invalid: batch sizes differ ({batch} vs {target_batch})")
     named = trainable_parameters(model, walk)
-    names = [n for n, _ in named]
     plan = _check_points(points, named)
-    if micro_batch_size is None:
-        dim = sum(p.numel() for _, p in named)
-        whole = max(batch, 1)
-        vmap_micro = whole if micro_batch_entries is None else max(8, micro_batch_entries // dim)
-        micro_batch_size = whole
-    else:
-        vmap_micro = micro_batch_size
+    micro_batch_size, vmap_micro = _micro_batch_sizes(named, batch, micro_batch_size, micro_batch_entries)
+    sums, all_norms, used = _sum_micro_batches(
+        model, loss_fn, inputs, targets, clip_norm, named, plan, clipping, (micro_batch_size, vmap_micro),
+        step, example_ids, walk, batch, device,
+    )  # fmt: skip
+    norms = torch.cat(all_norms) if all_norms else torch.zeros(0, dtype=torch.float64)
+    zeros = (torch.zeros_like(p, memory_format=torch.contiguous_format) for _, p in named)
+    return ClippedSum(
+        [z if t is None else t for t, z in zip(sums, zeros, strict=True)], norms, batch, clip_norm, used
+    )
+
+
+def _sum_micro_batches(model, loss_fn, inputs, targets, clip_norm, named, plan, clipping, sizes, step,
+                       example_ids, walk, batch, device):  # fmt: skip
+    """``clipped_sum``'s micro-batches: (the summed tensors, None for parameters no micro-batch
+    summed, the per-example norms of each micro-batch, the method used)."""
+    micro_batch_size, vmap_micro = sizes
+    names = [n for n, _ in named]
     sums: list[torch.Tensor | None] = [None] * len(named)  # None until the first micro-batch
     all_norms = []
     used = "vmap" if clipping in ("vmap", "auto") else clipping
@@ -399,12 +405,23 @@ def clipped_sum(
             with torch.autocast(device.type, enabled=False):  # norms and sums not in bf16
                 _vmap_clip_into(sums, names, grads, clip_norm, start, step, example_ids, all_norms)
         start = stop
-    norms = torch.cat(all_norms) if all_norms else torch.zeros(0, dtype=torch.float64)
-    sums = [
-        torch.zeros_like(p, memory_format=torch.contiguous_format) if t is None else t
-        for t, (_, p) in zip(sums, named, strict=True)
-    ]
-    return ClippedSum(sums, norms, batch, clip_norm, used)
+    return sums, all_norms, used
+
+
+def _micro_batch_sizes(named: list, batch: int, micro_batch_size, micro_batch_entries) -> tuple[int, int]:
+    """(ghost/bk micro-batch size, vmap micro-batch size) of ``clipped_sum``.
+
+    Raises:
+        ValueError: a size or entry count below 1.
+    """
+    if micro_batch_size is not None:
+        micro_batch_size = check_int("micro_batch_size", micro_batch_size, minimum=1)
+        return micro_batch_size, micro_batch_size
+    if micro_batch_entries is not None:
+        micro_batch_entries = check_int("micro_batch_entries", micro_batch_entries, minimum=1)
+    dim = sum(p.numel() for _, p in named)
+    whole = max(batch, 1)
+    return whole, (whole if micro_batch_entries is None else max(8, micro_batch_entries // dim))
 
 
 def _batch_of(inputs, clipping: str) -> tuple[int, torch.device, str]:

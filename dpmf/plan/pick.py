@@ -195,6 +195,29 @@ def candidate_specs(schedule: Schedule, n: int, max_bands: int, *, optimized: bo
     return specs
 
 
+def _checked_scheme(scheme: str, accountant: str | None, run0):
+    """The chosen ``Scheme`` (None for ``auto``), with its preconditions on the run and on the
+    accountant checked.
+
+    Raises:
+        ValueError: a randomized accountant, or one the scheme cannot use, or a run the scheme
+            refuses.
+    """
+    deterministic = tuple(n for n, cls in ACCOUNTANTS.items() if not cls.randomized)
+    if accountant is not None and accountant not in deterministic:
+        raise ValueError(
+            f"accountant={accountant!r} is invalid: must be one of {', '.join(deterministic)} "
+            "(a deterministic accountant the candidate's scheme supports; the Monte Carlo settings "
+            "are samples/seed/confidence)"
+        )
+    chosen = None if scheme == "auto" else get_scheme(scheme)
+    if chosen is not None:
+        chosen.check_strategy(run0)  # the scheme's own preconditions on N, B, n (one epoch, bins)
+        if accountant is not None:
+            chosen.check_accountant(accountant)  # e.g. pld cannot measure balls-in-bins
+    return chosen
+
+
 def pick(
     *,
     dataset_size: int,
@@ -253,20 +276,9 @@ def pick(
     scheme = check_choice("scheme", scheme, PICK_SCHEMES)
     metric = check_choice("metric", metric, ("mean_se", "max_se"))
     dense_max_steps = check_int("dense_max_steps", dense_max_steps, minimum=1, maximum=DENSE_MAX_STEPS)
-    deterministic = tuple(n for n, cls in ACCOUNTANTS.items() if not cls.randomized)
-    if accountant is not None and accountant not in deterministic:
-        raise ValueError(
-            f"accountant={accountant!r} is invalid: must be one of {', '.join(deterministic)} "
-            "(a deterministic accountant the candidate's scheme supports; the Monte Carlo settings "
-            "are samples/seed/confidence)"
-        )
     samples, seed, confidence = check_monte_carlo(samples, seed, confidence)
     jobs = check_int("jobs", jobs, minimum=1)
-    chosen = None if scheme == "auto" else get_scheme(scheme)
-    if chosen is not None:
-        chosen.check_strategy(run0)  # the scheme's own preconditions on N, B, n (one epoch, bins)
-        if accountant is not None:
-            chosen.check_accountant(accountant)  # e.g. pld cannot measure balls-in-bins
+    chosen = _checked_scheme(scheme, accountant, run0)
 
     workload = from_schedule(schedule, n)
     specs = candidate_specs(schedule, n, max_bands, optimized=optimized, dense_max_steps=dense_max_steps)
@@ -280,13 +292,8 @@ def pick(
     finally:  # on an error, drop the queued tasks instead of running them
         pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
-    entries, skipped = [], []
-    for spec in specs:  # spec order, whatever the order in which the tasks finished
-        outcome = outcomes[spec]
-        if isinstance(outcome, str):
-            skipped.append((spec, outcome))
-        else:
-            entries.append(outcome)
+    entries = [outcomes[spec] for spec in specs if not isinstance(outcomes[spec], str)]  # spec order
+    skipped = [(spec, outcomes[spec]) for spec in specs if isinstance(outcomes[spec], str)]
     if not entries:
         raise ValueError(f"scheme={scheme!r} is invalid for this run: no candidate could be accounted")
     key = "noise_mean_se" if metric == "mean_se" else "noise_max_se"
