@@ -12,22 +12,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dpmf.optim.batch_probe import take_rows
 from dpmf.optim.privatize import StepStage
 
 __all__ = ["CanaryStage"]
-
-
-def _select_rows(tree, keep: torch.Tensor, n: int):
-    """The rows ``keep`` (boolean, length n) of every tensor of ``tree`` with n rows."""
-    if isinstance(tree, torch.Tensor):
-        return tree[keep.to(tree.device)] if tree.ndim >= 1 and tree.shape[0] == n else tree
-    if isinstance(tree, dict):
-        return {k: _select_rows(v, keep, n) for k, v in tree.items()}
-    if isinstance(tree, tuple):
-        return tuple(_select_rows(v, keep, n) for v in tree)
-    if isinstance(tree, list):
-        return [_select_rows(v, keep, n) for v in tree]
-    return tree
 
 
 class CanaryStage(StepStage):
@@ -85,10 +73,11 @@ class CanaryStage(StepStage):
         keep = torch.from_numpy(local < self._real_size)
         n = int(local.shape[0])
         if not bool(keep.all()):
-            inputs = _select_rows(inputs, keep, n)
-            targets = _select_rows(targets, keep, n)
+            rows = keep.nonzero().flatten()
+            inputs = take_rows(inputs, rows, n)
+            targets = take_rows(targets, rows, n)
             if example_ids is not None:
-                example_ids = _select_rows(example_ids, keep, n)
+                example_ids = take_rows(example_ids, rows, n)
         return inputs, targets, example_ids
 
     def before_release(self, step, params, sums):

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-__all__ = ["PROBE_EXAMPLES", "BatchCouplingError", "batch_size_of", "probe_batch_independence"]
+__all__ = ["PROBE_EXAMPLES", "BatchCouplingError", "batch_size_of", "probe_batch_independence", "take_rows"]
 
 #: the most examples the probe runs at once
 PROBE_EXAMPLES = 8
@@ -58,18 +58,18 @@ def batch_size_of(inputs) -> int:
     return 0
 
 
-def _take(obj, index: torch.Tensor, batch: int):
+def take_rows(obj, index: torch.Tensor, batch: int):
     """``obj`` with every tensor of first dimension ``batch`` indexed by ``index`` along it."""
     if isinstance(obj, torch.Tensor):
         if obj.dim() and obj.shape[0] == batch:
             return obj.index_select(0, index.to(obj.device))
         return obj
     if isinstance(obj, Mapping):
-        return {k: _take(v, index, batch) for k, v in obj.items()}
+        return {k: take_rows(v, index, batch) for k, v in obj.items()}
     if isinstance(obj, tuple):
-        return tuple(_take(v, index, batch) for v in obj)
+        return tuple(take_rows(v, index, batch) for v in obj)
     if isinstance(obj, list):
-        return [_take(v, index, batch) for v in obj]
+        return [take_rows(v, index, batch) for v in obj]
     return obj
 
 
@@ -173,7 +173,7 @@ def probe_batch_independence(model: nn.Module, inputs, targets, norms_of) -> Non
     if b < 2:
         return
     head = torch.arange(b)
-    x, y = _take(inputs, head, batch), _take(targets, head, batch)
+    x, y = take_rows(inputs, head, batch), take_rows(targets, head, batch)
     devices = _rng_devices(model)
     with torch.random.fork_rng(devices=devices):
         state = torch.get_rng_state()
@@ -186,7 +186,7 @@ def probe_batch_independence(model: nn.Module, inputs, targets, norms_of) -> Non
 
         for i in (0, b - 1):
             same = torch.full((b,), i, dtype=torch.long)
-            xs, ys = _take(x, same, b), _take(y, same, b)
+            xs, ys = take_rows(x, same, b), take_rows(y, same, b)
             passes = []
             for batch_in in (x, xs):
                 calls = _Calls(model, i, b)
