@@ -882,6 +882,7 @@ NOT_DOORS = {
     "dpmf.max_batch_size": "accounting only",
     "dpmf.PrivateTraining": "returned by make_private (its door)",
     "dpmf.register_clipping_layer": "a layer's clipping rule, used inside every door's private step",
+    "dpmf.clipping_layer": "the decorator form of register_clipping_layer",
     "dpmf.ClippingHandler": "the type of a clipping rule",
     "dpmf.train.DATASETS": "names",
     "dpmf.train.MODELS": "names",

@@ -313,12 +313,15 @@ def test_client_mode_noise_follows_the_global_models_key_order_not_a_replys():
     from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
     from dpmf.federated.grid import server_identity
+    from dpmf.federated.hooks import AuditHooks
     from dpmf.federated.modes import _ClientServer
 
     shapes = {"w": (2, 3), "b": (3,)}
     nu = np.arange(1.0, 10.0)  # the round's noise on the sum, 9 coordinates
     fake = SimpleNamespace(
-        config=SimpleNamespace(client_clip=1.0), noise=SimpleNamespace(next=lambda: nu.copy())
+        config=SimpleNamespace(client_clip=1.0),
+        noise=SimpleNamespace(next=lambda: nu.copy()),
+        audit=AuditHooks(),  # no audit: the hooks change nothing
     )
     arrays = ArrayRecord({k: Array(np.zeros(s, np.float32)) for k, s in shapes.items()})
 

@@ -498,6 +498,18 @@ def _budget(config: FLConfig, server: _Server) -> str:
     return stop.reason
 
 
+def _check_audit(audit, backend: str) -> None:
+    """An audit's hooks are ``AuditHooks`` and run with the local backend only."""
+    if audit is None:
+        return
+    from dpmf.federated.hooks import AuditHooks
+
+    if not isinstance(audit, AuditHooks):
+        raise TypeError(f"audit={audit!r} is invalid: must be a dpmf.federated.hooks.AuditHooks")
+    if backend != "local":
+        raise ValueError(f"backend={backend!r} is invalid with an audit: audits run with backend='local'")
+
+
 def run_federated(
     config: FLConfig,
     *,
@@ -529,13 +541,7 @@ def run_federated(
         ValueError: invalid settings, before any training.
     """
     _check_backend(config, backend)
-    if audit is not None:
-        from dpmf.federated.hooks import AuditHooks
-
-        if not isinstance(audit, AuditHooks):
-            raise TypeError(f"audit={audit!r} is invalid: must be a dpmf.federated.hooks.AuditHooks")
-        if backend != "local":
-            raise ValueError(f"backend={backend!r} is invalid with an audit: audits run with backend='local'")
+    _check_audit(audit, backend)
     began = time.perf_counter()
     if compliance is None:
         compliance = example_profiles(config.num_clients)
@@ -568,23 +574,27 @@ def run_federated(
         server = _Server(config, data, comp, idx, sigmas, log, policy.key, audit)
         rows, stopped = _serve_locally(config, data, idx, sigmas, server, policy.key)
     _finish_ledger(config, server.ledger, policy, log)
-    data_info = {
-        "name": data.name,
-        "source": data.source,
-        "client_sizes": data.client_sizes(),
-        "aggregator": int(data.aggregator_y.shape[0]),
-        "test": int(data.test_y.shape[0]),
-    }
     return FLResult(
         config,
         rows,
         list(server.ledger),
         list(server.ids),
         {cid: float(s) for cid, s in zip(server.ids, server.sigmas, strict=True)},
-        data_info,
+        _data_info(data),
         time.perf_counter() - began,
         stopped,
     )
+
+
+def _data_info(data: FederatedData) -> dict:
+    """What ``FLResult.data`` says of the run's data: its name, source and split sizes."""
+    return {
+        "name": data.name,
+        "source": data.source,
+        "client_sizes": data.client_sizes(),
+        "aggregator": int(data.aggregator_y.shape[0]),
+        "test": int(data.test_y.shape[0]),
+    }
 
 
 def start_ahead(config: FLConfig, compliance: ComplianceSet | None = None, *, backend: str = "local") -> None:
@@ -661,7 +671,10 @@ def _serve_locally(config: FLConfig, data, idx, sigmas, server: _Server, key: in
 
     part = None
     try:
-        part = config.mode.client(config, data, idx, sigmas, server.ids, key, audit=server.audit)
+        # the audit's hooks reach the client part only in an audited run: a registered mode
+        # whose ``client`` takes no ``audit`` runs as before (and cannot be audited)
+        hooks = {} if server.audit is None else {"audit": server.audit}
+        part = config.mode.client(config, data, idx, sigmas, server.ids, key, **hooks)
         decoded: dict = {}
         app = _client_app_of(part, data, idx, decoded)
         # the client part's entries (record: accounted in the background while the clients
