@@ -43,6 +43,8 @@ import time
 import warnings
 from pathlib import Path
 
+from dpmf.step import noise_stream
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
@@ -150,7 +152,7 @@ def dpmf_step(name, x, y, steps, clipping="auto"):
         F.cross_entropy,
         plan=_plan(x.shape[0], steps),
         clip_norm=CLIP,
-        noise=_plan(x.shape[0], steps).noise(d, 0),
+        noise=noise_stream(_plan(x.shape[0], steps), d, 0),
         clipping=clipping,
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from dpmf.step import noise_stream
+
 try:
     import dpmf  # noqa: F401
 except ImportError:
@@ -42,7 +44,7 @@ def _model(name):
 def _privatizer(name, keys, plan):
     model = _model(name)
     sizes = tuple(p.numel() for _, p in trainable_parameters(model))
-    noise = plan.noise(sum(sizes), 1, keys=ChunkedKeys(sizes) if keys == "chunked" else None)
+    noise = noise_stream(plan, sum(sizes), 1, keys=ChunkedKeys(sizes) if keys == "chunked" else None)
     return Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=noise), sum(sizes)
 
 

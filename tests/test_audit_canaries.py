@@ -15,6 +15,7 @@ from dpmf.audit.runner import run_audit
 from dpmf.cli import main
 from dpmf.optim.privatize import Privatizer
 from dpmf.plan.plan import PrivatePlan
+from dpmf.step import noise_stream
 from dpmf.train.config import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -38,8 +39,8 @@ def _privatizers(plan, canaries):
     m1, m2 = _model(), _model()
     d = sum(p.numel() for p in m1.parameters())
     common = dict(plan=plan, clip_norm=1.0)
-    a = Privatizer(m1, F.cross_entropy, noise=plan.noise(d, 7), **common)
-    b = Privatizer(m2, F.cross_entropy, noise=plan.noise(d, 7), **common)
+    a = Privatizer(m1, F.cross_entropy, noise=noise_stream(plan, d, 7), **common)
+    b = Privatizer(m2, F.cross_entropy, noise=noise_stream(plan, d, 7), **common)
     draws = _Draws()
     included = np.ones(canaries.shape[0], dtype=bool)
     b.set_stage(CanaryStage(b, draws, canaries, included, 100, slots_in_batch=False))

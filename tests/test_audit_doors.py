@@ -18,6 +18,7 @@ from dpmf.audit import estimators as E
 from dpmf.audit import runner as R
 from dpmf.optim.batches import BatchCheckError
 from dpmf.optim.privatize import Privatizer
+from dpmf.step import noise_stream
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 HERE = Path(__file__).resolve().parent
@@ -128,7 +129,9 @@ def test_make_private_audit_removes_the_canary_slots_and_adds_the_in_canaries():
 
     audit = audited(3, target_epsilon=None, noise_multiplier=SIGMA)
     run, pv = audit.private, audit.private.privatizer
-    noise = run.plan.noise(pv.noise.dim, 3, dtype=torch.float64, keys=pv.noise.keys)  # the run's keying
+    noise = noise_stream(
+        run.plan, pv.noise.dim, 3, dtype=torch.float64, keys=pv.noise.keys
+    )  # the run's keying
     x, y = run.data_loader.dataset.dataset.tensors
     ref = torch.nn.Linear(32, 4).to(torch.float64)
     ref.load_state_dict(run.model.state_dict())

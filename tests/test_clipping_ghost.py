@@ -11,6 +11,7 @@ from dpmf.optim.ghost import ghost_layer_kinds
 from dpmf.optim.lookahead import EvaluationPoint
 from dpmf.optim.privatize import Privatizer
 from dpmf.plan import PrivatePlan
+from dpmf.step import noise_stream
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -357,7 +358,7 @@ def test_privatizer_gives_the_same_noisy_gradient_with_every_clipping(spec):
             lambda o, t: sum_loss(o, t),
             plan=plan,
             clip_norm=0.5,
-            noise=plan.noise(d, 2, dtype=torch.float64),
+            noise=noise_stream(plan, d, 2, dtype=torch.float64),
             clipping=method,
         )
         steps = []
@@ -380,7 +381,9 @@ def test_unknown_clipping_is_refused_by_name():
         clipped_sum(model, sum_loss, torch.zeros(2, 4), torch.zeros(2, 3), clip_norm=1.0, clipping="fast")
     with pytest.raises(ValueError, match="clipping="):
         plan = PrivatePlan(4, 2, steps=2, scheme="fixed_order", noise_multiplier=1.0)
-        Privatizer(model, sum_loss, plan=plan, clip_norm=1.0, noise=plan.noise(23, 0), clipping="ghosts")
+        Privatizer(
+            model, sum_loss, plan=plan, clip_norm=1.0, noise=noise_stream(plan, 23, 0), clipping="ghosts"
+        )
 
 
 def test_train_config_and_cli_take_the_clipping_mode(tmp_path, capsys):

@@ -24,6 +24,7 @@ from dpmf.optim.clipping import trainable_parameters
 from dpmf.optim.noise import ChunkedKeys, DenseInverseNoise, noise_for_factorization, raw_generator
 from dpmf.optim.privatize import Privatizer
 from dpmf.plan import PrivatePlan
+from dpmf.step import noise_stream
 from dpmf.workloads import Schedule, from_schedule, prefix_sum
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -233,7 +234,7 @@ def _one_process(plan, kind, dtype, batches):
     model = _model(dtype)
     params = [p for _, p in trainable_parameters(model)]
     keys = ChunkedKeys(tuple(p.numel() for p in params))
-    noise = plan.noise(keys.dim, 21, dtype=dtype, keys=keys)
+    noise = noise_stream(plan, keys.dim, 21, dtype=dtype, keys=keys)
     priv = Privatizer(model, nn.functional.cross_entropy, plan=plan, clip_norm=1.0, noise=noise)
     opt = _optimizer(kind, model)
     priv.bind(opt)
@@ -308,8 +309,8 @@ def test_simulated_ranks_equal_the_one_process_privatizer(kind, strategy, mode):
 def _one_process_state(plan, dtype):
     model = _model(dtype)
     dim = sum(p.numel() for p in model.parameters())
-    return plan.noise(
-        dim, 0, dtype=dtype, keys=ChunkedKeys(tuple(p.numel() for p in model.parameters()))
+    return noise_stream(
+        plan, dim, 0, dtype=dtype, keys=ChunkedKeys(tuple(p.numel() for p in model.parameters()))
     ).state_numel()
 
 

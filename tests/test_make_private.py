@@ -16,6 +16,7 @@ import dpmf
 from dpmf.cli import main
 from dpmf.optim import DPSGD, Privatizer
 from dpmf.plan import PrivatePlan
+from dpmf.step import noise_stream
 from dpmf.train.build import build_optimizer, sub_seed
 from dpmf.train.config import TrainConfig
 from dpmf.train.data import load_dataset
@@ -150,14 +151,19 @@ def test_parts_that_disagree_with_the_plan_are_refused(digits):
     dim = sum(p.numel() for p in model.parameters())
     with pytest.raises(TypeError, match="sensitivity"):  # the plan fixes it: no such argument
         Privatizer(
-            model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=plan.noise(dim, 0), sensitivity=1.0
+            model,
+            F.cross_entropy,
+            plan=plan,
+            clip_norm=1.0,
+            noise=noise_stream(plan, dim, 0),
+            sensitivity=1.0,
         )
     other = PrivatePlan(len(digits), 128, epochs=1, scheme="fixed_order", strategy="bisr:4")
     with pytest.raises(ValueError, match="noise is invalid"):
-        Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=other.noise(dim, 0))
+        Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=noise_stream(other, dim, 0))
     short = PrivatePlan(len(digits), 128, steps=3, scheme="fixed_order", strategy="bsr:4")
     with pytest.raises(ValueError, match="noise is invalid"):
-        Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=short.noise(dim, 0))
+        Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=noise_stream(short, dim, 0))
     # cyclic Poisson: the sampler's groups are the strategy's bands (no example in adjacent steps)
     cyc = PrivatePlan(len(digits), 100, steps=12, scheme="cyclic_poisson", strategy="bsr:4")
     s = cyc.sampler(5)

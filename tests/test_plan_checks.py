@@ -8,6 +8,7 @@ import dp_accounting
 import pytest
 
 from dpmf.plan import PrivatePlan
+from dpmf.step import noise_stream
 
 DELTA = 1e-5
 
@@ -97,11 +98,11 @@ def test_a_privatizer_refuses_batches_of_another_plans_sampler(other, what):
 
     plan = PrivatePlan(1000, 50, steps=20, clip_norm=1.0).with_noise(1.0)
     model = nn.Linear(3, 2)
-    priv = Privatizer(model, nn.functional.cross_entropy, plan=plan, noise=plan.noise(8, 1))
+    priv = Privatizer(model, nn.functional.cross_entropy, plan=plan, noise=noise_stream(plan, 8, 1))
     priv.draw_from(plan.sampler(1))  # its own: accepted
     wrong = dataclasses.replace(plan, **other).sampler(1)
     assert wrong.steps == plan.steps  # the only thing compared before
-    priv = Privatizer(model, nn.functional.cross_entropy, plan=plan, noise=plan.noise(8, 1))
+    priv = Privatizer(model, nn.functional.cross_entropy, plan=plan, noise=noise_stream(plan, 8, 1))
     with pytest.raises(ValueError, match=rf"^sampler is invalid: its {what} "):
         priv.draw_from(wrong)
     del torch
@@ -116,7 +117,7 @@ def test_a_cyclic_poisson_privatizer_refuses_another_group_count():
     wrong = PrivatePlan(1000, 50, steps=20, scheme="cyclic_poisson", min_sep=4).sampler(
         1
     )  # rate 0.2, not 0.1
-    priv = Privatizer(nn.Linear(3, 2), nn.functional.cross_entropy, plan=plan, noise=plan.noise(8, 1))
+    priv = Privatizer(nn.Linear(3, 2), nn.functional.cross_entropy, plan=plan, noise=noise_stream(plan, 8, 1))
     with pytest.raises(ValueError, match=r"^sampler is invalid: its groups is 4 and the plan's 2 "):
         priv.draw_from(wrong)
 
@@ -262,11 +263,11 @@ def test_a_factorization_whose_noise_layout_is_not_c_inverse_is_refused():
 
     quiet = Quiet(base.name, base.bands, base.workload, base.C)
     kw = dict(dataset_size=160, batch_size=10, steps=n, scheme="fixed_order", noise_multiplier=1.0)
-    honest = PrivatePlan(strategy=base, **kw).noise(4000, 7).next()
+    honest = noise_stream(PrivatePlan(strategy=base, **kw), 4000, 7).next()
     try:
         plan = PrivatePlan(strategy=quiet, **kw)
     except ValueError:
         return
-    got = plan.noise(4000, 7).next()
+    got = noise_stream(plan, 4000, 7).next()
     # the first step's noise is Z_0·(C⁻¹)_00 for both: the accounting's noise would be equal
     assert float(got.std()) == pytest.approx(float(honest.std()), rel=1e-6)

@@ -22,6 +22,7 @@ from dpmf.optim.model_guard import (
     state_versions,
 )
 from dpmf.plan import PrivatePlan
+from dpmf.step import noise_stream
 
 pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -180,7 +181,7 @@ def test_the_loop_of_dpmf_train_checks_the_drawn_indices():
     model = _mlp()
     plan = PrivatePlan(N, 16, steps=4, scheme="fixed_order", strategy="identity").with_noise(1.0)
     dim = sum(p.numel() for p in model.parameters())
-    priv = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=plan.noise(dim, 1))
+    priv = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=noise_stream(plan, dim, 1))
     drawn = priv.draw_from(plan.sampler(2))
     t, idx = drawn.draw()
     drawn.record(t, ids=idx)
@@ -194,9 +195,9 @@ def test_the_loop_of_dpmf_train_checks_the_drawn_indices():
     with pytest.raises(BatchCheckError, match="already privatized"):
         priv.privatize(x[ids], y[ids], example_ids=ids)
     with pytest.raises(ValueError, match="it is at step 1 and the noise stream at step 0"):
-        Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=plan.noise(dim, 1)).draw_from(
-            drawn.sampler
-        )
+        Privatizer(
+            model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=noise_stream(plan, dim, 1)
+        ).draw_from(drawn.sampler)
 
 
 # -- 2. the forward pass writes no parameter or buffer ----------------------------------------------

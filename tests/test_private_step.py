@@ -1,4 +1,4 @@
-"""``PrivatePlan.private_step``: the one constructor of sampler, noise stream and privatizer."""
+"""``dpmf.step.build``: the one constructor of sampler, noise stream and privatizer (a ``DPStep``)."""
 
 import numpy as np
 import pytest
@@ -7,10 +7,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpmf import seeds
-from dpmf.distributed import ExecutionFlags, simulate
+from dpmf.distributed import simulate
 from dpmf.optim.batches import BatchCheckError
 from dpmf.optim.noise import ChunkedKeys
 from dpmf.plan import PrivatePlan
+from dpmf.step import ExecutionFlags, noise_stream
+from dpmf.step import build as build_step
 
 X = torch.randn(40, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
 Y = torch.randint(0, 3, (40,), generator=torch.Generator().manual_seed(1))
@@ -43,7 +45,9 @@ def _by_hand(plan, key, chunked=True):
 
     model = _model()
     sizes = tuple(p.numel() for p in model.parameters())
-    noise = plan.noise(sum(sizes), key, dtype=torch.float64, keys=ChunkedKeys(sizes) if chunked else None)
+    noise = noise_stream(
+        plan, sum(sizes), key, dtype=torch.float64, keys=ChunkedKeys(sizes) if chunked else None
+    )
     priv = Privatizer(model, F.cross_entropy, plan=plan, noise=noise)
     sampler = plan.sampler(key)
     out = []
@@ -56,45 +60,45 @@ def _by_hand(plan, key, chunked=True):
 
 def test_the_bound_step_is_the_plans_sampler_noise_and_privatizer():
     plan = _plan(seed=13)
-    step = plan.private_step(_model(), F.cross_entropy)
+    step = build_step(plan, _model(), F.cross_entropy)
     assert step.privatizer.plan is plan and step.privatizer.drawn is step.batches
     assert step.noise.keys is not None  # chunked keys by default
     first = _run(step)
     torch.testing.assert_close(first, _by_hand(plan, 13), rtol=0, atol=0)  # bit-identical
-    stream = plan.private_step(_model(), F.cross_entropy, flags=ExecutionFlags(noise_keys="stream"))
+    stream = build_step(plan, _model(), F.cross_entropy, flags=ExecutionFlags(noise_keys="stream"))
     torch.testing.assert_close(_run(stream), _by_hand(plan, 13, chunked=False), rtol=0, atol=0)
-    other = plan.with_settings(seed=14).private_step(_model(), F.cross_entropy)
+    other = build_step(plan.with_settings(seed=14), _model(), F.cross_entropy)
     assert not torch.equal(_run(other), first)
 
 
 def test_the_bound_step_accepts_only_the_drawn_batch():
-    step = _plan(seed=2).private_step(_model(), F.cross_entropy)
+    step = build_step(_plan(seed=2), _model(), F.cross_entropy)
     with pytest.raises(BatchCheckError):
         step.privatizer.privatize(X[:8], Y[:8])
 
 
 def test_a_secret_key_is_drawn_and_never_shown():
-    step = _plan().private_step(_model(), F.cross_entropy)
+    step = build_step(_plan(), _model(), F.cross_entropy)
     assert step.policy.is_secret and step.key.bit_length() > 64
     assert str(step.key) not in repr(step) and str(step.key) not in repr(step.policy)
     policy = seeds.SeedPolicy.of(9)
-    assert _plan().private_step(_model(), F.cross_entropy, seed=policy).key == 9
-    given = _plan(seed=9).private_step(_model(), F.cross_entropy)
+    assert build_step(_plan(), _model(), F.cross_entropy, seed=policy).key == 9
+    given = build_step(_plan(seed=9), _model(), F.cross_entropy)
     assert given.key == 9 and not given.policy.is_secret and given.policy.notice
     assert "seed=" not in repr(_plan(seed=9)) and "seed" not in _plan(seed=9).to_dict()
     with pytest.raises(TypeError, match="give an integer seed to the plan"):
-        _plan().private_step(_model(), F.cross_entropy, seed=9)
+        build_step(_plan(), _model(), F.cross_entropy, seed=9)
 
 
 def test_two_simulated_processes_take_the_one_process_step():
     plan = _plan(seed=5)
-    one = _run(plan.private_step(_model(), F.cross_entropy))
+    one = _run(build_step(plan, _model(), F.cross_entropy))
 
     models = [_model(), _model()]  # built here: torch's global generator is not for threads
 
     def rank(comm):
         model = models[comm.rank]
-        step = plan.private_step(model, F.cross_entropy, process_group=comm)
+        step = build_step(plan, model, F.cross_entropy, comm=comm)
         assert step.collectives is comm
         out = []
         for _ in range(4):
@@ -131,11 +135,11 @@ def test_bad_flags_are_refused_in_one_line(flags, match):
 def test_a_plan_without_noise_or_bad_flags_is_refused_before_any_work():
     plan = PrivatePlan(40, 8, steps=6, clip_norm=1.0)
     with pytest.raises(ValueError, match="noise_multiplier is unknown"):
-        plan.private_step(_model(), F.cross_entropy)
+        build_step(plan, _model(), F.cross_entropy)
     with pytest.raises(ValueError, match="clip_norm is unknown"):
-        _plan(clip_norm=None).private_step(_model(), F.cross_entropy)
+        build_step(_plan(clip_norm=None), _model(), F.cross_entropy)
     with pytest.raises(TypeError, match="flags="):
-        _plan().private_step(_model(), F.cross_entropy, flags={"clipping": "vmap"})
+        build_step(_plan(), _model(), F.cross_entropy, flags={"clipping": "vmap"})
 
 
 def test_noise_segments_account_as_the_composition_and_set_each_steps_sigma():
@@ -148,7 +152,7 @@ def test_noise_segments_account_as_the_composition_and_set_each_steps_sigma():
     assert plan.account(delta=1e-5).epsilon == pytest.approx(acc.get_epsilon(1e-5), rel=1e-2)
     assert [plan.noise_multiplier_at(t) for t in (0, 9, 10, 29)] == [1.0, 1.0, 2.0, 2.0]
     # the privatizer adds σ_t·ζ·(C⁻¹Z)_t at each step: σ of the step's segment
-    step = plan.private_step(_model(), F.cross_entropy)
+    step = build_step(plan, _model(), F.cross_entropy)
     for t in range(12):
         drawn_at, _ = step.batches.draw()
         step.batches.record(drawn_at, ids=np.zeros(0, dtype=np.int64), n=0)
@@ -236,7 +240,7 @@ def test_a_privatizer_refuses_a_clip_norm_other_than_the_plans():
     from dpmf.optim.privatize import Privatizer
 
     plan = _plan()
-    noise = plan.noise(sum(p.numel() for p in _model().parameters()), 1, dtype=torch.float64)
+    noise = noise_stream(plan, sum(p.numel() for p in _model().parameters()), 1, dtype=torch.float64)
     with pytest.raises(ValueError, match="the plan's clip_norm is 0.7"):
         Privatizer(_model(), F.cross_entropy, plan=plan, clip_norm=1.0, noise=noise)
 
@@ -290,3 +294,52 @@ def test_a_step_stage_adds_to_the_clipped_sum_before_the_noise_and_is_set_once()
     for a, s, vi, seen in zip(plain, staged, v, stage.seen[0], strict=True):
         torch.testing.assert_close(s, a + vi / b, rtol=0, atol=1e-12)
         assert torch.equal(seen, s)
+
+
+def test_the_step_is_frozen_and_carries_the_plans_event():
+    import dataclasses
+
+    plan = _plan(seed=3)
+    step = build_step(plan, _model(), F.cross_entropy)
+    assert step.event == plan.event() and step.event.noise_multiplier == pytest.approx(1.1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        step.sampler = None
+
+
+def test_the_plan_builds_no_torch_part_and_says_where_they_are_built():
+    plan = _plan()
+    with pytest.raises(
+        AttributeError, match=r"PrivatePlan.private_step .* dpmf.step.build\(plan, model, loss_fn\)"
+    ):
+        plan.private_step(_model(), F.cross_entropy)
+    with pytest.raises(AttributeError, match=r"dpmf.step.noise_stream\(plan, dim, key\)"):
+        plan.noise(3, 0)
+    with pytest.raises(AttributeError, match="has no attribute 'nosie'"):
+        plan.nosie  # noqa: B018 — a misspelling stays a plain AttributeError
+    # the noise stream of the step is the plan's stream: the identity's raw noise itself
+    z = noise_stream(PrivatePlan(40, 8, steps=6, strategy="identity"), 5, 11, dtype=torch.float64)
+    torch.testing.assert_close(z.next(), z.raw_noise(0), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "clients, per_round, rounds, scheme, identity_sensitivity",
+    [
+        (6, 6, 9, "fixed_order", 3.0),  # every client in every round: √R
+        (12, 4, 7, "fixed_order", 3**0.5),  # ⌈12/4⌉ = 3 groups: rounds 1, 4, 7 for the first (√3)
+        (12, 4, 7, "poisson", 1.0),  # Poisson: one step's sensitivity
+    ],
+)
+def test_client_level_sigma_keeps_flowers_meaning_with_the_plans_sensitivity(
+    clients, per_round, rounds, scheme, identity_sensitivity
+):
+    # σ_c is the noise multiplier on one round's sum under identity noise: the plan's σ is
+    # σ_c / s_I and the noise on the sum σ_c·ζ, whatever strategy correlates it across rounds
+    from dpmf.federated.local import client_level_plan
+
+    plan = client_level_plan(clients, per_round, rounds, scheme, "identity", 2.0, 0.5)
+    assert plan.sensitivity == pytest.approx(identity_sensitivity, rel=1e-12)
+    assert plan.noise_multiplier == pytest.approx(2.0 / identity_sensitivity, rel=1e-12)
+    assert plan.noise_std() == pytest.approx(2.0 * 0.5, rel=1e-12)
+    if scheme == "fixed_order":
+        banded = client_level_plan(clients, per_round, rounds, scheme, "bisr:2", 2.0, 0.5)
+        assert banded.noise_multiplier == plan.noise_multiplier  # the identity's privacy

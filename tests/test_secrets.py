@@ -20,6 +20,7 @@ from dpmf.mechanisms import factorize
 from dpmf.optim.noise import ChunkedKeys, identity_noise, noise_for_factorization
 from dpmf.plan import PrivatePlan
 from dpmf.plan.samplers import PoissonSampler
+from dpmf.step import build as build_step
 from dpmf.train.build import sub_seed
 from dpmf.train.config import TrainConfig
 from dpmf.train.data import load_dataset
@@ -462,7 +463,7 @@ def test_objects_holding_the_key_refuse_pickling_so_it_never_reaches_a_world_rea
 
     plan = PrivatePlan(100, 10, steps=20, strategy="bsr:4", scheme="fixed_order", noise_multiplier=1.0,
                        clip_norm=1.0)  # fmt: skip
-    step = plan.private_step(torch.nn.Linear(3, 2), F.cross_entropy)
+    step = build_step(plan, torch.nn.Linear(3, 2), F.cross_entropy)
     holders = [step, step.policy, step.noise, step.sampler, step.privatizer, seeds.SeedPolicy.of(None)]
     for obj in holders:
         with pytest.raises(TypeError, match="cannot be pickled or deep-copied: it holds the run's secret"):

@@ -8,6 +8,7 @@ import pytest
 from cli_helpers import _one_line_error
 
 from dpmf import cli
+from dpmf.step import noise_stream
 
 # --- per-step metrics ----------------------------------------------------------------------
 
@@ -27,7 +28,7 @@ def _trainer(data, out, *, log_every=None, epochs=2, batch=256, seed=3):
     d = sum(p.numel() for p in model.parameters())
     plan = PrivatePlan(n, batch, steps=steps, noise_multiplier=0.8)  # DP-SGD, Poisson
     sampler = plan.sampler(seed + 2)
-    priv = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=0.5, noise=plan.noise(d, seed + 1))
+    priv = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=0.5, noise=noise_stream(plan, d, seed + 1))
     trainer = Trainer(
         model=model,
         data=data,

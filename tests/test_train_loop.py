@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from dpmf.optim.clipping import NonFiniteGradientError
 from dpmf.optim.privatize import Privatizer
 from dpmf.plan import PrivatePlan
+from dpmf.step import noise_stream
 from dpmf.train.checkpoint import load_checkpoint
 from dpmf.train.data import load_dataset
 from dpmf.train.loop import NonFiniteWeightsError, Trainer
@@ -42,7 +43,7 @@ def make_trainer(
     d = sum(p.numel() for p in model.parameters())
     plan = PrivatePlan(n, batch, steps=steps, scheme=scheme, strategy=spec, noise_multiplier=sigma)
     sampler = plan.sampler(seed + 2)
-    priv = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=plan.noise(d, seed + 1))
+    priv = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=noise_stream(plan, d, seed + 1))
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     chi = np.linspace(1.0, 0.2, steps)
     return Trainer(
@@ -164,7 +165,7 @@ def test_trainer_refuses_a_short_noise_stream(digits, tmp_path):
     model = tr.model
     d = sum(p.numel() for p in model.parameters())
     plan = PrivatePlan(384, 128, steps=3, noise_multiplier=1.0)
-    short = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=plan.noise(d, 0))
+    short = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=noise_stream(plan, d, 0))
     with pytest.raises(ValueError, match="noise stream covers 3 steps"):
         Trainer(
             model=model,

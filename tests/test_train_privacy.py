@@ -9,6 +9,7 @@ from torch import nn
 from dpmf.optim.clipping import clipped_sum
 from dpmf.optim.privatize import Privatizer
 from dpmf.plan import PrivatePlan
+from dpmf.step import noise_stream
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -35,7 +36,7 @@ def test_noise_std_on_the_summed_gradient_is_sigma_zeta_sens():
     plan = PrivatePlan(64, 64, steps=4, scheme="fixed_order", noise_multiplier=sigma)
     sens, b_bar = plan.sensitivity, plan.expected_batch_size
     assert sens == pytest.approx(2.0) and b_bar == 64.0  # √k, and B
-    priv = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=zeta, noise=plan.noise(d, 1))
+    priv = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=zeta, noise=noise_stream(plan, d, 1))
     x, y = batch(20)
     ref = clipped_sum(model, F.cross_entropy, x, y, clip_norm=zeta)
     info = priv.privatize(x, y)
@@ -57,7 +58,7 @@ def test_correlated_noise_on_the_sum_is_sigma_zeta_sens_times_C_inverse_Z():
     sigma, zeta = 0.9, 2.0
     plan = PrivatePlan(8, 8, steps=n, scheme="fixed_order", strategy="bsr:3", noise_multiplier=sigma)
     fz, sens = plan.strategy, plan.sensitivity
-    priv = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=zeta, noise=plan.noise(d, 3))
+    priv = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=zeta, noise=noise_stream(plan, d, 3))
     got = []
     for _ in range(n):
         priv.privatize(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long))
@@ -71,7 +72,7 @@ def test_mean_divides_by_the_expected_batch_size_not_the_realised_one():
     model = wide_model(6, 3)
     d = sum(p.numel() for p in model.parameters())
     plan = PrivatePlan(100, 10, steps=2, noise_segments=((2, 0.0),))  # Poisson, B̄ = 10, no noise
-    priv = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=plan.noise(d, 0))
+    priv = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=noise_stream(plan, d, 0))
     x, y = batch(3, d_in=6)
     y = y % 3
     ref = clipped_sum(model, F.cross_entropy, x, y, clip_norm=1.0)
@@ -84,7 +85,7 @@ def test_every_step_counts_including_empty_batches():
     model = wide_model(6, 3)
     d = sum(p.numel() for p in model.parameters())
     plan = PrivatePlan(6, 2, steps=3, scheme="fixed_order", noise_multiplier=1.0)
-    priv = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=plan.noise(d, 0))
+    priv = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=noise_stream(plan, d, 0))
     x, y = batch(2, d_in=6)
     y = y % 3
     steps = [priv.privatize(x[:k], y[:k]).step for k in (2, 0, 1)]
@@ -102,7 +103,12 @@ def test_gradient_accumulation_is_one_step_at_the_logical_batch():
         d = sum(p.numel() for p in model.parameters())
         plan = PrivatePlan(65, 13, steps=5, scheme="fixed_order", noise_multiplier=1.3)
         priv = Privatizer(
-            model, F.cross_entropy, plan=plan, clip_norm=0.5, noise=plan.noise(d, 2), micro_batch_size=micro
+            model,
+            F.cross_entropy,
+            plan=plan,
+            clip_norm=0.5,
+            noise=noise_stream(plan, d, 2),
+            micro_batch_size=micro,
         )
         info = priv.privatize(x, y)
         assert info.step == 0 and priv.step == 1 and info.batch_size == 13  # one step, one noise draw
@@ -123,7 +129,7 @@ def test_bad_privatizer_arguments_are_refused(kwargs, match):
     model = wide_model(6, 3)
     d = sum(p.numel() for p in model.parameters())
     plan = _plan()
-    args = {"plan": plan, "clip_norm": 1.0, "noise": plan.noise(d, 0)}
+    args = {"plan": plan, "clip_norm": 1.0, "noise": noise_stream(plan, d, 0)}
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         Privatizer(model, F.cross_entropy, **args)
@@ -131,7 +137,7 @@ def test_bad_privatizer_arguments_are_refused(kwargs, match):
 
 def test_a_privatizer_requires_a_plan():
     model = wide_model(6, 3)
-    noise = _plan().noise(21, 0)
+    noise = noise_stream(_plan(), 21, 0)
     with pytest.raises(TypeError, match="plan=None is invalid: a Privatizer requires the run's"):
         Privatizer(model, F.cross_entropy, plan=None, clip_norm=1.0, noise=noise)
     with pytest.raises(TypeError, match="noise_multiplier"):  # the plan-less form is gone
@@ -158,7 +164,7 @@ def test_noise_stream_must_match_the_model():
             F.cross_entropy,
             clip_norm=1.0,
             plan=_plan(),
-            noise=_plan().noise(5, 0),
+            noise=noise_stream(_plan(), 5, 0),
         )
     with pytest.raises(TypeError, match="dtype"):
         Privatizer(
@@ -166,7 +172,7 @@ def test_noise_stream_must_match_the_model():
             F.cross_entropy,
             clip_norm=1.0,
             plan=_plan(),
-            noise=_plan().noise(21, 0, dtype=torch.float64),
+            noise=noise_stream(_plan(), 21, 0, dtype=torch.float64),
         )
 
 
@@ -178,7 +184,7 @@ def test_default_micro_batch_bounds_the_per_example_gradient_memory():
         F.cross_entropy,
         clip_norm=1.0,
         plan=_plan(),
-        noise=_plan().noise(d, 0),
+        noise=noise_stream(_plan(), d, 0),
     )
     assert priv.micro_batch_size == (1 << 24) // 21
     big = nn.Linear(2100, 1000)  # d = 2 101 000 > 2²⁴/8: at least 8 examples per micro-batch
@@ -187,6 +193,6 @@ def test_default_micro_batch_bounds_the_per_example_gradient_memory():
         F.cross_entropy,
         clip_norm=1.0,
         plan=_plan(),
-        noise=_plan().noise(2_101_000, 0),
+        noise=noise_stream(_plan(), 2_101_000, 0),
     )
     assert priv.micro_batch_size == 8

@@ -153,7 +153,9 @@ def run_audit(
     model = build_model(config.model, data.input_shape, data.num_classes, seed=sub_seed(seed, 0)).to(device)
     optimizer = build_optimizer(config, model, log=log, seed=seed)
     # the step of dpmf train for the same key: sampler, noise and privatizer from the plan
-    step = plan.private_step(model, F.cross_entropy, seed=policy, flags=config.execution_flags())
+    from dpmf.step import build as build_step
+
+    step = build_step(plan, model, F.cross_entropy, config.execution_flags(), seed=policy)
     sampler, privatizer, drawn = step.sampler, step.privatizer, step.batches
     stage, canary_inputs = _canaries(
         kind, privatizer, sampler, model, data, included, N, seed, config.clip_norm

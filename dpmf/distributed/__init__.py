@@ -6,12 +6,10 @@ differs between them: ``DISTRIBUTED_MODES``; their names in ``modes``, importabl
 torch); ``sharding`` assigns parameters to owner ranks and batches to ranks; ``collectives``
 wraps a process group (or simulates one with threads); ``checkpoint`` saves one shard per rank
 with a manifest, resumable at another W; ``launch`` initializes a process group from
-``torchrun``'s environment.
+``torchrun``'s environment. The step itself is built by ``dpmf.step.build``.
 """
 
 from dpmf.distributed.collectives import Collectives, ThreadCollectives, TorchCollectives, simulate
-from dpmf.distributed.flags import NOISE_KEYS, ExecutionFlags
-from dpmf.distributed.private_step import BoundPrivateStep, build_private_step
 from dpmf.distributed.sharding import RankSlices, assign_owners, owned_by, parameter_cost, rank_slice
 from dpmf.distributed.step import (
     DISTRIBUTED_MODES,
@@ -24,10 +22,6 @@ from dpmf.distributed.step import (
 
 __all__ = [
     "MODES",
-    "NOISE_KEYS",
-    "BoundPrivateStep",
-    "ExecutionFlags",
-    "build_private_step",
     "DISTRIBUTED_MODES",
     "DistributedMode",
     "Collectives",

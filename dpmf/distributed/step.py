@@ -46,7 +46,7 @@ from dpmf.distributed.collectives import Collectives
 from dpmf.distributed.modes import MODES
 from dpmf.distributed.sharding import assign_owners, owned_by, parameter_cost
 from dpmf.optim.clipping import trainable_parameters
-from dpmf.optim.noise import CHUNK_ENTRIES, ChunkedKeys
+from dpmf.optim.noise import CHUNK_ENTRIES, ChunkedKeys, noise_for_factorization
 from dpmf.optim.privatize import Privatizer
 from dpmf.optim.registry import matrix_rule_names
 
@@ -281,7 +281,9 @@ class DistributedPrivatizer(Privatizer):
         keys = ChunkedKeys(sizes, noised, chunk)
         self._noised = noised
         p0 = params[0]
-        noise = plan.noise(keys.dim, seed, device=p0.device, dtype=p0.dtype, keys=keys)
+        noise = noise_for_factorization(
+            plan.strategy, keys.dim, seed=seed, device=p0.device, dtype=p0.dtype, keys=keys
+        )
         self._agree(
             "the run",
             {

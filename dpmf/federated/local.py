@@ -32,7 +32,6 @@ Three pieces:
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 
@@ -329,12 +328,7 @@ class PrivateLocalRun:
             noise_multiplier=noise_multiplier,
             clip_norm=clip_norm,
         )
-        self.step = plan.private_step(
-            model,
-            F.cross_entropy,
-            seed=seeds.SeedPolicy.adopt(seed, given=False),
-            flags=_stream_flags(),
-        )
+        self.step = _stream_step(plan, model, seed)
         self.sampler, self.privatizer = self.step.sampler, self.step.privatizer
         self._opt = None  # the client's DP optimizer: built at the first round, reset every round
 
@@ -394,13 +388,6 @@ class PrivateLocalRun:
                 p.grad = None
             norms.append(info.mean_norm)
         return get_weights(self.model), float(np.mean(norms)) if norms else 0.0
-
-
-def _stream_flags():
-    """The execution flags of the federated private steps: the single-stream noise keys."""
-    from dpmf.distributed.flags import ExecutionFlags
-
-    return ExecutionFlags(noise_keys="stream")
 
 
 def _segments(sigmas) -> tuple:
@@ -466,12 +453,7 @@ class AggregatorDPSGD:
             noise_segments=_segments(self.sigmas),
             clip_norm=clip_norm,
         )
-        self.step = plan.private_step(
-            model,
-            F.cross_entropy,
-            seed=seeds.SeedPolicy.adopt(seed, given=False),
-            flags=_stream_flags(),
-        )
+        self.step = _stream_step(plan, model, seed)
         self.sampler = self.step.sampler
         self.clip_norm, self.lr = float(clip_norm), float(lr)
         # the privatized gradient's post-processing: plain SGD (torch's, no momentum)
@@ -497,6 +479,46 @@ class AggregatorDPSGD:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return get_weights(self.model)
+
+
+def _stream_step(plan, model, seed: int):
+    """The ``dpmf.step.build`` step of a federated private run, keyed by ``seed`` (a child key of
+    the run's), with the single-stream noise keys of earlier federated runs."""
+    from dpmf.step import ExecutionFlags, build
+
+    flags = ExecutionFlags(noise_keys="stream")
+    return build(plan, model, F.cross_entropy, flags, seed=seeds.SeedPolicy.adopt(seed, given=False))
+
+
+def client_level_plan(clients, per_round, rounds, scheme, factorization, noise_multiplier, clip_norm, *,
+                      accountant=None) -> PrivatePlan:  # fmt: skip
+    """The plan of a client-level run: ``clients`` P records, ``per_round`` K per round (expected
+    for Poisson), ``rounds`` R steps of ``scheme``, the ``factorization`` strategy.
+
+    ``noise_multiplier`` σ_c keeps Flower's meaning, the noise N(0, σ_c²ζ²) on a round's sum
+    under identity noise; the plan's σ is σ_c / s_I, with s_I the identity strategy's
+    sensitivity under the same scheme and participation, read off the plan (√R when every
+    client is in every round, 1 under Poisson sampling, √k with k participations in fixed
+    order), so a correlated strategy has the identity's privacy at σ_c.
+    """
+    identity = PrivatePlan(clients, per_round, steps=rounds, scheme=scheme, strategy="identity")
+    return PrivatePlan(
+        clients,
+        per_round,
+        steps=rounds,
+        scheme=scheme,
+        strategy=factorization,
+        noise_multiplier=float(noise_multiplier) / identity.sensitivity,
+        clip_norm=clip_norm,
+        accountant=accountant,
+    )
+
+
+def _client_noise(plan, dim: int, seed: int):
+    """The plan's unit-scale noise stream on ``dim`` model coordinates, float64 on the CPU."""
+    from dpmf.step import noise_stream
+
+    return noise_stream(plan, dim, seed, dtype=torch.float64)
 
 
 class ClientLevelNoise:
@@ -533,20 +555,13 @@ class ClientLevelNoise:
         dim: int,
         seed: int,
     ):
-        sigma_acc = float(noise_multiplier) / math.sqrt(rounds)
         # the plan of a client-level "dataset": K clients, all in each of the R rounds
-        self.plan = PrivatePlan(
-            num_clients,
-            num_clients,
-            steps=rounds,
-            scheme=FixedOrder.name,
-            strategy=factorization,
-            noise_multiplier=sigma_acc,
-            clip_norm=clip_norm,
+        self.plan = client_level_plan(
+            num_clients, num_clients, rounds, FixedOrder.name, factorization, noise_multiplier, clip_norm,
             accountant=accountant,
-        )
+        )  # fmt: skip
         self.privacy = self.plan.account(delta=delta, progress=False)
-        self.noise = self.plan.noise(dim, seed, dtype=torch.float64)
+        self.noise = _client_noise(self.plan, dim, seed)
         self.clip_norm = self.plan.clip_norm
         self.rounds = int(rounds)
         self.factorization = factorization

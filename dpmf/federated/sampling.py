@@ -24,8 +24,6 @@ aggregation, which needs a reply, is skipped for that round).
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from dpmf.plan.schemes import Poisson
@@ -52,11 +50,9 @@ class SampledClientNoise:
 
     def __init__(self, sampling, num_clients, per_round, rounds, *, noise_multiplier, clip_norm, delta,
                  factorization="identity", accountant=None, dim, seed):  # fmt: skip
-        import torch
-
         from dpmf import seeds
         from dpmf._validation import check_choice, check_int
-        from dpmf.plan.plan import PrivatePlan
+        from dpmf.federated.local import _client_noise, client_level_plan
         from dpmf.plan.schemes import FixedOrder
 
         check_choice("client_sampling", sampling, CLIENT_SAMPLINGS[1:])
@@ -64,17 +60,12 @@ class SampledClientNoise:
         K = check_int("clients_per_round", per_round, minimum=1, maximum=P)
         R = check_int("rounds", rounds, minimum=1)
         scheme = Poisson.name if sampling == Poisson.name else FixedOrder.name
-        per_epoch = -(-P // K)
-        sens_identity = 1.0 if sampling == Poisson.name else math.sqrt(math.ceil(R / per_epoch))
-        sigma_acc = float(noise_multiplier) / sens_identity
         # the plan of a client-level "dataset": P clients, K per round, R rounds
-        self.plan = PrivatePlan(
-            P, K, steps=R, scheme=scheme, strategy=factorization, noise_multiplier=sigma_acc
-        )
+        self.plan = client_level_plan(P, K, R, scheme, factorization, noise_multiplier, float(clip_norm))
         self.privacy = self.plan.account(delta=delta, accountant=accountant, progress=False)
         self.sampler = self.plan.sampler(seeds.child_key(seed, "fl-client-sampler"))
-        self.noise = self.plan.noise(dim, seeds.child_key(seed, "fl-client-noise"), dtype=torch.float64)
-        self.std_on_sum = self.plan.noise_std(float(clip_norm))
+        self.noise = _client_noise(self.plan, dim, seeds.child_key(seed, "fl-client-noise"))
+        self.std_on_sum = self.plan.noise_std()
         self.divisor = float(self.plan.expected_batch_size)
         self.sampling, self.per_round = sampling, K
 

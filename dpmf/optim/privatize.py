@@ -41,7 +41,7 @@ from dpmf.optim.model_guard import (
     check_state_unchanged,
     state_versions,
 )
-from dpmf.optim.noise import CorrelatedNoise
+from dpmf.optim.noise import CorrelatedNoise, noise_for_factorization
 from dpmf.seeds import KeyHolder
 
 __all__ = ["AUTO_MICRO_BATCH_ENTRIES", "PrivateStep", "Privatizer", "StepStage"]
@@ -122,7 +122,7 @@ class Privatizer(KeyHolder):
         plan: the run's ``dpmf.PrivatePlan`` with its noise multiplier (required): σ, the
             sensitivity s and the expected batch size B̄ are taken from it, and the noise stream
             must be the plan's (same strategy, same number of steps). Build the whole step with
-            ``plan.private_step(…)``, which also binds the plan's sampler.
+            ``dpmf.step.build(plan, model, loss_fn)``, which also binds the plan's sampler.
         clip_norm: ζ > 0; default the plan's ``clip_norm`` (a given one must equal it; a plan
             without one takes it).
         noise: the unit-scale correlated noise stream; its ``dim`` must equal the number of
@@ -170,7 +170,8 @@ class Privatizer(KeyHolder):
         if not hasattr(plan, "require_noise_multiplier"):
             raise TypeError(
                 f"plan={plan!r} is invalid: a Privatizer requires the run's dpmf.PrivatePlan with its "
-                "noise multiplier (plan.calibrate(…) or plan.with_noise(σ)); or use plan.private_step(…)"
+                "noise multiplier (plan.calibrate(…) or plan.with_noise(σ)); "
+                "or use dpmf.step.build(plan, model, loss_fn)"
             )
         noise_multiplier = plan.noise_multiplier_at(0)  # σ (of the first segment)
         sensitivity = plan.sensitivity
@@ -519,7 +520,8 @@ def _check_sampler_matches_plan(sampler, plan) -> None:
 def _check_noise_matches_plan(noise: CorrelatedNoise, plan) -> None:
     """Refuse a noise stream that is not the plan's strategy's (another generator, other
     coefficients, or another number of steps)."""
-    expected = plan.noise(1, 0, device=noise.device, dtype=noise.dtype)  # d = 1: no large buffers
+    # d = 1: no large buffers
+    expected = noise_for_factorization(plan.strategy, 1, seed=0, device=noise.device, dtype=noise.dtype)
     theirs, ours = noise.fingerprint(), expected.fingerprint()
     for key in ("dim", "mode", "keys", "chunk", "sizes", "owned"):
         theirs.pop(key, None)
@@ -527,5 +529,5 @@ def _check_noise_matches_plan(noise: CorrelatedNoise, plan) -> None:
     if theirs != ours:
         raise ValueError(
             f"noise is invalid for this plan: it streams {theirs}, the plan's strategy "
-            f"{plan.label!r} needs {ours}; build it with plan.noise(dim, key)"
+            f"{plan.label!r} needs {ours}; build the step with dpmf.step.build(plan, model, loss_fn)"
         )

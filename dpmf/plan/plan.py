@@ -5,13 +5,14 @@ batch-sampling scheme (a ``dpmf.plan.schemes.Scheme``), the strategy C (a
 ``dpmf.mechanisms.Factorization`` of the learning-rate workload A_χ) and the schedule χ, the
 clip norm ζ, the accountant specification, the seed policy and, once calibrated, the noise
 multiplier σ: everything the guarantee depends on. It is validated once, when built. From it, and only
-from it, come the sampler, the noise stream, the sensitivity, the privacy event, the accounting
-and the calibration, so that these cannot disagree:
+from it, come the sampler, the sensitivity, the privacy event, the accounting and the calibration,
+and ``dpmf.step.build`` builds the noise stream and the privatizer from it, so that these cannot
+disagree. The plan is numbers only (numpy; no torch):
 
     plan = PrivatePlan(dataset_size=60000, batch_size=256, epochs=10,
                        scheme="cyclic_poisson", strategy="bsr:16", clip_norm=1.0)
     plan = plan.calibrate(epsilon=3.0, delta=1e-5)         # a plan with its σ
-    step = plan.private_step(model, loss_fn)                 # sampler + noise + privatizer
+    step = dpmf.step.build(plan, model, loss_fn)             # sampler + noise + privatizer
     std = plan.noise_std()                                   # σ·ζ·s on the sum of clipped grads
 
 One private step is then: batch from the sampler → per-example gradients → clip to ζ → sum →
@@ -229,7 +230,7 @@ class PrivatePlan:
             ``dpmf.plan.api.account_segments``). A segment with σ_i = 0 adds no noise: such a
             plan has no finite ε and ``account`` refuses it. None: one σ.
         clip_norm: ζ > 0, the per-example clip norm (the sensitivity of one example's
-            gradient); needed by ``private_step`` and ``noise_std``. None: not yet chosen.
+            gradient); needed by ``dpmf.step.build`` and ``noise_std``. None: not yet chosen.
         accountant: the accountant that measures this plan: a specification from
             ``dpmf.accountants.registry`` (e.g. ``MonteCarlo(samples=10**6, confidence=0.99)``,
             carrying its own settings), a registered name, or None (the scheme's default).
@@ -584,56 +585,13 @@ class PrivatePlan:
             raise TypeError("seed=None is invalid: must be an integer >= 0 (the run's key)")
         return self.scheme.sampler(self, seeds.check_seed(seed))
 
-    def noise(self, dim: int, seed: int, *, device=None, dtype=None, mode: str | None = None, keys=None):
-        """The unit-scale correlated-noise stream (C⁻¹Z)_t for ``dim`` coordinates
-        (``dpmf.optim.noise.noise_stream`` on the strategy's ``noise_layout``; needs torch).
-
-        Args:
-            dim: d ≥ 1 noised coordinates.
-            seed: the raw noise's seed (secret).
-            device, dtype: of the produced noise (default CPU, float32).
-            mode: ``buffer``/``regenerate`` to force a Toeplitz-inverse generator's mode.
-            keys: None (one raw stream keyed by step) or a ``dpmf.optim.noise.ChunkedKeys``
-                (raw noise keyed by parameter and chunk: the same global noise in any number
-                of processes; ``dim`` = ``keys.dim``).
-        """
-        from dpmf.optim.noise import noise_for_factorization
-
-        kwargs = {} if dtype is None else {"dtype": dtype}
-        return noise_for_factorization(
-            self.strategy, dim, seed=seed, device=device, mode=mode, keys=keys, **kwargs
-        )
-
-    def private_step(self, model, loss_fn, *, seed=None, process_group=None, optimizer=None, flags=None):
-        """The run's private step: this plan's sampler, noise stream and privatizer, built
-        together at the plan's σ and ``clip_norm`` (``dpmf.distributed.private_step.
-        build_private_step``; needs torch).
-
-        Args:
-            model, loss_fn: the network and ``loss_fn(output, target)`` on one example.
-            seed: None (the plan's ``seed_policy()``: its given seed, else a fresh secret key)
-                or a ``dpmf.seeds.SeedPolicy`` that replaces it (the key a resumed run adopts
-                from its checkpoint, or a key derived for one part of a larger run).
-            process_group: None, a ``torch.distributed`` group or a ``dpmf`` ``Collectives``.
-            optimizer: with a process group, the optimizer (its Newton–Schulz parameters weigh
-                in the choice of owners).
-            flags: the privacy-neutral ``dpmf.distributed.ExecutionFlags`` (clipping mode,
-                micro-batch size, noise keys, distributed mode); None: the defaults.
-
-        Returns:
-            a ``BoundPrivateStep`` (``sampler``, ``noise``, ``privatizer`` bound to the
-            sampler's batches, ``batches``, ``policy``).
-
-        Raises:
-            ValueError: the plan has no σ or no clip norm, or an argument out of range (named).
-            TypeError: ``seed`` neither None nor a ``SeedPolicy`` (an integer seed belongs in
-                the plan: ``PrivatePlan(..., seed=…)``).
-        """
-        from dpmf.distributed.private_step import build_private_step
-
-        return build_private_step(
-            self, model, loss_fn, seed=seed, process_group=process_group, optimizer=optimizer, flags=flags
-        )
+    def __getattr__(self, name: str):
+        # the torch parts of a run are built by ``dpmf.step`` from the plan, never by the plan
+        if name in _BUILT_BY_STEP:
+            raise AttributeError(
+                f"PrivatePlan.{name} is not a plan's: the plan is numbers only; use {_BUILT_BY_STEP[name]}"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def to_dict(self) -> dict:
         """Plain data describing the plan (no seeds, nothing secret)."""
@@ -658,6 +616,13 @@ class PrivatePlan:
                 else {"noise_segments": [list(x) for x in self.noise_segments]}
             ),
         }
+
+
+#: Names of the torch parts built from a plan, and where they are built.
+_BUILT_BY_STEP = {
+    "private_step": "dpmf.step.build(plan, model, loss_fn) (sampler, noise stream and privatizer, bound)",
+    "noise": "dpmf.step.noise_stream(plan, dim, key)",
+}
 
 
 # Peak float64 arrays of length n while a plan builds its strategy (measured: identity 3,

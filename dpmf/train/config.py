@@ -14,12 +14,12 @@ from dataclasses import dataclass, fields
 
 from dpmf._validation import check_choice, check_int, check_real
 from dpmf.accountants.registry import ACCOUNTANTS
-from dpmf.distributed.flags import NOISE_KEYS, ExecutionFlags
 from dpmf.distributed.modes import MODES
 from dpmf.mechanisms.registry import parse_factorization
 from dpmf.optim.choices import CLIPPING_MODES
 from dpmf.optim.registry import DEFAULT_LR, optimizer_names
 from dpmf.plan.schemes import SCHEMES, Poisson, scheme_names
+from dpmf.step.flags import NOISE_KEYS, ExecutionFlags
 from dpmf.train.choices import DATASETS, MODELS
 from dpmf.workloads.schedules import SCHEDULES
 

@@ -60,13 +60,14 @@ from torch.utils.data._utils.collate import default_collate
 
 from dpmf import seeds
 from dpmf._validation import check_int, check_real
-from dpmf.distributed.flags import ExecutionFlags
 from dpmf.mechanisms.registry import STRATEGIES, parse_factorization
 from dpmf.optim.clipping import check_per_example_safe, trainable_parameters
 from dpmf.optim.model_guard import check_state_unchanged, state_versions
 from dpmf.optim.privatize import Privatizer
 from dpmf.plan.plan import PrivatePlan, steps_per_epoch
 from dpmf.plan.schemes import auto_scheme, get_scheme
+from dpmf.step import ExecutionFlags
+from dpmf.step import build as build_step
 from dpmf.train.collate_check import check_collate_independent
 from dpmf.train.continuation import Lineage, check_hyperparameters, fork_key
 from dpmf.train.hf import batch_size_of, split_batch
@@ -770,7 +771,7 @@ def make_private(
             None or ``transform(dataset[i])`` per example as fetched; progress: pick's bars.
         process_group, distributed_mode, noise_keys: one process (None) or a torch.distributed
             group / ``Collectives`` (every rank calls alike; its loader yields its slice of each
-            global batch), see ``dpmf.distributed.ExecutionFlags``.
+            global batch), see ``dpmf.step.ExecutionFlags``.
 
     Returns:
         ``PrivateTraining``; an earlier run over ``module`` is closed (a notice if it took steps).
@@ -912,14 +913,7 @@ def _private_step(plan, module, loss_fn, optimizer, run: _RunArgs, comm, flags):
     """The plan's private step over ``module`` (the notice of a given seed first)."""
     if run.policy.notice:
         print(run.policy.notice, file=sys.stderr)
-    step = plan.private_step(
-        module,
-        loss_fn,
-        seed=run.policy,
-        process_group=comm,
-        optimizer=optimizer,
-        flags=flags,
-    )
+    step = build_step(plan, module, loss_fn, flags, comm, seed=run.policy, optimizer=optimizer)
     for g in optimizer.param_groups:
         check_real("lr", g["lr"], low=0.0)
     return step

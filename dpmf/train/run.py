@@ -39,6 +39,7 @@ from torch import nn
 from dpmf import seeds
 from dpmf.optim import Disk, LearningRateSchedule
 from dpmf.plan.plan import leading_block
+from dpmf.step import build as build_step
 from dpmf.train.build import build_filter, build_optimizer, draw_seed, resolve_device, sub_seed
 from dpmf.train.config import TrainConfig
 from dpmf.train.data import Dataset, load_dataset
@@ -215,13 +216,14 @@ def _build_step(run: _Run) -> None:
     model = build_model(config.model, run.data.input_shape, run.data.num_classes, seed=sub_seed(key, 0))
     run.model = model.to(run.device)
     run.optimizer = build_optimizer(config, run.model, log=run.log, seed=key)
-    run.step = run.plan.private_step(
+    run.step = build_step(
+        run.plan,
         run.model,
         F.cross_entropy,
+        config.execution_flags(),
+        run.collectives,
         seed=run.policy,
-        process_group=run.collectives,
         optimizer=run.optimizer,
-        flags=config.execution_flags(),
     )
     run.step.privatizer.bind(run.optimizer)
 

@@ -1,12 +1,13 @@
-"""The one constructor of a run's private step: ``build_private_step`` (``PrivatePlan.private_step``).
+"""The one constructor of a run's private step: ``build(plan, model, loss_fn, flags, comm)``.
 
 A private step is three things that must agree: the plan's batch sampler, the plan's noise
 stream and the privatizer that adds that noise at the plan's σ·ζ·s and divides by the plan's
 B̄. They are built here, together, from the plan and nothing else, with the privatizer already
 bound to the sampler (``Privatizer.draw_from``: each step accepts only the batch drawn for it,
-once). What is not privacy-relevant — clipping mode, micro-batches, noise keys, distributed
-mode — comes in one ``ExecutionFlags``. ``make_private``, ``dpmf train`` and the distributed
-step all build their step here.
+once), into one frozen ``DPStep`` that also carries the plan's DP event. What is not
+privacy-relevant — clipping mode, micro-batches, noise keys, distributed mode — comes in one
+``ExecutionFlags``. ``make_private``, ``dpmf train``, torchrun, the federated modes' private
+runs and ``dpmf audit`` all build their step here; the plan itself builds no torch part.
 """
 
 from __future__ import annotations
@@ -17,17 +18,17 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from dpmf import seeds
-from dpmf.distributed.flags import ExecutionFlags
 from dpmf.optim.clipping import trainable_parameters
-from dpmf.optim.noise import ChunkedKeys, CorrelatedNoise
+from dpmf.optim.noise import ChunkedKeys, CorrelatedNoise, noise_for_factorization
 from dpmf.optim.privatize import Privatizer
+from dpmf.step.flags import ExecutionFlags
 
-__all__ = ["BoundPrivateStep", "build_private_step"]
+__all__ = ["DPStep", "build", "noise_stream"]
 
 
 @dataclass(frozen=True, eq=False)
-class BoundPrivateStep(seeds.KeyHolder):
-    """A plan's sampler, noise stream and privatizer, bound together.
+class DPStep(seeds.KeyHolder):
+    """A plan's sampler, noise stream and privatizer, bound together (frozen).
 
     Attributes:
         plan: the calibrated ``PrivatePlan``.
@@ -56,9 +57,32 @@ class BoundPrivateStep(seeds.KeyHolder):
         return self.privatizer.noise
 
     @property
+    def event(self):
+        """The run's privacy event at the plan's σ (``PrivatePlan.event``: what the accountant
+        composes for this step's sampler and noise)."""
+        return self.plan.event()
+
+    @property
     def key(self) -> int:
         """The run's key (secret unless given: never print it)."""
         return self.policy.key
+
+
+def noise_stream(plan, dim: int, key: int, *, device=None, dtype=None, keys=None) -> CorrelatedNoise:
+    """The plan's unit-scale correlated-noise stream (C⁻¹Z)_t on ``dim`` coordinates: the
+    cheapest generator of the plan's strategy (``dpmf.optim.noise.noise_for_factorization``).
+
+    Args:
+        plan: a ``PrivatePlan``; dim: d ≥ 1 noised coordinates; key: the raw noise's key (secret).
+        device, dtype: of the produced noise (default CPU, float32).
+        keys: None (one raw stream keyed by step) or ``ChunkedKeys`` (keyed by parameter and
+            chunk: the same noise at any number of processes; ``dim`` = ``keys.dim``).
+
+    Raises:
+        ValueError: d < 1, a key out of range.
+    """
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    return noise_for_factorization(plan.strategy, dim, seed=key, device=device, keys=keys, **kwargs)
 
 
 def _collectives(process_group):
@@ -77,7 +101,7 @@ def _policy(plan, seed, comm) -> seeds.SeedPolicy:
     else:
         raise TypeError(
             f"seed of type {type(seed).__name__} is invalid here: give an integer seed to the plan "
-            "(PrivatePlan(..., seed=…)); private_step takes None or a dpmf.seeds.SeedPolicy"
+            "(PrivatePlan(..., seed=…)); dpmf.step.build takes None or a dpmf.seeds.SeedPolicy"
         )
     if comm is not None and policy.is_secret:  # rank 0's secret key, sent in memory only
         key = comm.all_gather_object(policy.key if comm.rank == 0 else None)[0]
@@ -85,16 +109,16 @@ def _policy(plan, seed, comm) -> seeds.SeedPolicy:
     return policy
 
 
-def build_private_step(
+def build(
     plan,
     model: nn.Module,
     loss_fn: Callable,
+    flags: ExecutionFlags | None = None,
+    comm=None,
     *,
     seed=None,
-    process_group=None,
     optimizer=None,
-    flags: ExecutionFlags | None = None,
-) -> BoundPrivateStep:
+) -> DPStep:
     """The private step of ``plan`` for ``model``: sampler, noise stream and privatizer.
 
     Args:
@@ -105,15 +129,15 @@ def build_private_step(
         loss_fn: ``loss_fn(output, target)`` → scalar on one example.
         seed: None (the plan's ``seed_policy()``) or a ``dpmf.seeds.SeedPolicy`` that
             replaces it (a resumed run's key).
-        process_group: None (one process), a ``torch.distributed`` process group or a
+        flags: ``ExecutionFlags`` (default ``ExecutionFlags()``).
+        comm: None (one process), a ``torch.distributed`` process group or a
             ``dpmf.distributed.Collectives``: the step of ``DistributedPrivatizer``, the noise
             of one process split between the ranks (noise keys always ``chunked``).
         optimizer: with a process group, the optimizer whose Newton–Schulz parameters weigh in
             the assignment of owners (optional).
-        flags: ``ExecutionFlags`` (default ``ExecutionFlags()``).
 
     Returns:
-        ``BoundPrivateStep``.
+        ``DPStep``.
 
     Raises:
         ValueError: the plan has no σ or clip norm, the model has nothing trainable, a noise stream that
@@ -123,10 +147,10 @@ def build_private_step(
     """
     flags = ExecutionFlags() if flags is None else flags
     if not isinstance(flags, ExecutionFlags):
-        raise TypeError(f"flags={flags!r} is invalid: must be a dpmf.distributed.ExecutionFlags")
+        raise TypeError(f"flags={flags!r} is invalid: must be a dpmf.step.ExecutionFlags")
     plan.require_noise_multiplier()
     clip_norm = plan.require_clip_norm()
-    comm = _collectives(process_group)
+    comm = _collectives(comm)
     policy = _policy(plan, seed, comm)
     sampler = plan.sampler(policy.key)  # keyed by derive(key, "sampler")
     common = dict(
@@ -154,7 +178,7 @@ def build_private_step(
         sizes = tuple(p.numel() for p in params)
         keys = ChunkedKeys(sizes) if flags.noise_keys == "chunked" else None
         p0 = params[0]
-        noise = plan.noise(sum(sizes), policy.key, device=p0.device, dtype=p0.dtype, keys=keys)
+        noise = noise_stream(plan, sum(sizes), policy.key, device=p0.device, dtype=p0.dtype, keys=keys)
         privatizer = Privatizer(model, loss_fn, noise=noise, **common)
         batches = privatizer.draw_from(sampler)
-    return BoundPrivateStep(plan, sampler, privatizer, batches, flags, policy, comm)
+    return DPStep(plan, sampler, privatizer, batches, flags, policy, comm)

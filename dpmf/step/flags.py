@@ -2,8 +2,8 @@
 
 Every field here is privacy-neutral: changing it changes speed, memory or the split of the work
 between processes, not the sensitivity, the noise's distribution or the accounting, which come
-from the ``PrivatePlan`` alone. ``PrivatePlan.private_step(…, flags=ExecutionFlags(…))`` takes
-them as one frozen object, separate from the plan.
+from the ``PrivatePlan`` alone. ``dpmf.step.build(plan, model, loss_fn, ExecutionFlags(…))``
+takes them as one frozen object, separate from the plan.
 """
 
 from __future__ import annotations
