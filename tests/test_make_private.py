@@ -514,3 +514,42 @@ def test_an_unused_trainable_parameter_gets_noise_only_under_bk(clipping):
     private.backward(x, target=y, return_loss=False)
     grad = model.unused.weight.grad
     assert grad is not None and torch.isfinite(grad).all() and float(grad.abs().max()) > 0  # the noise
+
+
+# -- make_private: backward's loss comes from the private forward (one forward pass) ----------------
+@pytest.mark.parametrize("clipping", ["auto", "bk", "ghost", "vmap"])
+def test_backward_returns_the_private_forwards_mean_loss_without_a_second_forward(digits, clipping):
+    model = _model(digits)
+    private = dpmf.make_private(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        _dataset(digits),
+        loss_fn=F.cross_entropy,
+        batch_size=32,
+        steps=4,
+        noise_multiplier=1.0,
+        target_delta=1e-5,
+        factorization="identity",
+        seed=5,
+        clipping=clipping,
+    )
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    batches = iter(private.data_loader)
+    for k, (x, y) in enumerate(batches):
+        with torch.no_grad():  # the reference at θ_t, before the step, outside the counted calls
+            expected = float(F.cross_entropy(model(x).double(), y))
+        calls.clear()
+        loss = private.backward(x, target=y, return_loss=k % 2 == 0)
+        if k % 2 == 0:  # the mean of ℓ_i(θ_t), detached, 0-dim, float64
+            assert isinstance(loss, torch.Tensor) and loss.shape == () and not loss.requires_grad
+            assert float(loss) == pytest.approx(expected, rel=1e-6)
+            with_loss = len(calls)
+        else:
+            assert loss is None
+            if k == 3:  # the same forwards with or without it (step 0 also probes the batch)
+                assert len(calls) == with_loss
+        private.optimizer.step()
+        private.optimizer.zero_grad()
+        if k == 3:
+            break

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.func import grad, vmap
+from torch.func import grad, grad_and_value, vmap
 
 from dpmf._validation import check_choice, check_int, check_real
 from dpmf.optim.clipping_layers import row_norms
@@ -85,6 +85,9 @@ class ClippedSum:
         batch_size: B, the realised number of examples.
         clip_norm: ζ.
         method: the clipping method that computed it (``"vmap"``, ``"ghost"`` or ``"bk"``).
+        loss_sum: Σ_i ℓ_i(θ) of the batch's per-example losses from the same forward, a
+            detached 0-dim float64 tensor (a non-private statistic of the batch); None with an
+            evaluation plan (``points``).
     """
 
     grads: list[torch.Tensor]
@@ -92,6 +95,7 @@ class ClippedSum:
     batch_size: int
     clip_norm: float
     method: str = "vmap"
+    loss_sum: torch.Tensor | None = None
 
     @property
     def clipped_fraction(self) -> float:
@@ -206,9 +210,11 @@ def per_example_gradients(
     return [grads[n] for n, _ in named]
 
 
-def _vmap_gradients(model, loss_fn, inputs, targets, plan, wanted) -> dict[str, torch.Tensor]:
+def _vmap_gradients(model, loss_fn, inputs, targets, plan, wanted, *, with_losses: bool = False):
     """Per-example gradients of the trainable parameters named in ``wanted`` (the others are
-    held fixed), by ``vmap(grad(·))`` of the whole model; ``plan`` already validated."""
+    held fixed), by ``vmap(grad(·))`` of the whole model; ``plan`` already validated. With
+    ``with_losses`` (and no plan): (the gradients, the (b,) per-example losses), by
+    ``vmap(grad_and_value(·))``."""
     named = trainable_parameters(model)
     wanted_set = set(wanted)
     params = {n: p.detach() for n, p in named if n in wanted_set}
@@ -230,7 +236,13 @@ def _vmap_gradients(model, loss_fn, inputs, targets, plan, wanted) -> dict[str, 
             total = total + weight * loss_at(p, x, y, shift)
         return total
 
-    return vmap(grad(loss_of_one), in_dims=(None, 0, 0), randomness="different")(params, inputs, targets)
+    if with_losses and plan is None:
+        grads, losses = vmap(grad_and_value(loss_of_one), in_dims=(None, 0, 0), randomness="different")(
+            params, inputs, targets
+        )
+        return grads, losses.detach().reshape(-1)
+    grads = vmap(grad(loss_of_one), in_dims=(None, 0, 0), randomness="different")(params, inputs, targets)
+    return (grads, None) if with_losses else grads
 
 
 def _check_points(points, named) -> list[tuple[float, dict | None]] | None:
@@ -365,25 +377,42 @@ def clipped_sum(
     named = trainable_parameters(model, walk)
     plan = _check_points(points, named)
     micro_batch_size, vmap_micro = _micro_batch_sizes(named, batch, micro_batch_size, micro_batch_entries)
-    sums, all_norms, used = _sum_micro_batches(
+    sums, all_norms, used, all_losses = _sum_micro_batches(
         model, loss_fn, inputs, targets, clip_norm, named, plan, clipping, (micro_batch_size, vmap_micro),
         step, example_ids, walk, batch, device,
     )  # fmt: skip
     norms = torch.cat(all_norms) if all_norms else torch.zeros(0, dtype=torch.float64)
     zeros = (torch.zeros_like(p, memory_format=torch.contiguous_format) for _, p in named)
     return ClippedSum(
-        [z if t is None else t for t, z in zip(sums, zeros, strict=True)], norms, batch, clip_norm, used
+        [z if t is None else t for t, z in zip(sums, zeros, strict=True)],
+        norms,
+        batch,
+        clip_norm,
+        used,
+        _loss_sum(all_losses, batch, device),
     )
+
+
+def _loss_sum(all_losses: list, batch: int, device) -> torch.Tensor | None:
+    """Σ_i ℓ_i(θ) over the batch from the micro-batches' per-example losses, a detached 0-dim
+    float64 tensor on the batch's device (0 for an empty batch); None when a micro-batch gave
+    no losses (an evaluation plan). No host synchronisation."""
+    if batch == 0:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    if any(ell is None for ell in all_losses):
+        return None
+    return sum(ell.detach().to(torch.float64).sum() for ell in all_losses)
 
 
 def _sum_micro_batches(model, loss_fn, inputs, targets, clip_norm, named, plan, clipping, sizes, step,
                        example_ids, walk, batch, device):  # fmt: skip
     """``clipped_sum``'s micro-batches: (the summed tensors, None for parameters no micro-batch
-    summed, the per-example norms of each micro-batch, the method used)."""
+    summed, the per-example norms of each micro-batch, the method used, the per-example losses
+    of each micro-batch — None entries where a method gave none)."""
     micro_batch_size, vmap_micro = sizes
     names = [n for n, _ in named]
     sums: list[torch.Tensor | None] = [None] * len(named)  # None until the first micro-batch
-    all_norms = []
+    all_norms, all_losses = [], []
     used = "vmap" if clipping in ("vmap", "auto") else clipping
     if clipping == "auto":
         used = "vmap" if _AUTO_VMAP.get(model, {}).get(_signature(inputs, names, model)) else "bk"
@@ -400,12 +429,14 @@ def _sum_micro_batches(model, loss_fn, inputs, targets, clip_norm, named, plan, 
                 used = "vmap"
                 continue  # this micro-batch again, at the vmap path's size
             _add_ghost_sums(sums, named, got, start, step, example_ids, all_norms)
+            all_losses.append(got[2])
         else:
-            grads = _vmap_micro_batch(model, loss_fn, x, y, plan, names, clipping)
+            grads, losses = _vmap_micro_batch(model, loss_fn, x, y, plan, names, clipping)
             with torch.autocast(device.type, enabled=False):  # norms and sums not in bf16
                 _vmap_clip_into(sums, names, grads, clip_norm, start, step, example_ids, all_norms)
+            all_losses.append(losses)
         start = stop
-    return sums, all_norms, used
+    return sums, all_norms, used, all_losses
 
 
 def _micro_batch_sizes(named: list, batch: int, micro_batch_size, micro_batch_entries) -> tuple[int, int]:
@@ -454,7 +485,7 @@ def _add_ghost_sums(sums: list, named: list, got, start: int, step, example_ids,
     Raises:
         NonFiniteGradientError: the micro-batch summed nothing because a norm is not finite.
     """
-    norms, grads = got
+    norms, grads = got[0], got[1]
     names = [n for n, _ in named]
     # ghost_clipped_sum sums nothing (no grads) exactly when a norm is not finite: its own check
     # on the norms is not repeated here
@@ -472,14 +503,17 @@ def _add_ghost_sums(sums: list, named: list, got, start: int, step, example_ids,
     all_norms.append(norms[0])
 
 
-def _vmap_micro_batch(model, loss_fn, x, y, plan, names: list, clipping: str) -> list:
-    """Per-example gradients of one micro-batch by ``vmap(grad(·))``, one per name of ``names``.
+def _vmap_micro_batch(
+    model, loss_fn, x, y, plan, names: list, clipping: str
+) -> tuple[list, torch.Tensor | None]:
+    """Per-example gradients of one micro-batch by ``vmap(grad_and_value(·))``, one per name of
+    ``names``, and the (b,) per-example losses (None with an evaluation plan).
 
     Raises:
         RuntimeError: torch.func cannot run the model (with what to use instead).
     """
     try:
-        grads = _vmap_gradients(model, loss_fn, x, y, plan, names)
+        grads, losses = _vmap_gradients(model, loss_fn, x, y, plan, names, with_losses=True)
     except RuntimeError as exc:
         if "vmap" not in str(exc):
             raise
@@ -489,7 +523,7 @@ def _vmap_micro_batch(model, loss_fn, x, y, plan, names: list, clipping: str) ->
             "(dpmf.register_clipping_layer; Hugging Face models: a dpmf.train.hf loss), or make the "
             "model's forward free of data-dependent branches (transformers: attn_implementation='eager')"
         ) from exc
-    return [grads[n] for n in names]
+    return [grads[n] for n in names], losses
 
 
 def _leaves(tree) -> list[torch.Tensor]:
@@ -584,8 +618,8 @@ def _signature(inputs, names, model):
 
 
 def _ghost_micro_batch(model, loss_fn, x, y, clip_norm, names, plan, method, auto, walk=None):
-    """((norms, parameter name → per-example squared norms), grads) by ghost norms, or None
-    (auto fallback)."""
+    """((norms, parameter name → per-example squared norms), grads, the (b,) per-example losses
+    or None) by ghost norms, or None (auto fallback)."""
 
     def subset(wanted):
         return _vmap_gradients(model, loss_fn, x, y, plan, wanted)
@@ -616,7 +650,7 @@ def _ghost_micro_batch(model, loss_fn, x, y, clip_norm, names, plan, method, aut
                 f"torch.func path ({detail}); clipping='auto' would use it for the whole model",
                 stacklevel=4,
             )
-    return (res.norms, res.sq_by_param), res.grads
+    return (res.norms, res.sq_by_param), res.grads, res.losses
 
 
 def _raise_non_finite(bad_params, norms, offset, step, example_ids):

@@ -790,12 +790,15 @@ class GhostResult:
         norms: ‖g_i‖₂ over all trainable parameters, shape (b,), float64.
         sq_by_param: parameter name → ‖g_i restricted to it‖², shape (b,), float64.
         fallback: module name → why its parameters took the whole-model ``torch.func`` path.
+        losses: the (b,) per-example losses ℓ_i(θ) of the recorded forward, detached (None with
+            an evaluation plan of other points than θ alone).
     """
 
     grads: dict
     norms: torch.Tensor
     sq_by_param: dict
     fallback: dict
+    losses: torch.Tensor | None = None
 
 
 # model → verified layouts (input signature → module names whose dim 0 does not follow the batch)
@@ -956,7 +959,8 @@ def ghost_clipped_sum(
             result_grads = _clipped_sums(
                 method, parts, factors, named, names, points, losses, leaves, autocast_on
             )
-    return GhostResult(result_grads, norms, sq, fallback)
+    at_theta = losses[0].detach() if len(points) == 1 and points[0][1] is None else None
+    return GhostResult(result_grads, norms, sq, fallback, at_theta)
 
 
 def _check_inputs_follow_examples(engine, b: int) -> None:
@@ -1133,6 +1137,7 @@ def _chain_clipped_sum(model, loss_fn, inputs, targets, clip_norm, names, named,
         recorded = chain_output_gradients(children, inputs, loss_fn, targets, per_example_losses)
     if recorded is None:
         return None
+    recorded, losses = recorded
     handlers, sq = [], {}
     for (m, weight, bias), (a, g) in zip(linears, recorded, strict=True):
         params = [(weight, "weight")] + ([] if bias is None else [(bias, "bias")])
@@ -1148,7 +1153,7 @@ def _chain_clipped_sum(model, loss_fn, inputs, targets, clip_norm, names, named,
     tiny = _subnormal_in_float32(factors)
     for h in handlers:
         grads.update(h.summed(_factors_for(h, factors, cast, tiny)))
-    return GhostResult(grads, norms, sq, {})
+    return GhostResult(grads, norms, sq, {}, losses)
 
 
 def _tied_pairs(engine, dtype) -> dict[str, TiedEmbeddingLinear]:

@@ -112,8 +112,9 @@ def chain_output_gradients(children: list, inputs: torch.Tensor, loss_fn, target
     """The forward of the chain and ∂(Σ_i ℓ_i)/∂s for each Linear output s.
 
     Returns:
-        [(input, output gradient) per Linear], or None when a Linear's input or output does not
-        have the b examples along dim 0 (the general engine then clips the batch).
+        ([(input, output gradient) per Linear], the (b,) per-example losses, detached), or None
+        when a Linear's input or output does not have the b examples along dim 0 (the general
+        engine then clips the batch).
     """
     b = int(inputs.shape[0])
     h, outs, ins = inputs, [], []
@@ -134,4 +135,4 @@ def chain_output_gradients(children: list, inputs: torch.Tensor, loss_fn, target
     grads = torch.autograd.grad(per.sum(), outs, allow_unused=True)
     if any(g is None for g in grads):
         return None
-    return list(zip(ins, grads, strict=True))
+    return list(zip(ins, grads, strict=True)), per.detach()

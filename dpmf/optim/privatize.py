@@ -64,6 +64,9 @@ class PrivateStep:
             of a non-linear map of the gradient needs).
         clipped_fraction: share of the examples with ‖g_i‖ > ζ (logging only).
         mean_norm: mean unclipped per-example norm (logging only; 0 for an empty batch).
+        loss_sum: Σ_i ℓ_i(θ_t) over the batch from the private forward, a detached 0-dim float64
+            tensor on the model's device (logging only: a non-private statistic of the batch);
+            None with an evaluation plan of other points.
     """
 
     step: int
@@ -73,6 +76,7 @@ class PrivateStep:
     fresh_noise_std: float
     clipped_fraction: float
     mean_norm: float
+    loss_sum: torch.Tensor | None = None
 
 
 class StepStage:
@@ -398,6 +402,7 @@ class Privatizer(KeyHolder):
             fresh,
             clipped / batch_size if batch_size else 0.0,
             norm_sum / batch_size if batch_size else 0.0,
+            summed.loss_sum,
         )
         return self.last_step
 

@@ -311,7 +311,7 @@ class PrivateTraining:
         """Private steps taken so far (empty batches included)."""
         return self.privatizer.step
 
-    def backward(self, *inputs, target=None, return_loss: bool = True) -> float | None:
+    def backward(self, *inputs, target=None, return_loss: bool = True) -> torch.Tensor | None:
         """The private gradient of one batch into ``p.grad``: per-example gradients, clipping to
         ζ, sum, the step's correlated noise σ·ζ·s·(C⁻¹Z)_t, division by the expected batch size
         B̄. The optimizer's next ``step`` uses each group's lr times χ_t of the plan's schedule.
@@ -327,12 +327,14 @@ class PrivateTraining:
                 passed as keyword arguments), batched along dimension 0 (size 0: noise only).
             target: the targets, batched along dimension 0; None: taken from a dict batch by
                 the loss (``dpmf.train.hf.causal_lm_loss()``: its ``labels``).
-            return_loss: compute the batch's mean loss for logging (one more forward pass
-                without gradients, about a third of a non-private step); False skips it.
+            return_loss: return the batch's mean loss (default); False: None.
 
         Returns:
-            The mean loss of the batch (0.0 for an empty batch; a non-private statistic of the
-            batch: log it only where the batch may be seen), or None with ``return_loss=False``.
+            The mean of the batch's per-example losses ℓ_i(θ_t) as a detached 0-dim float64
+            tensor on the model's device, taken from the private forward itself (no second
+            forward pass and no host synchronisation; ``float(loss)`` reads it). 0 for an empty
+            batch. It is a non-private statistic of the batch, as any training loss: log it
+            only where the batch may be seen.
 
         Raises:
             RuntimeError: every step of the plan was taken.
@@ -367,12 +369,15 @@ class PrivateTraining:
         if target is None:  # a Hugging Face batch: the loss splits it (dpmf.train.hf)
             handed_out = x
             x, target = split_batch(self.privatizer.loss_fn, x)
-        self.privatizer.privatize(x, target, handed_out=handed_out)
+        info = self.privatizer.privatize(x, target, handed_out=handed_out)
         self._pinned = None
         if not return_loss:
             return None
-        if batch_size_of(target) == 0:
-            return 0.0
+        n = batch_size_of(target)
+        if info.loss_sum is not None:  # the private forward's own losses: no second forward
+            return info.loss_sum / n if n else info.loss_sum
+        if n == 0:
+            return torch.zeros((), dtype=torch.float64)
         before = state_versions(self.model)
         with torch.no_grad():  # still at θ_t: the optimizer has not stepped yet
             if isinstance(x, dict):
@@ -381,7 +386,7 @@ class PrivateTraining:
                 out = self.model(*x)
             else:
                 out = self.model(x)
-            loss = float(self.privatizer.loss_fn(out, target))
+            loss = self.privatizer.loss_fn(out, target).detach().to(torch.float64)
         check_state_unchanged(self.model, before, "the loss's forward pass", t)
         return loss
 
