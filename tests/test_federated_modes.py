@@ -278,7 +278,10 @@ def test_one_step_fewer_or_another_seed_is_outside_the_recorded_tolerance(case, 
 
 
 def _sources():
-    return [*sorted((ROOT / "dpmf" / "federated").glob("*.py")), ROOT / "dpmf" / "cli.py"]
+    return [
+        *sorted((ROOT / "dpmf" / "federated").glob("*.py")),
+        *sorted((ROOT / "dpmf" / "cli").glob("*.py")),
+    ]
 
 
 def test_no_function_of_train_federated_or_the_cli_is_longer_than_80_lines():

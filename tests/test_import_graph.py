@@ -282,7 +282,8 @@ def test_scheme_names_are_written_only_in_the_scheme_registry_and_the_cli():
 
     names = set(SCHEMES)
     for path in ROOT.rglob("*.py"):
-        if path.relative_to(ROOT).as_posix() in ("plan/schemes.py", "cli.py"):
+        # no module of cli/ spells one either: its flags take scheme_names() and PICK_SCHEMES
+        if path.relative_to(ROOT).as_posix() in ("plan/schemes.py",):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
