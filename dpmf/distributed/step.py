@@ -347,13 +347,13 @@ class DistributedPrivatizer(Privatizer):
     def _release(self, params: list, sums: list) -> list:
         return self._mode.release(self, params, sums)
 
-    def _batch_figures(self, summed) -> tuple[int, float, float]:
-        n, clipped, norms = super()._batch_figures(summed)
+    def _batch_figures(self, summed) -> tuple[int, object]:
+        n, (clipped, norms) = super()._batch_figures(summed)
         p0 = trainable_parameters(self.model)[0][1]
-        t = torch.tensor([n, clipped, norms], dtype=torch.float64, device=p0.device)
-        self.collectives.all_reduce(t)
+        t = torch.tensor([n, float(clipped), float(norms)], dtype=torch.float64, device=p0.device)
+        self.collectives.all_reduce(t)  # the global batch's figures, summed over the ranks
         n, clipped, norms = (float(v) for v in t.cpu())
-        return int(round(n)), clipped, norms
+        return int(round(n)), (clipped, norms)
 
     def after_step(self) -> None:
         """Return every parameter from its owner to all ranks (sharded mode; one broadcast

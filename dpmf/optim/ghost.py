@@ -90,7 +90,6 @@ order of the input's dim 0.
 
 from __future__ import annotations
 
-import math
 import operator
 import threading
 import weakref
@@ -542,19 +541,13 @@ def per_example_losses(loss_fn, out, targets) -> torch.Tensor:
         and out.dim() == 2
         and targets.dim() == 1
         and not targets.is_floating_point()
-        and not bool((targets == -100).any())  # ignore_index: a mean over no element
     ):
-        return loss_fn(out, targets, reduction="none")
+        # an ignored target (ignore_index −100) is one example's mean over no element: 0/0,
+        # NaN with a NaN gradient, as loss_fn on that example alone; any other is divided by 1
+        # (exact). Branch-free: the targets are never read back.
+        kept = (targets != -100).to(out.dtype)
+        return loss_fn(out, targets, reduction="none") / kept
     return vmap(lambda o, t: loss_fn(_unsqueeze(o), _unsqueeze(t)))(out, targets)
-
-
-def _total_sum(values) -> torch.Tensor:
-    """Σ over the entries of several tensors (one ``sum`` per tensor, no stacking)."""
-    out = None
-    for v in values:
-        s = v.sum()
-        out = s if out is None else out + s
-    return out
 
 
 def _unsqueeze(tree):
@@ -584,10 +577,43 @@ def _factors_down(factors: torch.Tensor, dtype) -> torch.Tensor:
     return torch.where(c.to(factors.dtype) > factors, torch.nextafter(c, torch.zeros_like(c)), c)
 
 
-def _subnormal_in_float32(factors: torch.Tensor) -> bool:
+def _subnormal_flag(factors: torch.Tensor) -> torch.Tensor | None:
     """Whether a clip factor ζ/‖g_i‖ (float64) is below float32's smallest normal number (a
-    norm above about 8·10³⁷·ζ): in float32 it would be a subnormal, rounded by up to a third."""
-    return bool(factors.numel()) and float(factors.min()) < torch.finfo(torch.float32).tiny
+    norm above about 8·10³⁷·ζ): in float32 it would be a subnormal, rounded by up to a third.
+    A 0-dim bool tensor, not read here (None for an empty batch)."""
+    if not factors.numel():
+        return None
+    return factors.min() < torch.finfo(torch.float32).tiny
+
+
+def _handler_sums(handlers: list, factors: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Σ_i c_i·g_i of every handler's parameters (book-keeping), c = ``factors``.
+
+    First in each layer's dtype; then, after one host synchronisation that reads every layer's
+    flags together, again for the layers whose sum could move an example beyond ζ: all of them
+    with a factor that is subnormal in float32 (``_subnormal_flag``: a layer whose state is
+    known is widened to float64, any other takes the factors rounded towards 0), and those whose
+    handler reports products below its dtype's normal range (``sum_needs_float64``: widened).
+    The usual step (no flag) computes each sum once and synchronises once for all layers."""
+    out: dict = {}
+    if not handlers:
+        return out
+    cast: dict = {}  # the factors in each handler's dtype, converted once
+    for h in handlers:
+        out.update(h.summed(_factors_for(h, factors, cast, False)))
+    tiny = _subnormal_flag(factors)
+    per_layer = [h.sum_needs_float64(factors) for h in handlers]
+    checks = [f for f in (tiny, *per_layer) if f is not None]
+    if not checks or not bool(torch.stack(checks).any()):  # the one read of every flag
+        return out
+    tiny = bool(tiny)  # the rare path: each flag read on its own
+    for h, flag in zip(handlers, per_layer, strict=True):
+        low = flag is not None and bool(flag)
+        if tiny or low:
+            if low:
+                h.widen()
+            out.update(h.summed(_factors_for(h, factors, cast, tiny)))
+    return out
 
 
 def _factors_for(h, factors: torch.Tensor, cast: dict, tiny: bool) -> torch.Tensor:
@@ -607,9 +633,10 @@ def _factors_for(h, factors: torch.Tensor, cast: dict, tiny: bool) -> torch.Tens
 
 def _settled_norms(sq: dict, names: list, handlers) -> tuple[dict, torch.Tensor, bool]:
     """(squared norms with every ``PendingNorm`` squared, ‖g_i‖₂ over ``names``, whether every
-    norm is finite). When a norm is not finite, the entries of handlers that take pending norms
-    and are not finite are recomputed in float64 from their state (a float32 square that
-    overflowed); a NaN/inf gradient stays non-finite."""
+    norm is finite), read in one host synchronisation for all layers. When a norm is not
+    finite, the non-finite entries of handlers that take pending norms are recomputed in float64
+    from their state, and those of the other handlers by widening the layer (a square that
+    overflowed a lower dtype); a NaN/inf gradient stays non-finite."""
     sq, block = squares(sq, names)
     stacked = block if block is not None else torch.stack([sq[n] for n in names])
     norms = torch.sqrt(stacked.sum(0))
@@ -617,7 +644,14 @@ def _settled_norms(sq: dict, names: list, handlers) -> tuple[dict, torch.Tensor,
         return sq, norms, True
     redone = False
     for h in handlers:
-        if not h.pending or h.zero:
+        if h.zero:
+            continue
+        if not h.pending:
+            own = [h.names[a] for a in h.attrs if h.names[a] in sq]
+            if h.dtype != torch.float64 and any(not bool(torch.isfinite(sq[q]).all()) for q in own):
+                with torch.no_grad():
+                    sq.update(h.sq_norms_widened())
+                redone = True
             continue
         for a in h.attrs:
             q = h.names[a]
@@ -676,12 +710,17 @@ class _Handler:
                 names[a]: v if isinstance(v, PendingNorm) or v.dtype == torch.float64 else v.double()
                 for a, v in out.items()
             }
-        # one check for all: a sum of squared norms (≥ 0, no cancellation) is finite iff each is
-        finite = not out or math.isfinite(float(_total_sum(out.values())))
-        if not finite and self.dtype != torch.float64:
-            self.dtype = torch.float64
-            out = self._sq(self.dtype, calls)  # overflow of a finite gradient's square
+        # checked with every layer's, in one read (_settled_norms: a square that overflowed
+        # this dtype is taken again in float64 there, ``sq_norms_widened``)
         return {names[a]: v if v.dtype == torch.float64 else v.double() for a, v in out.items()}
+
+    def sq_norms_widened(self) -> dict[str, torch.Tensor]:
+        """Every attribute's squared norms taken again with the layer's dtype widened to float64
+        (a finite gradient whose square overflowed the lower dtype); its clipped sum is then
+        taken in float64 too."""
+        self.dtype = torch.float64
+        out = self._sq(self.dtype, self.calls())
+        return {self.names[a]: v if v.dtype == torch.float64 else v.double() for a, v in out.items()}
 
     def _sq(self, dtype, calls):
         h, m = self.layer.handler, self.layer.module
@@ -747,6 +786,14 @@ class _Handler:
         return vmap(grad(inner), in_dims=(None, 0, 0), randomness="different")(
             trainable, call.inputs[0], call.grad
         )
+
+    def sum_needs_float64(self, factors: torch.Tensor) -> torch.Tensor | None:
+        """The handler's ``sum_needs_float64`` flag for this layer's state (a 0-dim bool
+        tensor, not read here), or None (float64 already, a zero layer, or none given)."""
+        h = self.layer.handler
+        if h is None or self.zero or not self.attrs or self.dtype == torch.float64:
+            return None
+        return h.sum_needs_float64(self.layer.module, self.state, _as(factors, self.dtype), list(self.attrs))
 
     def summed(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
         """Σ_i c_i·g_i for each (untied) trainable parameter of the layer (book-keeping)."""
@@ -1087,19 +1134,17 @@ def _clipped_sums(method: str, parts, factors, named: dict, names: list, points,
         result_grads[q] = torch.tensordot(c, g, dims=1).to(named[q].dtype)
     for q, t in paired.items():
         result_grads[q] = t.clipped_sum(factors).to(named[q].dtype)
-    cast: dict = {}  # the factors in each handler's dtype, converted once
-    tiny = _subnormal_in_float32(factors)
+    # torch.func gradients (possibly with their own dropout masks) are summed from the same
+    # vectors whose norms were taken, in both methods; so is every layer under autocast, where a
+    # second backward would round differently (low precision) from the float32 vectors whose
+    # norms were taken, and an example's clipped gradient could exceed ζ; and a layer whose
+    # parameter has a tensor hook (p.register_hook(lambda g: 10 * g)): the second backward
+    # would run it on the clipped sum (4·ζ released), the norms never see it
+    booked = [
+        h for h in handlers if method == "bk" or not h.sum_by_backward or autocast_on or _hooked(h, named)
+    ]
     with torch.no_grad():
-        for h in handlers:
-            # torch.func gradients (possibly with their own dropout masks) are summed
-            # from the same vectors whose norms were taken, in both methods; so is every
-            # layer under autocast, where a second backward would round differently
-            # (low precision) from the float32 vectors whose norms were taken, and an
-            # example's clipped gradient could exceed ζ; and a layer whose parameter has a
-            # tensor hook (p.register_hook(lambda g: 10 * g)): the second backward would
-            # run it on the clipped sum (4·ζ released), the norms never see it
-            if method == "bk" or not h.sum_by_backward or autocast_on or _hooked(h, named):
-                result_grads.update(h.summed(_factors_for(h, factors, cast, tiny)))
+        result_grads.update(_handler_sums(booked, factors))
     handlers.clear()
     for q in unused:  # a zero sum (the noise is added to it), in both methods
         result_grads[q] = torch.zeros_like(named[q], memory_format=torch.contiguous_format)
@@ -1148,12 +1193,7 @@ def _chain_clipped_sum(model, loss_fn, inputs, targets, clip_norm, names, named,
     if not finite:
         return GhostResult({}, norms, sq, {})
     factors = norms.new_tensor(clip_norm) / torch.clamp(norms, min=clip_norm)
-    grads: dict = {}
-    cast: dict = {}
-    tiny = _subnormal_in_float32(factors)
-    for h in handlers:
-        grads.update(h.summed(_factors_for(h, factors, cast, tiny)))
-    return GhostResult(grads, norms, sq, {}, losses)
+    return GhostResult(_handler_sums(handlers, factors), norms, sq, {}, losses)
 
 
 def _tied_pairs(engine, dtype) -> dict[str, TiedEmbeddingLinear]:

@@ -62,11 +62,15 @@ class PrivateStep:
         fresh_noise_std: σ·ζ·sens·|(C⁻¹)_tt|/B̄, the per-entry std of the part of this step's
             noise in ``p.grad`` that is independent of earlier steps (what a bias correction
             of a non-linear map of the gradient needs).
-        clipped_fraction: share of the examples with ‖g_i‖ > ζ (logging only).
-        mean_norm: mean unclipped per-example norm (logging only; 0 for an empty batch).
+        figures: (examples clipped, Σ_i ‖g_i‖₂) of the batch, float64 values (a (2,) tensor on
+            the model's device, or numbers), read only when ``clipped_fraction`` or
+            ``mean_norm`` is: the step itself never waits for them (logging only).
         loss_sum: Σ_i ℓ_i(θ_t) over the batch from the private forward, a detached 0-dim float64
             tensor on the model's device (logging only: a non-private statistic of the batch);
             None with an evaluation plan of other points.
+
+    Properties ``clipped_fraction`` (share of the examples with ‖g_i‖ > ζ) and ``mean_norm``
+    (mean unclipped per-example norm) are 0 for an empty batch.
     """
 
     step: int
@@ -74,9 +78,18 @@ class PrivateStep:
     expected_batch_size: float
     noise_std: float
     fresh_noise_std: float
-    clipped_fraction: float
-    mean_norm: float
+    figures: object = (0.0, 0.0)
     loss_sum: torch.Tensor | None = None
+
+    @property
+    def clipped_fraction(self) -> float:
+        """Share of the batch's examples whose gradient norm exceeded ζ (logging only)."""
+        return float(self.figures[0]) / self.batch_size if self.batch_size else 0.0
+
+    @property
+    def mean_norm(self) -> float:
+        """Mean unclipped per-example gradient norm of the batch (logging only)."""
+        return float(self.figures[1]) / self.batch_size if self.batch_size else 0.0
 
 
 class StepStage:
@@ -388,7 +401,7 @@ class Privatizer(KeyHolder):
         written = self._release(params, sums)
         if self.stage is not None:
             self.stage.after_release(t, params, written)
-        batch_size, clipped, norm_sum = self._batch_figures(summed)
+        batch_size, figures = self._batch_figures(summed)
         scale = self.noise_std
         fresh = scale * abs(self.noise.innovation(t)) / self.expected_batch_size
         self._written = [(p, p.grad, (p.grad._version, p.grad.data_ptr())) for p in written]
@@ -400,8 +413,7 @@ class Privatizer(KeyHolder):
             self.expected_batch_size,
             scale,
             fresh,
-            clipped / batch_size if batch_size else 0.0,
-            norm_sum / batch_size if batch_size else 0.0,
+            figures,
             summed.loss_sum,
         )
         return self.last_step
@@ -490,12 +502,14 @@ class Privatizer(KeyHolder):
             p.grad = s
         return params
 
-    def _batch_figures(self, summed) -> tuple[int, float, float]:
-        """(examples, clipped examples, sum of norms) of the step's batch, for logging."""
+    def _batch_figures(self, summed) -> tuple[int, object]:
+        """(examples, (clipped examples, sum of norms)) of the step's batch, for logging: the
+        figures as one float64 tensor, not read here (no host synchronisation)."""
         n = int(summed.batch_size)
         if not n:
-            return 0, 0.0, 0.0
-        return n, float((summed.norms > self.clip_norm).sum()), float(summed.norms.sum())
+            return 0, (0.0, 0.0)
+        norms = summed.norms
+        return n, torch.stack([(norms > self.clip_norm).sum().to(norms.dtype), norms.sum()])
 
     def after_step(self) -> None:
         """Called after each optimizer step (a distributed step returns the parameters to

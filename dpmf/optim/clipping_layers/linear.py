@@ -20,8 +20,8 @@ from dpmf.optim.clipping_layers.norms import (
     _gram_sq,
     _sq,
     _total,
-    _underflows,
     pending_row_norms,
+    underflow_flag,
     weighted_sum,
 )
 from dpmf.optim.clipping_layers.registry import ClippingHandler, clipping_layer
@@ -134,13 +134,27 @@ class LinearHandler(ClippingHandler):
             if entry[0] == "ghost":
                 _, x, g = entry
                 cg = g * c.view(-1, 1, 1, 1)
-                if _underflows(cg, g):  # float64: c_i·g exactly (see _underflows)
-                    cg, x = g.double() * c.double().view(-1, 1, 1, 1), x.double()
                 s = torch.einsum("bgtp,bgtd->gpd", cg, x).to(dtype)
                 out[a] = self.from_ghost(module, s)
             else:
                 out[a] = weighted_sum(c, entry[1])  # no copy of a transposed w
         return out
+
+    def sum_needs_float64(self, module, state, factors, attrs):
+        """Whether a product c_i·g of a ghost entry's sum (c∘G)ᵀA falls below its dtype's
+        normal range while g is not 0 (``underflow_flag``): then the engine widens the state
+        and sums in float64, where the products of float32 numbers are exact."""
+        flags = []
+        for a in attrs:
+            entry = state[a]
+            if entry[0] == "ghost":
+                g = entry[2]
+                flag = underflow_flag(_as(factors, g.dtype), g)
+                if flag is not None:
+                    flags.append(flag)
+        if not flags:
+            return None
+        return flags[0] if len(flags) == 1 else torch.stack(flags).any()
 
 
 @clipping_layer("transformers.pytorch_utils.Conv1D")

@@ -6,7 +6,7 @@ row's float32 sum of squares loses its low bits), rescaling rows whose squares w
 ``PendingNorm``/``squares`` widen and square every layer's norms at once; ``_gram_sq`` is the
 ghost norm ⟨AAᵀ, GGᵀ⟩ in float64 with a bound on its rounding (Higham, "Accuracy and Stability
 of Numerical Algorithms", 2nd ed., Lemma 3.1), so that a norm is never below the norm of the
-vector a book-keeping sum adds; ``_underflows`` says when a clipped product c·g falls below
+vector a book-keeping sum adds; ``underflow_flag`` says when a clipped product c·g falls below
 float32's normal range (the sum is then taken in float64).
 """
 
@@ -81,13 +81,13 @@ def _last_norms(x: torch.Tensor) -> torch.Tensor:
     """``_run_norms`` without losing the entries whose float32 squares underflow: a row of 4·10⁶
     entries 2·10⁻²³ has a float32 norm of 0 while the one-token ghost norm ‖a‖‖g‖ was 6·ζ — that
     example was released unclipped. A row whose norm is below 4·10⁻²⁰·√n (where lost squares
-    could matter) takes the norm of its entries scaled by 2¹⁰⁰ instead (exact: a power of two)."""
+    could matter) takes the norm of its entries scaled by 2¹⁰⁰ instead (exact: a power of two).
+    Branch-free: both norms are taken and ``torch.where`` picks (no host synchronisation; the
+    scaled norm of a large row may overflow, and is then not the one picked)."""
     norms = _run_norms(x)
     if x.dtype == torch.float64:
         return norms
     small = norms < 4e-20 * math.sqrt(x.shape[-1])
-    if x.device.type == "cpu" and not bool(small.any()):  # the usual case (no sync on a GPU)
-        return norms
     return torch.where(small, _run_norms(x * _UP) / _UP, norms)
 
 
@@ -205,13 +205,22 @@ def _gram_parts(a, g):
     return s, m
 
 
-def _underflows(cg: torch.Tensor, g: torch.Tensor) -> bool:
+def underflow_flag(c: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
     """Whether a product c_i·g of the clipped sum (c∘G)ᵀA is below ``cg``'s normal range while g
     is not 0 (float32 and lower). There the rounding is absolute (up to 2⁻¹⁵⁰ in float32) rather
     than relative — a product 1.5·2⁻¹⁴⁹ became 2·2⁻¹⁴⁹, a third more — and the activation it then
     multiplies can be 10³⁸: tokens with such output gradients moved an example's clipped
     gradient to 1.0015·ζ, beyond the relative bound of ``_gram_sq``. In float64 the products
-    of float32 numbers are exact."""
-    if cg.dtype == torch.float64 or cg.numel() == 0:
-        return False
-    return bool(((cg.abs() < torch.finfo(cg.dtype).tiny) & (g != 0)).any())
+    of float32 numbers are exact.
+
+    Args:
+        c: the clip factors in g's dtype, shape (b,); g: output gradients (b, groups, T, p).
+
+    Returns:
+        a 0-dim bool tensor (not read here: no host synchronisation), or None for float64 or
+        an empty g.
+    """
+    if g.dtype == torch.float64 or g.numel() == 0:
+        return None
+    cg = g * c.view(-1, *([1] * (g.dim() - 1)))
+    return ((cg.abs() < torch.finfo(g.dtype).tiny) & (g != 0)).any()

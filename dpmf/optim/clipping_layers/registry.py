@@ -73,6 +73,13 @@ class ClippingHandler:
         """attr → Σ_i factors_i·g_i (the parameter's shape), from ``sq_norms``'s state."""
         return {a: weighted_sum(_as(factors, state[a].dtype), state[a]) for a in attrs}
 
+    def sum_needs_float64(self, module, state, factors, attrs) -> torch.Tensor | None:
+        """A 0-dim bool tensor: whether ``clipped_sum`` in the state's dtype could move an
+        example's share beyond ζ (products below the dtype's normal range), so that the engine
+        widens the state to float64 and sums again; None: never. The engine reads every
+        layer's flag in one host synchronisation; the default is None."""
+        return None
+
 
 # type (or "module.QualName") → handler
 _REGISTRY: dict[object, ClippingHandler] = {}
