@@ -342,3 +342,43 @@ def test_a_hugging_face_batch_is_checked_as_the_loader_yielded_it():
         private.backward(foreign)
     private.backward(next(it))  # the loader's next batch is accepted
     assert private.privatizer.step == 2
+
+
+def _user_loss_by_attribute(outputs, labels):
+    # the usual hand-written causal LM loss: next-token cross-entropy over the non-padding tokens
+    logits = outputs.logits[:, :-1]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+
+def _user_loss_by_key(outputs, labels):
+    logits = outputs["logits"][:, :-1]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+
+@pytest.mark.parametrize("loss", [_user_loss_by_attribute, _user_loss_by_key], ids=["attribute", "key"])
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_a_users_own_loss_reads_the_models_output_type_under_its_default_config(lora, loss):
+    # GPT-2 as configured (SDPA, use_cache=True: the output holds a cache object), inputs
+    # without position ids (a (1, T) position embedding input shared by the batch): every
+    # clipping mode equals the loop of single-example backward passes, without torch.func
+    model = gpt2(lora)
+    assert model.config.use_cache
+    b = batch()
+    x = {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]}
+    y = b["labels"].masked_fill(b["attention_mask"] == 0, -100)
+    ref_norms, _ = loop_reference(model, loss, x, y, 1.0)
+    zeta = float(ref_norms.median())
+    ref_norms, ref = loop_reference(model, loss, x, y, zeta)
+    for mode in ("auto", "bk", "ghost"):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*torch.func path")  # no fallback
+            out = clipped_sum(model, loss, x, y, clip_norm=zeta, clipping=mode)
+        assert out.method == ("bk" if mode == "auto" else mode)
+        torch.testing.assert_close(out.norms.float(), ref_norms, rtol=1e-5, atol=0)
+        torch.testing.assert_close(flat(out.grads), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+        # the loss of the same forward, one forward pass (dpmf.make_private's backward returns it)
+        with torch.no_grad():
+            per = [
+                float(loss(model(**{k: v[i : i + 1] for k, v in x.items()}), y[i : i + 1])) for i in range(4)
+            ]
+        assert float(out.loss_sum) == pytest.approx(sum(per), rel=1e-5)

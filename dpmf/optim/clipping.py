@@ -40,6 +40,7 @@ from dpmf.optim.clipping_layers import row_norms
 from dpmf.optim.func_call import functional_call
 from dpmf.optim.ghost import CLIPPING_MODES, ghost_clipped_sum
 from dpmf.optim.model_guard import ModelWalk
+from dpmf.optim.trees import map_tensors
 
 __all__ = [
     "NonFiniteGradientError",
@@ -225,7 +226,7 @@ def _vmap_gradients(model, loss_fn, inputs, targets, plan, wanted, *, with_losse
         at = p if shift is None else {n: p[n] + shift[n] for n in p}
         rest = fixed if shift is None else {n: v + shift[n] if n in shift else v for n, v in fixed.items()}
         out = _call(model, (at, rest, buffers), x)
-        return loss_fn(out, _map_tensors(lambda t: t.unsqueeze(0), y))
+        return loss_fn(out, map_tensors(lambda t: t.unsqueeze(0), y))
 
     def loss_of_one(p, x, y):
         if plan is None:
@@ -562,20 +563,12 @@ def _slice(tree, start: int, stop: int):
 def _call(model, params, x):
     """``model`` at ``params`` on one example's input ``x`` (tensor: model(x); tuple: model(*x);
     dict: model(**x)), each tensor given a batch dimension of 1."""
-    one = _map_tensors(lambda t: t.unsqueeze(0), x)
+    one = map_tensors(lambda t: t.unsqueeze(0), x)
     if isinstance(one, dict):
         return functional_call(model, params, (), one)
     if isinstance(one, tuple | list):
         return functional_call(model, params, tuple(one))
     return functional_call(model, params, (one,))
-
-
-def _map_tensors(fn, tree):
-    if isinstance(tree, torch.Tensor):
-        return fn(tree)
-    if isinstance(tree, dict):
-        return {k: _map_tensors(fn, v) for k, v in tree.items()}
-    return type(tree)(_map_tensors(fn, v) for v in tree)
 
 
 def _vmap_clip_into(sums, names, grads, clip_norm, start, step, example_ids, all_norms) -> None:

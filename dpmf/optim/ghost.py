@@ -116,6 +116,7 @@ from dpmf.optim.clipping_layers.norms import _as, _sq
 from dpmf.optim.func_call import functional_call
 from dpmf.optim.ghost_chain import chain_layers, chain_output_gradients
 from dpmf.optim.ghost_tied import TiedEmbeddingLinear, tied_embedding_linear
+from dpmf.optim.trees import batched_leaves, map_tensors
 
 __all__ = ["CLIPPING_MODES", "GhostResult", "ghost_clipped_sum", "ghost_layer_kinds"]
 
@@ -372,6 +373,7 @@ class _Engine:
         self.switching = False  # the parameters are watched by their class (``_watching``)
         self.point = 0
         self.mode = "record"  # "record", "probe" or "off"
+        self.batch = None  # b, while recording a forward: shared inputs are expanded to it
         self.quiet = False  # the hooks' own operations are not the model's
         self.probe_dims: dict[int, set] = {}
         self.handles = []
@@ -440,6 +442,8 @@ class _Engine:
                 p.__class__ = nn.Parameter if _inside(stack, owners[id(p)]) else _WatchedParameter
 
     def _pre(self, layer):
+        expands = layer.handler is not None and getattr(layer.handler, "expand_shared_input", False)
+
         def hook(module, args):
             if self.mode != "off":
                 stack = self.stack
@@ -447,6 +451,12 @@ class _Engine:
                 stack.append(layer)
                 if self.switching:
                     self.reclass(layer, top)
+                b = self.batch
+                if expands and self.mode == "record" and b and b > 1 and args:
+                    x = args[0]
+                    if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == 1:
+                        return (x.expand(b, *x.shape[1:]), *args[1:])
+            return None
 
         return hook
 
@@ -547,15 +557,26 @@ def per_example_losses(loss_fn, out, targets) -> torch.Tensor:
         # (exact). Branch-free: the targets are never read back.
         kept = (targets != -100).to(out.dtype)
         return loss_fn(out, targets, reduction="none") / kept
-    return vmap(lambda o, t: loss_fn(_unsqueeze(o), _unsqueeze(t)))(out, targets)
+    # only the output's per-example tensors are vmapped; the loss gets the output's own type
+    # (a ModelOutput keeps attribute access) with any other entry (a cache) passed through
+    b = int(_leaves_of(targets)[0].shape[0])
+    leaves, rebuild = batched_leaves(out, b)
+
+    def one(t, *ls):
+        return loss_fn(rebuild([v.unsqueeze(0) for v in ls]), map_tensors(_one_row, t))
+
+    return vmap(one)(targets, *leaves)
 
 
-def _unsqueeze(tree):
-    if isinstance(tree, torch.Tensor):
-        return tree.unsqueeze(0)
-    if isinstance(tree, dict):
-        return {k: _unsqueeze(v) for k, v in tree.items()}
-    return type(tree)(_unsqueeze(v) for v in tree)
+def _one_row(t: torch.Tensor) -> torch.Tensor:
+    return t.unsqueeze(0)
+
+
+def _leaves_of(tree) -> list[torch.Tensor]:
+    """The tensors of a (nested) batch, in order."""
+    found: list[torch.Tensor] = []
+    map_tensors(lambda t: found.append(t) or t, tree)
+    return found
 
 
 def _widened(entry):
@@ -978,6 +999,7 @@ def ghost_clipped_sum(
         if not allow_fallback and any(layer.fallback for layer in engine.layers):
             return None
         engine.anchor = torch.zeros((), device=device, requires_grad=True)
+        engine.batch = b
         leaves, losses = _forward_points(engine, model, loss_fn, inputs, targets, points, named, names)
         _check_inputs_follow_examples(engine, b)
         if not allow_fallback and any(layer.fallback for layer in engine.layers):

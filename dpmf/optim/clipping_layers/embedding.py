@@ -40,6 +40,7 @@ class EmbeddingHandler(ClippingHandler):
 
     name = "embedding"
     copy_output = False
+    expand_shared_input = True  # position ids of shape (1, T): each example its own rows
 
     def check(self, module):
         if module.sparse or module.scale_grad_by_freq:  # batch-coupled frequencies

@@ -47,11 +47,17 @@ class ClippingHandler:
             output, e.g. Linear, convolutions, embeddings, norms).
         sum_by_backward: with ``clipping="ghost"``, Σ_i c_i·g_i may come from the second
             backward through the model (True) instead of ``clipped_sum`` (False).
+        expand_shared_input: an input whose dim 0 has size 1 while the batch has b > 1
+            examples (position ids shared by the batch) is expanded to b rows before the
+            layer runs, so that its output, and the output gradient each example's gradient
+            is read from, has one row per example (the same values downstream wherever the
+            output is broadcast against the batch); False: such a call takes torch.func.
     """
 
     name: ClassVar[str] = "custom"
     copy_output: ClassVar[bool] = True
     sum_by_backward: ClassVar[bool] = True
+    expand_shared_input: ClassVar[bool] = False
 
     def check(self, module: nn.Module) -> str | None:
         """Why this module cannot take this handler (it then takes torch.func), or None."""
