@@ -109,6 +109,11 @@ class ClippedSum:
 # Layers whose output for one example depends on the other examples of the batch.
 _BATCH_COUPLED = (nn.modules.batchnorm._BatchNorm,)
 
+# torch's fused recurrent kernels, whose per-example gradients torch.func cannot take (its vmap of
+# rnn_tanh, gru, the cells and float64 LSTMs writes a batched hidden state into an unbatched one;
+# float32 LSTMs batch on CPU only), and which have no clipping handler.
+_NO_PER_EXAMPLE_KERNEL = (nn.RNNBase, nn.RNNCellBase)
+
 
 def check_per_example_safe(model: nn.Module, walk: ModelWalk | None = None) -> None:
     """Refuse a model whose layers couple the examples of a batch.
@@ -119,7 +124,12 @@ def check_per_example_safe(model: nn.Module, walk: ModelWalk | None = None) -> N
     norms that track running statistics update those statistics from the whole batch as well.
     ``nn.Embedding``/``nn.EmbeddingBag`` with ``max_norm`` renormalize, in place and without
     noise, exactly the rows of the batch's tokens. (Any other write to a parameter or buffer
-    during the private forward is caught at the step by ``dpmf.optim.model_guard``.)
+    during the private forward is caught at the step by ``dpmf.optim.model_guard``.) torch's
+    recurrent layers (``nn.RNN``, ``nn.LSTM``, ``nn.GRU`` and their cells) have no per-example
+    gradient path (torch.func cannot batch their fused kernels reliably): refused while
+    trainable, with a recurrence written with ``nn.Linear`` layers (book-keeping) as the way out.
+    A module compiled by ``torch.compile`` is refused: its graph hides the layers the clipping
+    reads.
 
     Args:
         walk: a ``dpmf.optim.model_guard.ModelWalk`` of ``model`` taken now (None: a new one).
@@ -127,11 +137,30 @@ def check_per_example_safe(model: nn.Module, walk: ModelWalk | None = None) -> N
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
         ValueError: naming every offending module and the fix (GroupNorm, or LayerNorm;
-            ``max_norm=None``).
+            ``max_norm=None``; nn.Linear gates for recurrent layers).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model={type(model).__name__} is invalid: must be a torch.nn.Module")
     walk = ModelWalk(model) if walk is None else walk
+    compiled = [name or "<model>" for name, m in walk.unique_modules if _is_compiled(m)]
+    if compiled:
+        raise ValueError(
+            f"model is invalid for per-example clipping: {', '.join(compiled)} is a torch.compile'd "
+            "module (OptimizedModule), whose compiled graph hides the layers the clipping reads; "
+            "give make_private the module before compiling (model._orig_mod)"
+        )
+    recurrent = [
+        f"{name or '<model>'} ({type(m).__name__})"
+        for name, m in walk.unique_modules
+        if isinstance(m, _NO_PER_EXAMPLE_KERNEL) and any(p.requires_grad for p in m.parameters(recurse=False))
+    ]
+    if recurrent:
+        raise ValueError(
+            f"model is invalid for per-example clipping: {', '.join(recurrent)} has no per-example "
+            "gradient path (torch.func cannot batch torch's fused recurrent kernels); write the "
+            "cell with nn.Linear layers and elementwise gates, unrolled over time (clipped exactly "
+            "by book-keeping), or freeze the layer"
+        )
     bad = []
     for name, module in walk.unique_modules:
         if isinstance(module, _BATCH_COUPLED):
@@ -148,6 +177,13 @@ def check_per_example_safe(model: nn.Module, walk: ModelWalk | None = None) -> N
             "track_running_stats=False for instance norms, and max_norm=None for embeddings (their "
             "in-place renormalization writes the batch's rows into the weights without noise)."
         )
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is the wrapper ``torch.compile`` returns (``OptimizedModule``)."""
+    return type(module).__name__ == "OptimizedModule" and isinstance(
+        getattr(module, "_orig_mod", None), nn.Module
+    )
 
 
 def trainable_parameters(model: nn.Module, walk: ModelWalk | None = None) -> list[tuple[str, nn.Parameter]]:
