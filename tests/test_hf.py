@@ -99,9 +99,16 @@ def test_clipped_sum_equals_a_loop_of_backward_passes_without_torch_func(name):
     model = build()
     x, y = loss.split(batch(classes=classes))
     assert "generic" not in ghost_layer_kinds(model).values()  # Conv1D, LoRA, embeddings, norms
+    _every_mode_equals_the_loop(model, loss, x, y)
+
+
+def _every_mode_equals_the_loop(model, loss, x, y):
+    """auto, bk and ghost, without a torch.func fallback, equal the loop of single-example
+    backward passes at a ζ that clips half the examples; returns each mode's ``ClippedSum``."""
     ref_norms, _ = loop_reference(model, loss, x, y, 1.0)
     zeta = float(ref_norms.median())
     ref_norms, ref = loop_reference(model, loss, x, y, zeta)
+    outs = []
     for mode in ("auto", "bk", "ghost"):
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message=".*torch.func path")  # no fallback
@@ -109,6 +116,8 @@ def test_clipped_sum_equals_a_loop_of_backward_passes_without_torch_func(name):
         assert out.method == ("bk" if mode == "auto" else mode)
         torch.testing.assert_close(out.norms.float(), ref_norms, rtol=1e-5, atol=0)
         torch.testing.assert_close(flat(out.grads), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+        outs.append(out)
+    return outs
 
 
 def test_lora_gpt2_per_example_gradients_equal_vmap():
@@ -366,19 +375,9 @@ def test_a_users_own_loss_reads_the_models_output_type_under_its_default_config(
     b = batch()
     x = {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]}
     y = b["labels"].masked_fill(b["attention_mask"] == 0, -100)
-    ref_norms, _ = loop_reference(model, loss, x, y, 1.0)
-    zeta = float(ref_norms.median())
-    ref_norms, ref = loop_reference(model, loss, x, y, zeta)
-    for mode in ("auto", "bk", "ghost"):
-        with warnings.catch_warnings():
-            warnings.filterwarnings("error", message=".*torch.func path")  # no fallback
-            out = clipped_sum(model, loss, x, y, clip_norm=zeta, clipping=mode)
-        assert out.method == ("bk" if mode == "auto" else mode)
-        torch.testing.assert_close(out.norms.float(), ref_norms, rtol=1e-5, atol=0)
-        torch.testing.assert_close(flat(out.grads), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
-        # the loss of the same forward, one forward pass (dpmf.make_private's backward returns it)
-        with torch.no_grad():
-            per = [
-                float(loss(model(**{k: v[i : i + 1] for k, v in x.items()}), y[i : i + 1])) for i in range(4)
-            ]
+    outs = _every_mode_equals_the_loop(model, loss, x, y)
+    # the loss of the same forward, one forward pass (dpmf.make_private's backward returns it)
+    with torch.no_grad():
+        per = [float(loss(model(**{k: v[i : i + 1] for k, v in x.items()}), y[i : i + 1])) for i in range(4)]
+    for out in outs:
         assert float(out.loss_sum) == pytest.approx(sum(per), rel=1e-5)
