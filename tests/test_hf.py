@@ -381,3 +381,47 @@ def test_a_users_own_loss_reads_the_models_output_type_under_its_default_config(
         per = [float(loss(model(**{k: v[i : i + 1] for k, v in x.items()}), y[i : i + 1])) for i in range(4)]
     for out in outs:
         assert float(out.loss_sum) == pytest.approx(sum(per), rel=1e-5)
+
+
+def _checkpointed(lora, reentrant):
+    model = gpt2(lora)
+    base = model.get_base_model() if lora else model
+    kwargs = {"use_reentrant": reentrant}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' rename notice
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return _no_dropout(model)
+
+
+def _no_dropout(model):
+    """``model`` in training mode (checkpointing runs there) with every dropout at p = 0."""
+    model.train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_gradient_checkpointing_is_clipped_as_without_it(lora):
+    # the forward recomputed in the backward runs every layer's hooks again: not recorded twice,
+    # and transformers' input-embedding hook (it only sets requires_grad) keeps the tied
+    # embeddings on their closed form; every mode equals the per-example loop
+    model = _checkpointed(lora, reentrant=False)
+    assert model.get_base_model().is_gradient_checkpointing if lora else model.is_gradient_checkpointing
+    loss = causal_lm_loss()
+    x, y = loss.split(batch())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*use_cache=True.*")
+        outs = _every_mode_equals_the_loop(model, loss, x, y)
+    plain = gpt2(lora)  # the same weights without checkpointing: the same clipped sum
+    plain_out = clipped_sum(_no_dropout(plain), loss, x, y, clip_norm=float(outs[0].clip_norm), clipping="bk")
+    torch.testing.assert_close(flat(outs[1].grads), flat(plain_out.grads), rtol=1e-5, atol=1e-7)
+
+
+def test_reentrant_gradient_checkpointing_is_refused_with_the_fix():
+    model = _checkpointed(False, reentrant=True)
+    loss = causal_lm_loss()
+    x, y = loss.split(batch())
+    with pytest.raises(RuntimeError, match=r"reentrant activation checkpointing.*'use_reentrant': False"):
+        clipped_sum(model, loss, x, y, clip_norm=1.0, clipping="bk")

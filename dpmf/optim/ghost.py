@@ -113,6 +113,7 @@ from dpmf.optim.clipping_layers import (
     weighted_sum,
 )
 from dpmf.optim.clipping_layers.norms import _as, _sq
+from dpmf.optim.clipping_layers.registry import value_preserving
 from dpmf.optim.func_call import functional_call
 from dpmf.optim.ghost_chain import chain_layers, chain_output_gradients
 from dpmf.optim.ghost_tied import TiedEmbeddingLinear, tied_embedding_linear
@@ -479,6 +480,11 @@ class _Engine:
                 return None
             if layer.fallback is not None:
                 return None
+            if layer.calls and torch._C._current_graph_task_id() != -1:
+                # a forward recomputed in the backward (activation checkpointing): its output's
+                # gradient reaches the call recorded in the first forward, whose node is the one
+                # in the graph; recording it again would count the call twice
+                return None
             if layer.handler is not None:
                 why = _handler_broken(module, layer)
                 if why is not None:
@@ -521,8 +527,13 @@ class _Engine:
 def _handler_broken(module: nn.Module, layer: _Layer) -> str | None:
     """Why the output a registered layer's call just gave may not be what its handler assumes
     (a hook or attribute added during the forward, after the registry's check), or None."""
-    if _module._global_forward_hooks or next(iter(module._forward_hooks), None) != layer.hook_id:
+    if _module._global_forward_hooks:
         return "a forward hook ran before its output was recorded"
+    for key, hook in module._forward_hooks.items():  # ours first, or after value-preserving ones
+        if key == layer.hook_id:
+            break
+        if not value_preserving(hook):
+            return "a forward hook ran before its output was recorded"
     if _module._global_backward_hooks and not _module._global_is_full_backward_hook:
         return "a legacy global backward hook may change its gradients"
     keys, values = layer.state
@@ -1011,7 +1022,7 @@ def ghost_clipped_sum(
         keep = method == "ghost"
         engine.process_early(b, dtype, device.type if autocast_on else None)
         if total.requires_grad:
-            torch.autograd.grad(total, [engine.anchor], retain_graph=keep, allow_unused=True)
+            _anchor_backward(total, engine.anchor, keep)
         _close_recording(engine, b)
         if not allow_fallback and any(layer.fallback for layer in engine.layers):
             return None
@@ -1030,6 +1041,27 @@ def ghost_clipped_sum(
             )
     at_theta = losses[0].detach() if len(points) == 1 and points[0][1] is None else None
     return GhostResult(result_grads, norms, sq, fallback, at_theta)
+
+
+def _anchor_backward(total: torch.Tensor, anchor: torch.Tensor, keep: bool) -> None:
+    """The backward that records every layer's output gradient (only the anchor's gradient is
+    asked: no weight gradient is computed).
+
+    Raises:
+        RuntimeError: the model uses reentrant activation checkpointing, which torch runs only
+            under a plain ``.backward()`` (named, with the fix).
+    """
+    try:
+        torch.autograd.grad(total, [anchor], retain_graph=keep, allow_unused=True)
+    except RuntimeError as err:
+        if "use_reentrant=True" not in str(err):
+            raise
+        raise RuntimeError(
+            "the model uses reentrant activation checkpointing (use_reentrant=True), which the "
+            "private step's backward cannot run through; enable it non-reentrant: "
+            "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}) "
+            "(transformers) or torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+        ) from err
 
 
 def _check_inputs_follow_examples(engine, b: int) -> None:

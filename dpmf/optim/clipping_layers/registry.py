@@ -133,13 +133,30 @@ def _subclass_shadows(t: type, cls: type, own) -> str | None:
     return None
 
 
+# Forward hooks known to leave the output's values unchanged: transformers' input-embedding hook
+# of ``enable_input_require_grads`` (gradient checkpointing, adapters), which only marks the
+# output as requiring a gradient.
+_VALUE_PRESERVING_HOOKS = {
+    (
+        "transformers.modeling_utils",
+        "PreTrainedModel.enable_input_require_grads.<locals>.make_inputs_require_grads",
+    )
+}
+
+
+def value_preserving(hook) -> bool:
+    """Whether a forward hook is one known to leave its module's output values unchanged."""
+    fn = getattr(hook, "__func__", hook)
+    return (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)) in _VALUE_PRESERVING_HOOKS
+
+
 def _forward_hooked(module: nn.Module) -> bool:
     """Whether a forward hook (the module's own or a global one) may change the module's output
     before the engine records it — the handler's formulas are for the forward's own output — or
     a legacy (not full) backward hook may change the gradients of the node after it (for a
     Linear, its weight's: ``register_backward_hook`` doubling them made the norms 0.6–0.93× the
     true ones)."""
-    if module._forward_hooks or _module._global_forward_hooks:
+    if _module._global_forward_hooks or not all(map(value_preserving, module._forward_hooks.values())):
         return True
     legacy = module._backward_hooks and not module._is_full_backward_hook
     return bool(legacy) or bool(_module._global_backward_hooks and not _module._global_is_full_backward_hook)
