@@ -8,6 +8,9 @@ sequence's non-padding tokens, then the mean over the batch) and AdamW:
 - ``dpmf``: ``dpmf.make_private(..., clipping="auto")`` (ghost norms + book-keeping), its
   ``backward(batch)`` and guarded ``step``;
 - ``dpmf-ghost``: the same with ``clipping="ghost"`` (norms, then a second backward);
+- ``dpmf-checkpointed``: ``dpmf`` on the model with non-reentrant activation checkpointing
+  (``gradient_checkpointing_enable``), which recomputes each block's forward in the backward
+  instead of keeping its activations;
 - ``opacus-<mode>``: ``PrivacyEngine.make_private`` with ``grad_sample_mode`` = hooks, ghost
   (fast gradient clipping), functorch or ew — the modes that fail on the model are reported and
   skipped; the fastest working one is the baseline;
@@ -65,6 +68,7 @@ METHODS = (
     "non-private",
     "dpmf",
     "dpmf-ghost",
+    "dpmf-checkpointed",
     "opacus-hooks",
     "opacus-ghost",
     "opacus-functorch",
@@ -136,6 +140,11 @@ def setup(method, args, batch):
     from dpmf.train.hf import causal_lm_loss
 
     model = build(args)
+    if method == "dpmf-checkpointed":
+        model.get_base_model().gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
+        model.train()  # checkpointing runs in training mode (dropout is 0 in this model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=LR)
     loss = causal_lm_loss()
@@ -162,7 +171,7 @@ def setup(method, args, batch):
             clip_norm=CLIP,
             factorization="identity",
             scheme="fixed_order",
-            clipping="auto" if method == "dpmf" else "ghost",
+            clipping="ghost" if method == "dpmf-ghost" else "auto",
             seed=0,
         )
 
