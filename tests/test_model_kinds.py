@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dpmf
+from dpmf.optim.batch_probe import BatchCouplingError
 from dpmf.optim.clipping import clipped_sum
 
 pytestmark = pytest.mark.torch
@@ -109,3 +110,52 @@ def test_a_compiled_model_is_refused_before_any_step_naming_compile():
         batch_size=8, steps=2, noise_multiplier=1.0, target_delta=1e-5, factorization="identity",
     )  # fmt: skip
     assert private.steps_taken == 0
+
+
+class _SharedPositions(nn.Module):
+    """Token and position embeddings, the positions (1, T) shared by the batch: broadcast
+    (``take=False``, as GPT-2 and BERT do) or indexed (``take=True``)."""
+
+    def __init__(self, take):
+        super().__init__()
+        self.tok, self.pos, self.head = nn.Embedding(20, 8), nn.Embedding(6, 8), nn.Linear(8, 3)
+        self.take = take
+
+    def forward(self, ids):
+        p = self.pos(torch.arange(ids.shape[1])[None])
+        return self.head((self.tok(ids) + (p[0] if self.take else p)).mean(1))
+
+
+def test_a_shared_position_input_is_clipped_per_example_and_an_indexed_one_is_refused():
+    # book-keeping expands the (1, T) positions to the batch; broadcast, that is each example's
+    # own gradient (equal to the per-example loop); indexed ([0]), example 0's copy would take
+    # every example's gradient: the first batch's probe refuses it and names clipping='vmap'
+    torch.manual_seed(0)
+    model = _SharedPositions(take=False).double()
+    x, y = torch.randint(0, 20, (8, 6)), torch.randint(0, 3, (8,))
+    norms, _ = _reference(model, x, y, 1.0)
+    zeta = float(norms.median())
+    ref_norms, ref = _reference(model, x, y, zeta)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*torch.func path")  # no fallback
+        out = clipped_sum(model, F.cross_entropy, x, y, clip_norm=zeta, clipping="bk")
+    torch.testing.assert_close(out.norms, ref_norms, rtol=1e-10, atol=0)
+    torch.testing.assert_close(torch.cat([g.flatten() for g in out.grads]), ref, rtol=1e-10, atol=1e-12)
+    indexed = _SharedPositions(take=True)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randint(0, 20, (64, 6), generator=g), torch.randint(0, 3, (64,), generator=g))
+    private = dpmf.make_private(
+        indexed, torch.optim.SGD(indexed.parameters(), lr=0.1), data, loss_fn=F.cross_entropy,
+        batch_size=16, steps=3, noise_multiplier=1.0, target_delta=1e-5, factorization="identity",
+    )  # fmt: skip
+    xb, yb = next(iter(private.data_loader))
+    with pytest.raises(BatchCouplingError, match="clipping='vmap'"):
+        private.backward(xb, target=yb)
+    way_out = dpmf.make_private(
+        indexed, torch.optim.SGD(indexed.parameters(), lr=0.1), data, loss_fn=F.cross_entropy,
+        batch_size=16, steps=3, noise_multiplier=1.0, target_delta=1e-5, factorization="identity",
+        clipping="vmap",
+    )  # fmt: skip
+    xb, yb = next(iter(way_out.data_loader))
+    way_out.backward(xb, target=yb)  # each example's gradient alone: accepted
+    assert way_out.steps_taken == 1

@@ -215,5 +215,8 @@ def probe_batch_independence(model: nn.Module, inputs, targets, norms_of) -> Non
                 raise BatchCouplingError(
                     f"model is invalid: example {i}'s per-example gradient norm changes with the other "
                     f"examples of its batch ({a:.6g} → {c:.6g}) under this clipping method, so the clipped "
-                    f"sum's sensitivity exceeds ζ; {_fix(None)}"
+                    f"sum's sensitivity exceeds ζ; its output does not change, so either the backward "
+                    "mixes the examples or this method's per-layer records do not follow them (e.g. a "
+                    "layer's output shared by the batch and indexed rather than broadcast): "
+                    f"{_fix(None)}, or use clipping='vmap' (each example's gradient alone)"
                 )
