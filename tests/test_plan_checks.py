@@ -271,3 +271,13 @@ def test_a_factorization_whose_noise_layout_is_not_c_inverse_is_refused():
     got = noise_stream(plan, 4000, 7).next()
     # the first step's noise is Z_0·(C⁻¹)_00 for both: the accounting's noise would be equal
     assert float(got.std()) == pytest.approx(float(honest.std()), rel=1e-6)
+
+
+def test_cyclic_poisson_whose_bands_oversample_names_the_strategy_and_the_way_out():
+    # min_sep comes from the strategy's bands when not given: the refusal says so, and how far
+    # it can go (N/B = 2048/256 = 8 bands at most)
+    with pytest.raises(
+        ValueError, match=r"min_sep=16 \(the 16 bands of factorization 'bsr:16'\).*at most 8 bands"
+    ):
+        PrivatePlan(2048, 256, steps=40, scheme="cyclic_poisson", strategy="bsr:16")
+    assert PrivatePlan(2048, 256, steps=40, scheme="cyclic_poisson", strategy="bsr:8").scheme.groups

@@ -414,10 +414,12 @@ class CyclicPoisson(Scheme):
                 f"as bsr:{sep})"
             )
         if q > 1.0:
+            most = run.dataset_size // run.batch_size
+            given = "" if self.min_sep is not None else f" (the {p} bands of factorization {run.label!r})"
             raise ValueError(
-                f"min_sep={sep} is invalid for scheme='cyclic_poisson': the sampling rate "
-                f"batch_size*min_sep/dataset_size={q:.4g} exceeds 1 (need min_sep <= "
-                f"{run.dataset_size // run.batch_size})"
+                f"min_sep={sep}{given} is invalid for scheme='cyclic_poisson': the sampling rate "
+                f"batch_size*min_sep/dataset_size={q:.4g} exceeds 1 (need min_sep <= {most}); use a "
+                f"strategy of at most {most} bands, a smaller batch_size, or more data"
             )
 
     def refuse_candidate(self, entry, bands, run):
