@@ -282,3 +282,32 @@ def test_long_float32_rows_keep_each_example_within_zeta(case, clipping):
     got = clipped_sum(lin, loss, x, torch.zeros(1), clip_norm=0.1, clipping=clipping)
     assert got.norms.item() == pytest.approx(true, rel=1e-5)
     assert got.grads[0].double().norm().item() <= 0.1 * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("kind", ["groupnorm", "layernorm", "embedding"])
+@pytest.mark.parametrize("clipping", ["bk", "ghost"])
+def test_finite_gradients_of_layers_normed_in_the_backward_whose_squares_overflow_get_float64_norms(
+    kind, clipping
+):
+    # their norms are taken while the backward runs and checked with every layer's at the end:
+    # a float32 square that overflowed is taken again in float64 from what the layer kept
+    torch.manual_seed(0)
+    if kind == "groupnorm":
+        model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(144, 3))
+        x = torch.randn(4, 1, 8, 8)
+    elif kind == "layernorm":
+        model, x = nn.Sequential(nn.Linear(5, 8), nn.LayerNorm(8), nn.Linear(8, 3)), torch.randn(4, 5)
+    else:
+        model = nn.Sequential(nn.Embedding(10, 8), nn.Flatten(), nn.Linear(24, 3))
+        x = torch.randint(0, 10, (4, 3))
+    y = torch.randint(0, 3, (4,))
+
+    def loss(out, t):  # per-example gradients ~1e25: their float32 squares overflow
+        return F.cross_entropy(out, t) * 1e25
+
+    ref = []
+    for i in range(4):
+        g = torch.autograd.grad(loss(model(x[i : i + 1]), y[i : i + 1]), list(model.parameters()))
+        ref.append(torch.sqrt(sum((t.double() ** 2).sum() for t in g)))
+    out = clipped_sum(model, loss, x, y, clip_norm=1.0, clipping=clipping)
+    torch.testing.assert_close(out.norms, torch.stack(ref), rtol=1e-6, atol=0)

@@ -749,10 +749,28 @@ class _Handler:
     def sq_norms_widened(self) -> dict[str, torch.Tensor]:
         """Every attribute's squared norms taken again with the layer's dtype widened to float64
         (a finite gradient whose square overflowed the lower dtype); its clipped sum is then
-        taken in float64 too."""
+        taken in float64 too. From the recorded calls while they are held; a layer whose norms
+        were taken in the backward (its calls released) from its per-example gradients when that
+        is what its state holds; else nothing (its norms stay non-finite: refused)."""
+        calls = self.calls()
+        if calls and all(c.inputs is not None for c in calls):
+            self.dtype = torch.float64
+            out = self._sq(self.dtype, calls)
+            return {self.names[a]: v if v.dtype == torch.float64 else v.double() for a, v in out.items()}
+        state, own = self.state, self.layer.module._parameters
+        per_example = isinstance(state, dict) and all(
+            isinstance(state.get(a), torch.Tensor) and state[a].shape[1:] == own[a].shape for a in self.attrs
+        )
+        if not per_example:
+            return {}
         self.dtype = torch.float64
-        out = self._sq(self.dtype, self.calls())
-        return {self.names[a]: v if v.dtype == torch.float64 else v.double() for a, v in out.items()}
+        self.state = {a: v.double() if isinstance(v, torch.Tensor) else v for a, v in state.items()}
+        return {
+            self.names[a]: torch.linalg.vector_norm(
+                self.state[a].reshape(self.state[a].shape[0], -1), dim=1
+            ).square()
+            for a in self.attrs
+        }
 
     def _sq(self, dtype, calls):
         h, m = self.layer.handler, self.layer.module
