@@ -65,7 +65,7 @@ def _rank(args) -> None:
         optimizer=opt,
         check_every=0,
     )
-    priv.bind(opt)
+    opt.bind(priv)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.batch_size, *shape, generator=g).to(device)
     y = torch.randint(0, 10, (args.batch_size,), generator=g).to(device)

@@ -123,7 +123,7 @@ def private_step(optimizer_class, **kw):
         expected_batch_size=batch, noise=noise,
     )
     opt = optimizer_class(model.parameters(), **kw)
-    priv.bind(opt)
+    opt.bind(priv)
 
     def step():
         priv.privatize(x, y)

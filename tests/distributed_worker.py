@@ -35,7 +35,7 @@ def _steps(out):
             optimizer=opt,
             check_every=1,
         )
-        priv.bind(opt)
+        opt.bind(priv)
         x, y = _data(dtype)
         for idx in _batches(plan):
             mine = rank_slice(idx, comm.rank, comm.world_size)

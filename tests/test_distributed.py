@@ -237,7 +237,7 @@ def _one_process(plan, kind, dtype, batches):
     noise = noise_stream(plan, keys.dim, 21, dtype=dtype, keys=keys)
     priv = Privatizer(model, nn.functional.cross_entropy, plan=plan, clip_norm=1.0, noise=noise)
     opt = _optimizer(kind, model)
-    priv.bind(opt)
+    opt.bind(priv)
     x, y = _data(dtype)
     for idx in batches:
         priv.privatize(x[idx], y[idx])
@@ -265,7 +265,7 @@ def _distributed(plan, kind, dtype, batches, mode, world):
             optimizer=opt,
             check_every=2,
         )
-        priv.bind(opt)
+        opt.bind(priv)
         x, y = _data(dtype)
         for idx in batches:
             mine = rank_slice(idx, comm.rank, comm.world_size)

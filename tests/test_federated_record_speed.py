@@ -38,7 +38,7 @@ def _fresh_each_round(run, weights, steps, mu):
     set_weights(run.model, weights)
     anchor = get_weights(run.model)
     opt = local.local_optimizer(run.optimizer, run.model, lr=run.lr, key=run._key)
-    run.privatizer.bind(opt)
+    opt.bind(run.privatizer)
     for _ in range(steps):
         drawn_at, batch = run.step.batches.draw()
         run.step.batches.record(drawn_at, ids=batch, n=len(batch))

@@ -79,7 +79,7 @@ def test_a_registered_optimizer_is_usable_by_the_train_config_and_builder(sign_r
     grads = [torch.tensor([[1.0, -2.0, 0.5], [-0.1, 0.0, 3.0]]), torch.tensor([-4.0, 0.2])]
     for p, g in zip(model.parameters(), grads, strict=True):
         p.grad = g
-    opt.bind(SimpleNamespace(fresh_noise_std=0.0, check_gradients=lambda: None, consume=lambda: None))
+    opt.bind(SimpleNamespace(fresh_noise_std=0.0, check_gradients=lambda *_: None, consume=lambda: None))
     opt.step()
     for p, b, g in zip(model.parameters(), before, grads, strict=True):
         torch.testing.assert_close(p.detach(), b - 0.25 * torch.sign(g))

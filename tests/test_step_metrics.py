@@ -8,7 +8,8 @@ import pytest
 from cli_helpers import _one_line_error
 
 from dpmf import cli
-from dpmf.step import noise_stream
+from dpmf.seeds import SeedPolicy
+from dpmf.step import build
 
 # --- per-step metrics ----------------------------------------------------------------------
 
@@ -17,7 +18,6 @@ def _trainer(data, out, *, log_every=None, epochs=2, batch=256, seed=3):
     import torch
     import torch.nn.functional as F
 
-    from dpmf.optim.privatize import Privatizer
     from dpmf.plan import PrivatePlan
     from dpmf.train.loop import Trainer
     from dpmf.train.models import build_model
@@ -25,15 +25,12 @@ def _trainer(data, out, *, log_every=None, epochs=2, batch=256, seed=3):
     n = len(data)
     steps = epochs * -(-n // batch)
     model = build_model("mlp", data.input_shape, data.num_classes, seed=seed)
-    d = sum(p.numel() for p in model.parameters())
-    plan = PrivatePlan(n, batch, steps=steps, noise_multiplier=0.8)  # DP-SGD, Poisson
-    sampler = plan.sampler(seed + 2)
-    priv = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=0.5, noise=noise_stream(plan, d, seed + 1))
+    plan = PrivatePlan(n, batch, steps=steps, noise_multiplier=0.8, clip_norm=0.5)  # DP-SGD, Poisson
+    step = build(plan, model, F.cross_entropy, seed=SeedPolicy.adopt(seed + 1, given=True))
     trainer = Trainer(
         model=model,
         data=data,
-        sampler=sampler,
-        privatizer=priv,
+        step=step,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
         lr_multipliers=np.linspace(1.0, 0.2, steps),
         epochs=epochs,

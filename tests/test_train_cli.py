@@ -248,7 +248,7 @@ def test_per_channel_parameter_goes_to_the_vector_rule(optimizer):
     assert rules[id(model.conv.weight)] != "sgd" and rules[id(model.head.weight)] != "sgd"
     assert "scale (4, 1, 1)" in notes[0]
     # a stand-in privatizer: its step's fresh-noise std, and gradients it vouches for
-    opt.bind(SimpleNamespace(fresh_noise_std=0.01, check_gradients=lambda: None, consume=lambda: None))
+    opt.bind(SimpleNamespace(fresh_noise_std=0.01, check_gradients=lambda *_: None, consume=lambda: None))
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opt.step()

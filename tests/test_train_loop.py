@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from dpmf.optim.clipping import NonFiniteGradientError
-from dpmf.optim.privatize import Privatizer
 from dpmf.plan import PrivatePlan
-from dpmf.step import noise_stream
+from dpmf.seeds import SeedPolicy
+from dpmf.step import build
 from dpmf.train.checkpoint import load_checkpoint
 from dpmf.train.data import load_dataset
 from dpmf.train.loop import NonFiniteWeightsError, Trainer
@@ -40,17 +40,16 @@ def make_trainer(
     spe = -(-n // batch)
     steps = epochs * spe
     model = build_model("mlp", data.input_shape, data.num_classes, seed=seed)
-    d = sum(p.numel() for p in model.parameters())
-    plan = PrivatePlan(n, batch, steps=steps, scheme=scheme, strategy=spec, noise_multiplier=sigma)
-    sampler = plan.sampler(seed + 2)
-    priv = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=noise_stream(plan, d, seed + 1))
+    plan = PrivatePlan(
+        n, batch, steps=steps, scheme=scheme, strategy=spec, noise_multiplier=sigma, clip_norm=1.0
+    )
+    step = build(plan, model, F.cross_entropy, seed=SeedPolicy.adopt(seed + 1, given=True))
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     chi = np.linspace(1.0, 0.2, steps)
     return Trainer(
         model=model,
         data=data,
-        sampler=sampler,
-        privatizer=priv,
+        step=step,
         optimizer=opt,
         lr_multipliers=chi,
         epochs=epochs,
@@ -160,20 +159,18 @@ def test_diverging_optimizer_step_is_undone_and_named(digits, tmp_path):
     assert all(torch.isfinite(p).all() for p in tr.model.parameters())
 
 
-def test_trainer_refuses_a_short_noise_stream(digits, tmp_path):
+def test_trainer_refuses_a_plan_of_another_length(digits, tmp_path):
     tr = make_trainer(digits, tmp_path, epochs=1)
-    model = tr.model
-    d = sum(p.numel() for p in model.parameters())
-    plan = PrivatePlan(384, 128, steps=3, noise_multiplier=1.0)
-    short = Privatizer(model, F.cross_entropy, plan=plan, clip_norm=1.0, noise=noise_stream(plan, d, 0))
-    with pytest.raises(ValueError, match="noise stream covers 3 steps"):
+    # two epochs of 3 steps planned, one trained
+    plan = PrivatePlan(384, 128, steps=6, noise_multiplier=1.0, clip_norm=1.0)
+    other = build(plan, tr.model, F.cross_entropy, seed=SeedPolicy.adopt(0, given=True))
+    with pytest.raises(ValueError, match="sampler.steps=6 is invalid: the run has 3 steps"):
         Trainer(
-            model=model,
+            model=tr.model,
             data=digits,
-            sampler=tr.sampler,
-            privatizer=short,
+            step=other,
             optimizer=tr.optimizer,
-            lr_multipliers=np.ones(tr.total_steps),
+            lr_multipliers=np.ones(3),
             epochs=1,
             out_dir=str(tmp_path),
             device="cpu",

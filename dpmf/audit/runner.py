@@ -156,15 +156,13 @@ def run_audit(
     from dpmf.step import build as build_step
 
     step = build_step(plan, model, F.cross_entropy, config.execution_flags(), seed=policy)
-    sampler, privatizer, drawn = step.sampler, step.privatizer, step.batches
+    sampler, privatizer = step.sampler, step.privatizer
     stage, canary_inputs = _canaries(
         kind, privatizer, sampler, model, data, included, N, seed, config.clip_norm
     )
-    privatizer.bind(optimizer)
+    step.bind(optimizer)
     desc = f"audit ({kind}, {m} canaries)" if progress else None
-    participation = _train(
-        data, model, optimizer, privatizer, drawn, plan, N, included, canary_inputs, device, desc
-    )
+    participation = _train(data, model, optimizer, step, plan, N, included, canary_inputs, device, desc)
 
     if kind == "white-box":
         possible = _possible_steps(plan, sampler, participation)[:, N:]
@@ -214,10 +212,11 @@ def _canaries(kind: str, privatizer, sampler, model, data, included, N: int, see
     return stage, None
 
 
-def _train(data, model, optimizer, privatizer, drawn, plan, N, included, input_canaries, device, desc):
-    """The audited run: every step of ``plan`` on the batch its sampler drew (real examples,
-    plus the "in" input canaries when ``input_canaries`` = (x, y) is given; white-box canaries
-    are the privatizer's stage). Returns the participation, shape (steps, N + m), boolean."""
+def _train(data, model, optimizer, step, plan, N, included, input_canaries, device, desc):
+    """The audited run: every step of ``plan`` (``DPStep.take``) on the batch its sampler drew
+    (real examples, plus the "in" input canaries when ``input_canaries`` = (x, y) is given;
+    white-box canaries are the privatizer's stage). Returns the participation, shape
+    (steps, N + m), boolean."""
     import torch
 
     from dpmf.optim import LearningRateSchedule
@@ -231,8 +230,8 @@ def _train(data, model, optimizer, privatizer, drawn, plan, N, included, input_c
         from tqdm.auto import tqdm
 
         steps = tqdm(steps, desc=desc, unit="step", leave=False)
-    for t in steps:  # as dpmf train: only the drawn batch, once
-        drawn_at, batch = drawn.draw()
+
+    def rows(batch):  # the drawn batch over N + m slots → the real examples and "in" canaries
         participation[t, batch] = True
         real = batch[batch < N]
         canary = batch[batch >= N] - N
@@ -244,12 +243,12 @@ def _train(data, model, optimizer, privatizer, drawn, plan, N, included, input_c
             x = torch.cat([x, cx[torch.from_numpy(canary_in)]])
             y = torch.cat([y, cy[torch.from_numpy(canary_in)]])
             ids = np.concatenate([real, N + canary_in])  # an "in" input canary is example N + j
-        drawn.record(drawn_at, ids=ids, n=int(ids.shape[0]))  # what privatize must receive
+        return x.to(device), y.to(device), ids
+
+    for t in steps:  # as dpmf train: only the drawn batch, once
         for group, lr in zip(optimizer.param_groups, base, strict=True):
             group["lr"] = lr * float(chi[t])
-        privatizer.privatize(x.to(device), y.to(device), example_ids=torch.from_numpy(ids))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        step.take(optimizer, rows)
     return participation
 
 

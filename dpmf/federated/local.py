@@ -369,24 +369,20 @@ class PrivateLocalRun:
         anchor = get_weights(self.model)
         if self._opt is None:
             self._opt = local_optimizer(self.optimizer, self.model, lr=self.lr, key=self._key)
-            self.privatizer.bind(self._opt)
+            self.step.bind(self._opt)
         opt = self._opt
         opt.reset_state()
-        params = [p for group in opt.param_groups for p in group["params"]]
-        norms = []
-        from_numpy = torch.from_numpy
-        x, y = from_numpy(self.x), from_numpy(self.y)
-        for _ in range(steps):
-            drawn_at, batch = self.step.batches.draw()
-            self.step.batches.record(drawn_at, ids=batch, n=len(batch))
-            idx = from_numpy(batch)
-            info = self.privatizer.privatize(x[idx], y[idx], example_ids=idx)
-            if proximal_mu != 0.0:  # (μ = 0 adds nothing: the private gradient is stepped as written)
-                self.privatizer.post_process(lambda: add_proximal_gradient(self.model, anchor, proximal_mu))
-            opt.step()
-            for p in params:  # zero_grad(set_to_none=True), without torch's first-call import of dynamo
-                p.grad = None
-            norms.append(info.mean_norm)
+        x, y = torch.from_numpy(self.x), torch.from_numpy(self.y)
+
+        def rows(batch):
+            idx = torch.from_numpy(batch)
+            return x[idx], y[idx], batch
+
+        # (μ = 0 adds nothing: the private gradient is stepped as written)
+        proximal = None
+        if proximal_mu != 0.0:
+            proximal = lambda: add_proximal_gradient(self.model, anchor, proximal_mu)  # noqa: E731
+        norms = [self.step.take(opt, rows, post_process=proximal).mean_norm for _ in range(steps)]
         return get_weights(self.model), float(np.mean(norms)) if norms else 0.0
 
 
@@ -468,16 +464,14 @@ class AggregatorDPSGD:
         from dpmf.federated.models import get_weights, set_weights
 
         set_weights(self.model, weights)
-        for _ in range(steps):
-            drawn_at, batch = self.step.batches.draw()
-            self.step.batches.record(drawn_at, ids=batch, n=len(batch))
+        x, y = torch.from_numpy(self.x), torch.from_numpy(self.y)
+
+        def rows(batch):
             idx = torch.from_numpy(batch)
-            self.step.privatizer.privatize(
-                torch.from_numpy(self.x)[idx], torch.from_numpy(self.y)[idx], example_ids=idx
-            )
-            self.step.privatizer.consume()
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            return x[idx], y[idx], batch
+
+        for _ in range(steps):
+            self.step.take(self.optimizer, rows)
         return get_weights(self.model)
 
 

@@ -7,7 +7,9 @@ Two rules, checked by ``Privatizer`` at every step, whatever door built it (``ma
    coordinate per trainable entry and the optimizer's groups were checked against the
    trainable parameters once; unfreezing or freezing a parameter, replacing one, adding a
    submodule or an optimizer group afterwards would make the noise cover the wrong entries.
-   ``ModelStructure`` records them at construction and names the first change.
+   ``ModelStructure`` records the model at construction and names the first change;
+   ``OptimizerGroups`` records an optimizer's groups when the optimizer is bound to the step
+   (the optimizer holds it: the step never refers to its optimizer).
 2. **The private forward and backward change no parameter or buffer.** Anything the forward
    pass writes into the model (running statistics, ``nn.Embedding(max_norm=…)`` renormalizing
    the rows of the batch's tokens in place, a custom ``self.buf.add_(x.sum())``) is a function
@@ -39,6 +41,7 @@ __all__ = [
     "ModelChangedError",
     "ModelStateChangedError",
     "ModelStructure",
+    "OptimizerGroups",
     "StateSnapshot",
     "state_versions",
     "check_state_unchanged",
@@ -152,8 +155,8 @@ def _own_tensors(prefix: str, m: nn.Module, params: list, buffers: list) -> None
 
 
 class ModelStructure:
-    """The parameters (identity, shape, trainable or frozen) and submodules of a model, and the
-    parameter groups of a bound optimizer, as they were when the private step was built.
+    """The parameters (identity, shape, trainable or frozen) and submodules of a model, as they
+    were when the private step was built.
 
     Args:
         model: the network.
@@ -162,8 +165,6 @@ class ModelStructure:
     def __init__(self, model: nn.Module):
         self.model = model
         self._params, self._modules = self._snapshot()
-        self._optimizer = None
-        self._groups: tuple = ()
 
     def _snapshot(self, walk: ModelWalk | None = None) -> tuple[list, list]:
         """((name, id, shape, requires_grad) of every parameter as ``named_parameters()`` lists
@@ -173,24 +174,8 @@ class ModelStructure:
         params = [(n, id(p), p.shape, p.requires_grad) for n, p in walk.unique_params]
         return params, [(n, id(m)) for n, m in walk.unique_modules]
 
-    @property
-    def optimizer(self):
-        """The bound optimizer (None before ``bind``)."""
-        return self._optimizer
-
-    def optimizer_params(self) -> list:
-        """The parameters in the bound optimizer's groups (empty before ``bind``)."""
-        if self._optimizer is None:
-            return []
-        return [_param_of(p) for g in self._optimizer.param_groups for p in g["params"]]
-
-    def bind(self, optimizer) -> None:
-        """Record ``optimizer``'s parameter groups too (checked by ``check``)."""
-        self._optimizer = optimizer
-        self._groups = _groups(optimizer)
-
     def check(self, when: str, walk: ModelWalk | None = None) -> None:
-        """Raise if the model or the bound optimizer changed since construction.
+        """Raise if the model changed since construction.
 
         Args:
             when: what is refused, for the message (e.g. ``"backward"``).
@@ -198,7 +183,7 @@ class ModelStructure:
 
         Raises:
             ModelChangedError: naming the first change (which parameter, frozen → trainable, a
-                new submodule or optimizer group) and the fix.
+                new submodule) and the fix.
         """
         params, modules = self._snapshot(walk)
         if params != self._params:
@@ -217,32 +202,6 @@ class ModelStructure:
                 f"{when} refused: {what} after the private step was built (its forward would run "
                 f"unchecked); {_FIX_STRUCTURE}"
             )
-        self.check_optimizer(when)
-
-    def check_optimizer(self, when: str) -> None:
-        """Raise if the bound optimizer's parameter groups changed since ``bind`` (nothing
-        without a bound optimizer).
-
-        Raises:
-            ModelChangedError: naming the change (a group added or removed, or which group's
-                parameters changed) and the fix.
-        """
-        if self._optimizer is None:
-            return
-        groups = _groups(self._optimizer)
-        if groups == self._groups:
-            return
-        if len(groups) > len(self._groups):
-            what = (
-                f"the optimizer has {len(groups)} parameter groups, {len(self._groups)} when it was "
-                "bound (add_param_group after make_private?)"
-            )
-        elif len(groups) < len(self._groups):
-            what = f"the optimizer has {len(groups)} parameter groups, {len(self._groups)} when it was bound"
-        else:
-            i = next(i for i, (a, b) in enumerate(zip(groups, self._groups, strict=True)) if a != b)
-            what = f"the parameters of optimizer group {i} changed"
-        raise ModelChangedError(f"{when} refused: {what}; {_FIX_STRUCTURE}")
 
     def _raise_params(self, params, when: str) -> None:
         old = {n: (i, s, g) for n, i, s, g in self._params}
@@ -266,6 +225,46 @@ class ModelStructure:
             f"{when} refused: {what} after the private step was built (its noise and clipping cover "
             f"the trainable parameters of that time); {_FIX_STRUCTURE}"
         )
+
+
+class OptimizerGroups:
+    """The parameter groups of an optimizer as they were when it was bound to a private step
+    (held by the optimizer side: ``DPOptimizer.bind``, ``PrivateOptimizer``; the private step
+    itself never refers to an optimizer).
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` (its groups may hold (name, tensor) pairs).
+    """
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self._groups = _groups(optimizer)
+
+    def params(self) -> list:
+        """The parameters in the optimizer's groups now."""
+        return [_param_of(p) for g in self.optimizer.param_groups for p in g["params"]]
+
+    def check(self, when: str) -> None:
+        """Raise if the groups changed since construction.
+
+        Raises:
+            ModelChangedError: naming the change (a group added or removed, or which group's
+                parameters changed) and the fix.
+        """
+        groups = _groups(self.optimizer)
+        if groups == self._groups:
+            return
+        if len(groups) > len(self._groups):
+            what = (
+                f"the optimizer has {len(groups)} parameter groups, {len(self._groups)} when it was "
+                "bound (add_param_group after make_private?)"
+            )
+        elif len(groups) < len(self._groups):
+            what = f"the optimizer has {len(groups)} parameter groups, {len(self._groups)} when it was bound"
+        else:
+            i = next(i for i, (a, b) in enumerate(zip(groups, self._groups, strict=True)) if a != b)
+            what = f"the parameters of optimizer group {i} changed"
+        raise ModelChangedError(f"{when} refused: {what}; {_FIX_STRUCTURE}")
 
 
 def _state_tensors(model: nn.Module, walk: ModelWalk | None = None) -> tuple[list, list]:

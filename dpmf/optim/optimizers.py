@@ -35,6 +35,7 @@ from torch.optim.optimizer import required
 
 from dpmf._validation import check_choice, check_int, check_real
 from dpmf.optim.matrix import check_matrix_parameter
+from dpmf.optim.model_guard import OptimizerGroups
 from dpmf.optim.orthogonalization import QUINTIC_COEFFICIENTS
 from dpmf.optim.registry import get_optimizer, matrix_rule_names, rule_names, spec_of_rule
 from dpmf.optim.transforms import (
@@ -269,7 +270,7 @@ class DPOptimizer(torch.optim.Optimizer):
         noise_std: the fresh-noise std per entry of p.grad when no privatizer is bound (only
             DP-MuonBC needs it).
         allow_unprivatized: False (default): ``step()`` refuses gradients that did not come from
-            the bound privatizer's private step for this step (``Privatizer.bind``; through
+            the bound privatizer's private step for this step (``DPOptimizer.bind``; through
             ``dpmf.make_private`` or ``dpmf train`` this is automatic). True opts out, for
             gradients privatized by other means.
 
@@ -315,6 +316,7 @@ class DPOptimizer(torch.optim.Optimizer):
             None if noise_std is None else check_real("noise_std", noise_std, low=0.0)
         )
         self._source = None
+        self._bound_groups = None
         self._chains: dict[int, tuple] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._pending_generator_states: dict[str, torch.Tensor] = {}
@@ -397,13 +399,25 @@ class DPOptimizer(torch.optim.Optimizer):
     # -- noise std for the bias correction --------------------------------------------------
 
     def bind(self, source) -> None:
-        """Take the fresh-noise std of each step from ``source`` (a ``dpmf.optim.Privatizer``,
-        whose ``bind`` calls this): its ``fresh_noise_std``, the per-entry std of the part of
-        this step's noise in p.grad independent of earlier steps, σ·ζ·s·|(C⁻¹)_tt|/B̄. Only
-        DP-MuonBC uses it; the stages convert it to the std of the noise in the matrix they
-        correct (×(1−β)(1+β) for Nesterov EMA momentum).
+        """Step only on the private gradients of ``source`` (a ``dpmf.optim.Privatizer``) and
+        take each step's fresh-noise std from it. The binding is one way: the privatizer never
+        refers to its optimizer. From now on ``step()`` checks, before touching any parameter,
+        that this optimizer's parameter groups are those of now (``OptimizerGroups``) and that
+        every gradient it would read is the one ``source`` wrote for this step
+        (``Privatizer.check_gradients``), and marks that gradient used afterwards.
+
+        The fresh-noise std is the per-entry std of the part of this step's noise in p.grad
+        independent of earlier steps, σ·ζ·s·|(C⁻¹)_tt|/B̄. Only DP-MuonBC uses it; the stages
+        convert it to the std of the noise in the matrix they correct (×(1−β)(1+β) for Nesterov
+        EMA momentum).
         """
         self._source = source
+        self._bound_groups = OptimizerGroups(self)
+
+    @property
+    def bound_to(self):
+        """The privatizer given to ``bind`` (None before)."""
+        return self._source
 
     @property
     def noise_std(self) -> float | None:
@@ -506,12 +520,13 @@ class DPOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._source is not None:
-            self._source.check_gradients()
+            self._bound_groups.check("optimizer.step()")
+            self._source.check_gradients(self._bound_groups.params())
         elif not self.allow_unprivatized:
             raise RuntimeError(
                 f"{type(self).__name__}.step() refused: no privatizer is bound, so nothing shows that "
                 "p.grad holds privatized gradients (a plain loss.backward() would train without "
-                "clipping or noise). Use dpmf.make_private(...), or privatizer.bind(optimizer) and "
+                "clipping or noise). Use dpmf.make_private(...), or optimizer.bind(privatizer) and "
                 "privatizer.privatize(...) each step; pass allow_unprivatized=True only for gradients "
                 "you privatized yourself"
             )

@@ -14,7 +14,7 @@ A logical batch may be processed in physical micro-batches (gradient accumulatio
 sums are added and the noise is added once, so each logical batch is one step of the
 mechanism and of the accountant.
 
-Before any work, each step checks that the model and the bound optimizer are those the step
+Before any work, each step checks that the model is the one the step
 was built for (``dpmf.optim.model_guard.ModelStructure``) and, once the step draws its batches
 from the plan's sampler (``draw_from``: ``make_private`` and ``dpmf train`` do), that the batch is
 the one the sampler drew for this step, not yet privatized (``dpmf.optim.batches``); after the
@@ -157,12 +157,12 @@ class Privatizer(KeyHolder):
             dtype.
 
     What every step checks, before any work: the model's parameters (which, their shapes,
-    trainable or frozen) and submodules, and the groups of a bound optimizer, are those of
-    construction (``ModelChangedError`` names the change); with ``draw_from(sampler)``, the
-    batch is the one the sampler drew for this step, handed out by the door and not yet
-    privatized (``dpmf.optim.batches.BatchCheckError``). After the forward and backward: no
-    parameter or buffer was written (``ModelStateChangedError``). Without ``draw_from`` the
-    caller is responsible for giving each step its sampled batch (the low-level API).
+    trainable or frozen) and submodules are those of construction (``ModelChangedError`` names
+    the change); with ``draw_from(sampler)``, the batch is the one the sampler drew for this
+    step, handed out by the door and not yet privatized (``dpmf.optim.batches.BatchCheckError``).
+    After the forward and backward: no parameter or buffer was written
+    (``ModelStateChangedError``). Without ``draw_from`` the caller is responsible for giving
+    each step its sampled batch (the low-level API).
 
     Raises:
         ValueError: any argument outside its range, a batch-coupled model, a noise stream
@@ -242,26 +242,26 @@ class Privatizer(KeyHolder):
         None before the first step."""
         return None if self.last_step is None else self.last_step.fresh_noise_std
 
-    def check_gradients(self) -> None:
+    def check_gradients(self, params=()) -> None:
         """Raise unless every trainable parameter's ``p.grad`` is the private gradient this
-        privatizer wrote for the current step, unchanged and not yet used by a step.
+        privatizer wrote for the current step, unchanged and not yet used by a step, and no
+        tensor of ``params`` (what the optimizer about to step holds) has a gradient it did not
+        write.
+
+        Args:
+            params: the optimizer's parameters (``OptimizerGroups.params``); () checks only the
+                gradients written.
 
         Raises:
-            RuntimeError: no private step yet, its gradients already consumed by a step, or a
-                ``p.grad`` replaced or modified (e.g. by a plain ``loss.backward()``).
+            ModelChangedError: the model changed since the step was built.
+            RuntimeError: no private step yet, its gradients already consumed by a step, a
+                ``p.grad`` replaced or modified (e.g. by a plain ``loss.backward()``), or a
+                parameter of ``params`` with a gradient the step did not write.
         """
         fix = (
             "call the private backward (PrivateTraining.backward or Privatizer.privatize) once "
             "before each optimizer.step(), and do not call loss.backward() yourself"
         )
-        # With a bound optimizer, what its step reads is checked: its groups, and that every
-        # gradient in them is one this step wrote (a model changed since the backward is refused
-        # by the next backward's own check). Without one: the model's structure.
-        optimizer = self.structure.optimizer
-        if optimizer is None:
-            self.structure.check("optimizer.step()")
-        else:
-            self.structure.check_optimizer("optimizer.step()")
         if self._written is None:
             raise RuntimeError(f"optimizer.step() refused: no private gradient for this step; {fix}")
         for p, g, version in self._written:
@@ -271,14 +271,16 @@ class Privatizer(KeyHolder):
                     "optimizer.step() refused: p.grad was replaced or modified after the private "
                     f"step wrote it (a parameter of shape {tuple(p.shape)}); {fix}"
                 )
-        if optimizer is not None:
+        if params:
             written = {id(p) for p, _, _ in self._written}
-            for p in self.structure.optimizer_params():
+            for p in params:
                 if p.grad is not None and id(p) not in written:
                     raise RuntimeError(
                         f"optimizer.step() refused: a parameter of shape {tuple(p.shape)} has a "
                         f"gradient the private step did not write (unfrozen after make_private?); {fix}"
                     )
+        else:  # no optimizer's parameters to check: the model is the step's
+            self.structure.check("optimizer.step()")
 
     def post_process(self, fn) -> None:
         """Run ``fn()``, which changes this step's private gradients in place (post-processing,
@@ -294,14 +296,6 @@ class Privatizer(KeyHolder):
     def consume(self) -> None:
         """Mark this step's private gradients as used (the next ``step()`` needs a new one)."""
         self._written = None
-
-    def bind(self, optimizer) -> None:
-        """Let a dpmf DP optimizer read each step's fresh-noise std from this privatizer
-        (``DPOptimizer.bind``), and record the optimizer's parameter groups: a group added or
-        changed later is refused at the next step."""
-        self.structure.bind(optimizer)
-        if hasattr(optimizer, "bind"):
-            optimizer.bind(self)
 
     def set_stage(self, stage: StepStage) -> None:
         """Insert ``stage`` (a white-box audit's canaries) into every later step.
@@ -370,7 +364,7 @@ class Privatizer(KeyHolder):
             ``PrivateStep`` with the step's public numbers and logging figures.
 
         Raises:
-            ModelChangedError: the model or the bound optimizer changed since construction.
+            ModelChangedError: the model changed since construction.
             BatchCheckError: (with ``draw_from``) not the batch drawn for this step, or one
                 already privatized.
             ModelStateChangedError: the forward/backward wrote a parameter or buffer (nothing

@@ -15,12 +15,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from dpmf import seeds
 from dpmf.optim.clipping import trainable_parameters
 from dpmf.optim.noise import ChunkedKeys, CorrelatedNoise, noise_for_factorization
-from dpmf.optim.privatize import Privatizer
+from dpmf.optim.optimizers import DPOptimizer
+from dpmf.optim.privatize import PrivateStep, Privatizer
 from dpmf.step.flags import ExecutionFlags
 
 __all__ = ["DPStep", "build", "noise_stream"]
@@ -66,6 +68,64 @@ class DPStep(seeds.KeyHolder):
     def key(self) -> int:
         """The run's key (secret unless given: never print it)."""
         return self.policy.key
+
+    def bind(self, optimizer) -> None:
+        """Let ``optimizer`` step on this step's private gradients: a dpmf ``DPOptimizer`` is
+        bound to the privatizer (``DPOptimizer.bind``: it checks the gradients it reads and takes
+        the fresh-noise std); any other ``torch.optim.Optimizer`` needs nothing (``take`` marks
+        its gradients used). The privatizer never refers to the optimizer."""
+        if isinstance(optimizer, DPOptimizer):
+            optimizer.bind(self.privatizer)
+
+    def take(
+        self,
+        optimizer,
+        batch: Callable,
+        *,
+        points=None,
+        post_process: Callable | None = None,
+        before_update: Callable | None = None,
+    ) -> PrivateStep:
+        """One step of the run, the body of every loop in dpmf: draw the plan's batch for this
+        step, privatize it, post-process and step ``optimizer``, zero its gradients.
+
+        Args:
+            optimizer: a ``torch.optim.Optimizer`` over the trainable parameters (a
+                ``DPOptimizer`` bound with ``bind``).
+            batch: ``batch(idx)`` → (x, y, ids): the inputs, targets and example ids (int64,
+                shape (b,)) of the drawn indices ``idx`` (numpy int64, shape (b,); this rank's
+                slice in a distributed run). ``ids`` are what the privatizer must receive: the
+                drawn indices, or another numbering of the same examples (an audit's canaries).
+            points: the evaluation plan of this step (``Privatizer.privatize``), or None.
+            post_process: ``fn()`` changing the private gradients in place (FedProx's proximal
+                term), run through ``Privatizer.post_process``; None: none.
+            before_update: ``fn(info)`` called with the ``PrivateStep`` before the optimizer
+                steps (the weights are still θ_t; step logging); None: none.
+
+        Returns:
+            The step's ``PrivateStep``.
+
+        Raises:
+            as ``Privatizer.privatize`` and the optimizer's ``step``.
+        """
+        drawn_at, idx = self.batches.draw()
+        x, y, ids = batch(idx)
+        self.batches.record(drawn_at, ids=ids, n=int(ids.shape[0]))  # what privatize must receive
+        privatizer = self.privatizer
+        info = privatizer.privatize(x, y, example_ids=torch.as_tensor(ids), points=points)
+        if post_process is not None:
+            privatizer.post_process(post_process)
+        if before_update is not None:
+            before_update(info)
+        optimizer.step()
+        if not isinstance(optimizer, DPOptimizer) or optimizer.bound_to is not privatizer:
+            privatizer.consume()
+        privatizer.after_step()  # distributed: every rank gets the owners' parameters
+        # zero_grad(set_to_none=True) without torch's first-call import of torch._dynamo
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                (p[1] if isinstance(p, tuple) else p).grad = None
+        return info
 
 
 def noise_stream(plan, dim: int, key: int, *, device=None, dtype=None, keys=None) -> CorrelatedNoise:

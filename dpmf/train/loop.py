@@ -3,15 +3,14 @@ atomic checkpoints that resume bit-for-bit.
 
 Each step t (0-based, T = epochs·steps_per_epoch in all):
 
-1. the sampler gives the step's example indices (possibly none), drawn through the
-   privatizer's ``DrawnBatches`` (``Privatizer.draw_from``), which then accepts at step t only
-   those indices, once;
-2. the learning rate of every parameter group is set to its base rate η_g times χ_t;
-3. the ``Privatizer`` writes g̃_t = (Σ clip_ζ(g_i) + σζ·sens·(C⁻¹Z)_t)/B̄ into ``p.grad``
-   (with a ``lookahead``, e.g. DiSK's, g_i is the per-example combination of gradients at the
-   points it names, clipped as one vector);
-4. the optimizer steps (post-processing); if a weight became NaN/inf the step is undone and
-   an error names it.
+1. the learning rate of every parameter group is set to its base rate η_g times χ_t;
+2. ``DPStep.take``, the one step body of every loop in dpmf: the sampler gives the step's
+   example indices (possibly none), drawn through the step's ``DrawnBatches``, which then
+   accepts at step t only those indices, once; the ``Privatizer`` writes
+   g̃_t = (Σ clip_ζ(g_i) + σζ·sens·(C⁻¹Z)_t)/B̄ into ``p.grad`` (with a ``lookahead``, e.g.
+   DiSK's, g_i is the per-example combination of gradients at the points it names, clipped as
+   one vector); the optimizer steps (post-processing);
+3. if a weight became NaN/inf the step is undone and an error names it.
 
 After every epoch: test loss and accuracy, ε spent so far, one CSV row, the PNG of the curves,
 and a checkpoint (model, optimizer, sampler, noise stream, global RNG states, metrics: the run
@@ -37,10 +36,8 @@ from torch import nn
 from dpmf._validation import check_int, check_real, check_vector
 from dpmf.optim.clipping import trainable_parameters
 from dpmf.optim.model_guard import check_state_unchanged, state_versions
-from dpmf.optim.privatize import Privatizer
 from dpmf.train.data import Dataset
 from dpmf.train.metrics import StepLog, batch_loss, plot_training_curves, write_metrics_csv
-from dpmf.train.samplers import BatchSampler
 from dpmf.train.shards import remove_shards
 from dpmf.train.state import (
     check_run_state,
@@ -156,14 +153,13 @@ class Trainer:
     Args:
         model: on ``device``.
         data: the in-memory ``Dataset`` (CPU tensors; batches are moved to ``device``).
-        sampler: the batch sampler, covering ``epochs·steps_per_epoch`` steps; in a run over
-            several processes, the ``dpmf.distributed.RankSlices`` of the plan's sampler (the
-            private step's ``batches.sampler``), which yields this rank's slice of each global
-            batch.
-        privatizer: clip → sum → noise → divide; its noise stream covers the same steps.
+        step: the run's ``dpmf.step.DPStep`` (``dpmf.step.build``): its sampler covers
+            ``epochs·steps_per_epoch`` steps (in a run over several processes its batches are
+            this rank's slices of each global batch), its privatizer (clip → sum → noise →
+            divide) the same steps; each step of the loop is ``DPStep.take``.
         optimizer: any ``torch.optim.Optimizer`` over the trainable parameters, freshly built:
-            each group's ``lr`` is taken as its base rate η_g. A DP optimizer bound to the
-            privatizer (``Privatizer.bind``) reads each step's fresh-noise std from it.
+            each group's ``lr`` is taken as its base rate η_g. A DP optimizer is bound to the
+            step here (``DPStep.bind``: it reads each step's fresh-noise std).
         lr_multipliers: χ, shape (T,), step t uses η_g·χ_t in group g.
         epochs: E ≥ 1.
         out_dir: folder for the checkpoint, metrics CSV and curves PNG.
@@ -184,7 +180,7 @@ class Trainer:
             learning rate go to ``steps.csv`` (and TensorBoard where installed; see
             ``dpmf.train.metrics.StepLog``; not private). None: per-epoch metrics only.
         collectives: the ``dpmf.distributed.Collectives`` of a run over several processes
-            (then ``privatizer`` is a ``DistributedPrivatizer``): each rank handles its slice
+            (then the step's privatizer is a ``DistributedPrivatizer``): each rank handles its slice
             of every global batch, the checkpoint is one shard per rank and a manifest, and
             only rank 0 writes the metrics, curves and progress bar. None: one process.
         plan: the run's ``PrivatePlan.to_dict()``, kept in the checkpoint and compared on resume
@@ -202,8 +198,7 @@ class Trainer:
         *,
         model: nn.Module,
         data: Dataset,
-        sampler: BatchSampler,
-        privatizer: Privatizer,
+        step,
         optimizer: torch.optim.Optimizer,
         lr_multipliers,
         epochs: int,
@@ -231,8 +226,9 @@ class Trainer:
         self.step_log: StepLog | None = None
         self.lookahead = lookahead
         self.data = data
-        self.sampler = sampler
-        self.privatizer = privatizer
+        self.step = step
+        self.sampler = sampler = step.batches.sampler
+        self.privatizer = step.privatizer
         self.optimizer = optimizer
         self.base_lrs = [
             check_real("lr", g["lr"], low=0.0, low_inclusive=False) for g in optimizer.param_groups
@@ -246,12 +242,7 @@ class Trainer:
             raise ValueError(
                 f"sampler.steps={sampler.steps} is invalid: the run has {self.total_steps} steps"
             )
-        if privatizer.noise.steps < self.total_steps:
-            raise ValueError(
-                f"noise stream covers {privatizer.noise.steps} steps: the run has {self.total_steps}"
-            )
-        # every step privatizes exactly the batch drawn for it, once (checked by the privatizer)
-        self.drawn = privatizer.draw_from(sampler)
+        step.bind(optimizer)
         self.out_dir = out_dir
         self.device = torch.device(device)
         self.run_identity = dict(run_identity)
@@ -318,30 +309,31 @@ class Trainer:
 
     # -- one step -----------------------------------------------------------------------------
     def _step(self, t: int) -> int:
-        # this rank's slice of the global batch in a distributed run (the sampler is then a
-        # ``dpmf.distributed.RankSlices``)
-        drawn_at, idx = self.drawn.draw()
-        self.drawn.record(drawn_at, ids=idx, n=int(idx.shape[0]))  # what privatize must receive
-        ids = torch.from_numpy(idx)
-        x = self.data.train_x[ids].to(self.device, non_blocking=True)
-        y = self.data.train_y[ids].to(self.device, non_blocking=True)
         chi = float(self.lr_multipliers[t])
         for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
             group["lr"] = base * chi
         lr = self.base_lrs[0] * chi
         points = None if self.lookahead is None else self.lookahead.points(self.model)
-        info = self.privatizer.privatize(x, y, example_ids=ids, points=points)
-        if self.step_log is not None and self.step_log.due(t + 1):  # weights still θ_t here
-            epoch = t // self.sampler.steps_per_epoch + 1
-            before = state_versions(self.model)
-            loss = batch_loss(self.model, x, y)
-            check_state_unchanged(self.model, before, "the logged loss's forward pass", t)
-            self.step_log.record(t + 1, epoch, loss, info.clipped_fraction, lr)
+        batch = {}
+
+        def rows(idx):  # this rank's slice of the global batch in a distributed run
+            ids = torch.from_numpy(idx)
+            batch["x"] = self.data.train_x[ids].to(self.device, non_blocking=True)
+            batch["y"] = self.data.train_y[ids].to(self.device, non_blocking=True)
+            return batch["x"], batch["y"], idx
+
+        def log(info):
+            if self.step_log is not None and self.step_log.due(t + 1):  # weights still θ_t here
+                x, y = batch["x"], batch["y"]
+                before = state_versions(self.model)
+                loss = batch_loss(self.model, x, y)
+                check_state_unchanged(self.model, before, "the logged loss's forward pass", t)
+                epoch = t // self.sampler.steps_per_epoch + 1
+                self.step_log.record(t + 1, epoch, loss, info.clipped_fraction, lr)
+
         params = [p for _, p in trainable_parameters(self.model)]
         before = [p.detach().clone() for p in params]
-        self.optimizer.step()
-        self.privatizer.after_step()  # a distributed step returns the parameters to every rank
-        self.optimizer.zero_grad(set_to_none=True)
+        info = self.step.take(self.optimizer, rows, points=points, before_update=log)
         if not all(bool(torch.isfinite(p).all()) for p in params):
             with torch.no_grad():
                 for p, b in zip(params, before, strict=True):

@@ -62,7 +62,8 @@ from dpmf import seeds
 from dpmf._validation import check_int, check_real
 from dpmf.mechanisms.registry import STRATEGIES, parse_factorization
 from dpmf.optim.clipping import check_per_example_safe, trainable_parameters
-from dpmf.optim.model_guard import check_state_unchanged, state_versions
+from dpmf.optim.model_guard import OptimizerGroups, check_state_unchanged, state_versions
+from dpmf.optim.optimizers import DPOptimizer
 from dpmf.optim.privatize import Privatizer
 from dpmf.plan.plan import PrivatePlan, steps_per_epoch
 from dpmf.plan.schemes import auto_scheme, get_scheme
@@ -168,7 +169,11 @@ class PrivateOptimizer(seeds.KeyHolder, torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks = {}
         self._optimizer_load_state_dict_pre_hooks = {}
         self._optimizer_load_state_dict_post_hooks = {}
-        privatizer.bind(optimizer)  # a dpmf DP optimizer reads the fresh-noise std from it
+        # the groups given to make_private (checked at each step); a dpmf DP optimizer reads the
+        # fresh-noise std from the privatizer (a one-way binding: the privatizer keeps no optimizer)
+        self._groups = OptimizerGroups(optimizer)
+        if isinstance(optimizer, DPOptimizer):
+            optimizer.bind(privatizer)
 
     @property
     def param_groups(self):
@@ -208,7 +213,8 @@ class PrivateOptimizer(seeds.KeyHolder, torch.optim.Optimizer):
             raise ValueError(
                 "closure is invalid for a private step: compute the loss with PrivateTraining.backward"
             )
-        self.privatizer.check_gradients()
+        self._groups.check("optimizer.step()")
+        self.privatizer.check_gradients(self._groups.params())
         last = self.privatizer.last_step
         chi = 1.0 if self.lr_multipliers is None or last is None else float(self.lr_multipliers[last.step])
         lrs = [g["lr"] for g in self.param_groups]

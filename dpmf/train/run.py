@@ -225,7 +225,6 @@ def _build_step(run: _Run) -> None:
         seed=run.policy,
         optimizer=run.optimizer,
     )
-    run.step.privatizer.bind(run.optimizer)
 
 
 def _header(run: _Run) -> dict:
@@ -270,7 +269,7 @@ def _header(run: _Run) -> dict:
 
 def _trainer(run: _Run, identity: dict) -> Trainer:
     """The loop over the run's parts (the checkpoint: ``dpmf.train.state``'s run state)."""
-    config, plan, privatizer = run.config, run.plan, run.step.privatizer
+    config, plan = run.config, run.plan
     # DiSK's prediction: per-example gradients at θ_t and θ_t + γ(θ_t − θ_{t−1}), combined
     # before clipping (one release per step at the same sensitivity: ε is unchanged).
     filt = build_filter(config)
@@ -283,8 +282,7 @@ def _trainer(run: _Run, identity: dict) -> Trainer:
     return Trainer(
         model=run.model,
         data=run.data,
-        sampler=run.step.batches.sampler,  # a RankSlices of the plan's sampler in a distributed run
-        privatizer=privatizer,
+        step=run.step,
         optimizer=run.optimizer,
         lr_multipliers=LearningRateSchedule(plan.schedule, plan.steps).multipliers,
         epochs=config.epochs,
