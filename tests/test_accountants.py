@@ -605,3 +605,48 @@ def test_cli_schedule_needs_a_meaningful_beta(capsys, extra, match):
     ]
     assert cli.main(argv) == 2
     assert match in capsys.readouterr().err
+
+
+# -- one event currency: dpmf's events are dp_accounting.DpEvents ---------------------------------
+
+
+def test_dpmf_events_are_dp_accounting_events_composed_as_they_are():
+    import dp_accounting
+    from dp_accounting.pld import PLDAccountant as LibraryPLD
+
+    from dpmf import PrivatePlan
+    from dpmf.accountants import PLDAccountant, RDPAccountant, make_accountant
+    from dpmf.accountants.events import (
+        ComposedEvent,
+        GaussianEvent,
+        MixtureGaussianEvent,
+        PoissonGaussianEvent,
+    )
+
+    plan = PrivatePlan(10_000, 100, steps=300, scheme="cyclic_poisson", strategy="bsr:3")
+    event = plan.event(1.1)
+    assert isinstance(event, dp_accounting.DpEvent) and plan.to_dp_event(1.1) == event
+    # dp-accounting's own accountant composes dpmf's event and dpmf's own one of that grid agrees
+    lib = LibraryPLD(value_discretization_interval=1e-4)
+    lib.compose(ComposedEvent((event, GaussianEvent(8.0, 2))))
+    mine = PLDAccountant().epsilon(ComposedEvent((event, GaussianEvent(8.0, 2))), 1e-6).epsilon
+    assert mine == pytest.approx(lib.get_epsilon(1e-6), rel=1e-9)
+    # a dpmf event equals the one built by hand from dp-accounting's classes, both ways
+    hand = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(0.03, dp_accounting.GaussianDpEvent(1.1)), 100
+    )
+    assert event == hand and hand == event and hash(event) == hash(hand)
+    assert event != PoissonGaussianEvent(1.1, 0.03, 99)
+    # and a hand-built one is measured by dpmf's accountants exactly as dpmf's
+    assert RDPAccountant().epsilon(hand, 1e-6).epsilon == RDPAccountant().epsilon(event, 1e-6).epsilon
+    # the balls-in-bins mixture is a DpEvent that only the Monte Carlo accountant measures
+    mixture = MixtureGaussianEvent(1.0, np.eye(3), 2)
+    assert isinstance(mixture, dp_accounting.DpEvent)
+    assert not lib.supports(mixture) and not PLDAccountant().supports(mixture)
+    assert make_accountant("monte_carlo").supports(mixture)
+    with pytest.raises(TypeError, match="not an event dpmf's accountants measure"):
+        ComposedEvent((dp_accounting.LaplaceDpEvent(1.0),))
+    # frozen, as every DpEvent, and its σ rescaled only by a new event
+    with pytest.raises(AttributeError):
+        event.count = 3
+    assert event.with_noise(2.2) == PoissonGaussianEvent(2.2, 0.03, 100)

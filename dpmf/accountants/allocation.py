@@ -739,7 +739,6 @@ def calibrate_allocation(event1, epsilon: float, delta: float, rtol: float = 1e-
     Raises:
         ValueError: invalid arguments or an unsupported event.
     """
-    import dataclasses
 
     from scipy.optimize import brentq
 
@@ -754,7 +753,7 @@ def calibrate_allocation(event1, epsilon: float, delta: float, rtol: float = 1e-
 
     def scaled(s):
         def one(e):
-            return dataclasses.replace(e, noise_multiplier=e.noise_multiplier * s)
+            return e.with_noise(e.noise_multiplier * s)
 
         if isinstance(event1, ComposedEvent):
             return ComposedEvent(tuple(one(e) for e in parts))

@@ -22,7 +22,6 @@ Algorithms:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -140,7 +139,7 @@ def rescaled(event, sigma: float):
     """The same event with every noise multiplier multiplied by ``sigma`` (built at σ = 1)."""
     if isinstance(event, ComposedEvent):
         return ComposedEvent(tuple(rescaled(e, sigma) for e in event.events))
-    return dataclasses.replace(event, noise_multiplier=event.noise_multiplier * sigma)
+    return event.with_noise(event.noise_multiplier * sigma)
 
 
 def _smallest_feasible(eps_of: Callable[[float], float], target: float, sigma0: float, rtol: float):

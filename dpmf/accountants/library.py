@@ -33,13 +33,12 @@ import warnings
 
 from dpmf._lazy import lazy_module
 from dpmf._validation import check_real
-from dpmf.accountants.events import GaussianEvent, PoissonGaussianEvent, flatten
+from dpmf.accountants.events import ComposedEvent, GaussianEvent, PoissonGaussianEvent, flatten
 from dpmf.accountants.gaussian import EXACT_MAX_MU, gaussian_delta, gaussian_epsilon
 from dpmf.accountants.memory import check_pld_memory
 from dpmf.accountants.result import Measurement
 
 # imported at their first use (dp-accounting takes about a second to import)
-dp_accounting = lazy_module("dp_accounting")
 _pld = lazy_module("dp_accounting.pld")
 _rdp = lazy_module("dp_accounting.rdp")
 
@@ -135,19 +134,10 @@ def _gaussian_mu(events) -> float | None:
     return (1.0 / s_min) * root  # float division and product overflow to inf, not an error
 
 
-def _dp_event(events) -> dp_accounting.DpEvent:
-    parts = []
-    for e in events:
-        if isinstance(e, GaussianEvent):
-            parts.append(
-                dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(e.noise_multiplier), e.count)
-            )
-        else:
-            inner = dp_accounting.PoissonSampledDpEvent(
-                e.sampling_rate, dp_accounting.GaussianDpEvent(e.noise_multiplier)
-            )
-            parts.append(dp_accounting.SelfComposedDpEvent(inner, e.steps))
-    return parts[0] if len(parts) == 1 else dp_accounting.ComposedDpEvent(parts)
+def _composed(events):
+    """The composition of ``events`` (dpmf events, hence dp-accounting ``DpEvent`` objects that
+    dp-accounting's accountants compose as they are)."""
+    return events[0] if len(events) == 1 else ComposedEvent(tuple(events))
 
 
 class _LibraryAccountant:
@@ -208,7 +198,7 @@ class PLDAccountant(_LibraryAccountant):
         _check_discretizable(events, self.name)
         check_pld_memory(events, self.value_discretization_interval)
         acc = _pld.PLDAccountant(value_discretization_interval=self.value_discretization_interval)
-        acc.compose(_dp_event(events))
+        acc.compose(_composed(events))
         return acc
 
     def epsilon(self, event, delta: float) -> Measurement:
@@ -264,7 +254,7 @@ class RDPAccountant(_LibraryAccountant):
     def _accountant(self, events):
         _check_representable(events, self.name)
         acc = _rdp.RdpAccountant()
-        acc.compose(_dp_event(events))
+        acc.compose(_composed(events))
         return acc
 
     def epsilon(self, event, delta: float) -> Measurement:
@@ -389,21 +379,26 @@ class PRVAccountant(_LibraryAccountant):
         return Measurement(epsilon, min(max(float(upper), 0.0), 1.0), self.name, "upper_bound", method)
 
 
-def to_dp_event(event) -> dp_accounting.DpEvent:
-    """The ``dp_accounting`` DpEvent that describes ``event`` exactly.
-
-    Gaussian and Poisson-subsampled Gaussian events (and their compositions) map to
-    ``GaussianDpEvent``, ``PoissonSampledDpEvent`` and ``SelfComposedDpEvent``/
-    ``ComposedDpEvent``, so the run can be composed with other mechanisms in dp-accounting.
+def to_dp_event(event):
+    """``event`` as dp-accounting composes it: dpmf's Gaussian and Poisson-subsampled Gaussian
+    events and their compositions already are dp-accounting ``DpEvent`` objects
+    (``SelfComposedDpEvent`` of ``GaussianDpEvent`` or ``PoissonSampledDpEvent``,
+    ``ComposedDpEvent``; ``dpmf.accountants.events``), so this returns the event itself, after
+    checking that dp-accounting's accountants measure all of it.
 
     Raises:
-        ValueError: the event contains a mixture of Gaussians (balls-in-bins batching), which no
-            dp_accounting event describes; account it with the Monte Carlo accountant.
+        ValueError: the event contains a mixture of Gaussians (balls-in-bins batching), which
+            dp-accounting's accountants do not measure; account it with the Monte Carlo
+            accountant.
+        TypeError: not an event.
     """
     events = flatten(event)
     if not all(isinstance(e, GaussianEvent | PoissonGaussianEvent) for e in events):
         raise ValueError(
-            "event is invalid for to_dp_event: balls-in-bins batching (a mixture of Gaussians) has no "
-            "dp_accounting DpEvent; account it with accountant='monte_carlo'"
+            "event is invalid for to_dp_event: balls-in-bins batching (a mixture of Gaussians) is a "
+            "DpEvent dp-accounting's accountants do not measure; account it with "
+            "accountant='monte_carlo'"
         )
-    return _dp_event(events)
+    if isinstance(event, ComposedEvent | GaussianEvent | PoissonGaussianEvent):
+        return event
+    return _composed(events)  # a dp-accounting event of dp-accounting's classes, read by flatten

@@ -430,12 +430,15 @@ class PrivatePlan:
     # -- events and accounting --------------------------------------------------------------
 
     def event(self, noise_multiplier: float | None = None):
-        """The privacy event at σ (default the plan's), a ``dpmf.accountants.events`` event."""
+        """The privacy event at σ (default the plan's), a ``dpmf.accountants.events`` event (a
+        ``dp_accounting.DpEvent``)."""
         sigma = check_sigma(self.require_noise_multiplier() if noise_multiplier is None else noise_multiplier)
         return self.scheme.event(self, sigma)[0]
 
     def to_dp_event(self, noise_multiplier: float | None = None):
-        """The ``dp_accounting.DpEvent`` that describes the run exactly, to compose with others.
+        """The ``dp_accounting.DpEvent`` that describes the run exactly, to compose with others in
+        dp-accounting: the plan's ``event`` itself, checked to be one dp-accounting's accountants
+        measure.
 
         Raises:
             ValueError: the scheme has no such event (balls-in-bins: a mixture of Gaussians).
