@@ -1,7 +1,8 @@
 """One private step of LoRA fine-tuning a GPT-2: dpmf against Opacus 1.6.0 and a non-private step.
 
 Every method runs the same model (a GPT-2 built from a config, LoRA adapters of rank 8 on
-``c_attn``/``c_proj`` from peft; only the adapters train), the same batch of token sequences
+``c_attn``/``c_proj`` from peft, only the adapters training; or, with ``--full``, every weight
+training, the input and output embeddings tied), the same batch of token sequences
 (right padding in some), the same loss (next-token cross-entropy, the mean over each
 sequence's non-padding tokens, then the mean over the batch) and AdamW:
 
@@ -40,8 +41,8 @@ with glibc's malloc returning every block of 64 KiB or more to the system when f
 
 Usage:
     python benchmarks/bench_hf.py [--batch-size 32] [--seq-len 32] [--width 64] [--layers 2]
-        [--vocab 1000] [--repeat 60] [--threads 1] [--no-memory] [--memory-repeat 3]
-        [--malloc steady|default]
+        [--vocab 1000] [--heads 4] [--full | --lora c_attn,c_proj] [--repeat 60] [--threads 1]
+        [--no-memory] [--memory-repeat 3] [--malloc steady|default] [--methods a,b,…]
 """
 
 from __future__ import annotations
@@ -86,17 +87,20 @@ def build(args):
         n_positions=args.seq_len,
         n_embd=args.width,
         n_layer=args.layers,
-        n_head=4,
+        n_head=args.heads,
         bos_token_id=0,
         eos_token_id=0,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
     )
+    model = transformers.GPT2LMHeadModel(cfg)  # tied input and output embeddings
+    if args.full:
+        return model
     lora = peft.LoraConfig(
-        r=8, lora_alpha=16, target_modules=["c_attn", "c_proj"], lora_dropout=0.0, fan_in_fan_out=True
+        r=8, lora_alpha=16, target_modules=args.lora.split(","), lora_dropout=0.0, fan_in_fan_out=True
     )
-    return peft.get_peft_model(transformers.GPT2LMHeadModel(cfg), lora)
+    return peft.get_peft_model(model, lora)
 
 
 def make_batch(args) -> dict:
@@ -141,9 +145,8 @@ def setup(method, args, batch):
 
     model = build(args)
     if method == "dpmf-checkpointed":
-        model.get_base_model().gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False}
-        )
+        base = model if args.full else model.get_base_model()
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # checkpointing runs in training mode (dropout is 0 in this model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=LR)
@@ -288,6 +291,9 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=1000)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--full", action="store_true", help="full fine-tuning (every weight) instead of LoRA")
+    ap.add_argument("--lora", default="c_attn,c_proj", help="the modules LoRA adapts (comma-separated)")
     ap.add_argument("--repeat", type=int, default=60)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-memory", action="store_true")
@@ -327,7 +333,8 @@ def main(argv=None) -> int:
         f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, "
         f"opacus {opacus.__version__}; threads {torch.get_num_threads()}, CPU; GPT-2 {args.layers} layers, "
         f"width {args.width}, vocab {args.vocab}; batch {args.batch_size} × {args.seq_len} tokens; "
-        f"LoRA r=8 on c_attn/c_proj; {args.repeat} interleaved rounds; malloc {malloc}"
+        f"{'full fine-tuning' if args.full else 'LoRA r=8 on ' + args.lora}; {args.repeat} interleaved "
+        f"rounds; malloc {malloc}"
     )
     batch = make_batch(args)
     fns = {}

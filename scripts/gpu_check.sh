@@ -6,7 +6,8 @@
 #   3. one NCCL rank of the distributed step (torchrun, 1 process) against the one-process run;
 #   4. the time of one private step with DP-Muon against one with DP-SGD at batch 1024
 #      (per-example gradients, clipping, noise and the optimizer; medians of interleaved
-#      repetitions, and the ratio).
+#      repetitions, and the ratio);
+#   5. raw noise made on the GPU against torch.randn there (benchmarks/bench_raw_noise.py).
 # Results go to $OUT/gpu_check.txt when OUT is set, else out/gpu_check.txt.
 #
 #   ./scripts/gpu_check.sh [VENV]        (VENV default .venv; created by scripts/setup.sh if absent)
@@ -71,7 +72,8 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log its tail,
 }
 
 stage cuda-tests 150 "$PY" -m pytest -q -rs -k cuda -p no:cacheprovider \
-  tests/test_train_cli.py tests/test_optimizers.py tests/test_filters.py tests/test_distributed.py
+  tests/test_train_cli.py tests/test_optimizers.py tests/test_filters.py tests/test_distributed.py \
+  tests/test_raw_noise.py
 if grep -q "skipped" "$WORK/cuda-tests.log"; then  # on this machine they must run, not skip
   echo "== cuda-tests: FAILED: some CUDA tests were skipped on a CUDA machine" >>"$REPORT"
   failed=1
@@ -104,8 +106,8 @@ import torch
 import torch.nn.functional as F
 
 from dpmf.optim import DPSGD, DPMuon
-from dpmf.optim.noise import identity_noise
-from dpmf.optim.privatize import Privatizer
+from dpmf.plan import PrivatePlan
+from dpmf.step import build
 from dpmf.train.models import build_model
 
 device, batch, rounds = torch.device("cuda"), 1024, 15
@@ -117,18 +119,15 @@ y = torch.randint(0, 10, (batch,), device=device)
 def private_step(optimizer_class, **kw):
     model = build_model("cnn", (1, 28, 28), 10, seed=0).to(device)
     d = sum(p.numel() for p in model.parameters())
-    noise = identity_noise(d, seed=0, steps=rounds + 5, device=device)
-    priv = Privatizer(
-        model, F.cross_entropy, clip_norm=1.0, noise_multiplier=1.0, sensitivity=1.0,
-        expected_batch_size=batch, noise=noise,
-    )
+    # the plan's step (dpmf.step.build): noise drawn on the GPU, a fixed-size batch each step
+    plan = PrivatePlan(batch, batch, steps=rounds + 5, scheme="fixed_order", noise_multiplier=1.0, clip_norm=1.0)
+    dp = build(plan, model, F.cross_entropy)
     opt = optimizer_class(model.parameters(), **kw)
-    opt.bind(priv)
+    dp.bind(opt)
+    assert dp.noise.generator.name.startswith("torch-philox-cuda"), dp.noise.generator
 
     def step():
-        priv.privatize(x, y)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        dp.take(opt, lambda idx: (x, y, idx))
 
     return step, d
 
@@ -152,6 +151,10 @@ print(f"  ratio dp-muon / dp-sgd: {med['dp-muon'] / med['dp-sgd']:.3f}")
 print(f"  peak GPU memory: {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
 EOF
 stage step-timing 60 "$PY" "$WORK/step_timing.py"
+
+# raw noise on the device against torch.randn on the device (target ≤ 1.5×)
+stage raw-noise 60 "$PY" benchmarks/bench_raw_noise.py --device cuda --dim 10000000 --reps 15 \
+  --json "$WORK/raw_noise.json"
 
 echo >>"$REPORT"
 if [ $failed = 0 ]; then echo "status: all checks passed" >>"$REPORT"; else echo "status: FAILED" >>"$REPORT"; fi

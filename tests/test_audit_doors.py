@@ -355,9 +355,11 @@ def test_canary_aggregator_records_correct_runs_stay_below_the_claim():
     assert local.AggregatorDPSGD.__name__ == "AggregatorDPSGD"  # the hooks are removed
 
 
-def test_canary_aggregator_records_catch_the_server_noise_at_half_its_sigma(monkeypatch):
+def test_canary_aggregator_records_catch_the_server_noise_at_a_third_of_its_sigma(monkeypatch):
+    # at σ/2 the one-run bound straddles the claim (6.2–7.1 over six seeds against 6.57): 200
+    # canaries catch it about half the time; at σ/3 it is 9.9–12.6 (correct runs: 1.8–2.6)
     real = Privatizer.noise_std
-    monkeypatch.setattr(Privatizer, "noise_std", property(lambda self: real.fget(self) / 2))
+    monkeypatch.setattr(Privatizer, "noise_std", property(lambda self: real.fget(self) / 3))
     for seed in range(2):
         res = _fl_aggregator(seed, 1.5)
         assert res["claimed"]["epsilon"] == pytest.approx(6.57, abs=0.01)  # ≤ 8

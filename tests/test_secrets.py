@@ -92,11 +92,20 @@ def test_subkeys_differ_and_every_key_bit_changes_the_noise():
 def test_raw_noise_and_sampler_equal_the_documented_derivation():
     key = 2**200 + 12345
     gen = identity_noise(7, seed=key, steps=4, dtype=torch.float64)
+    # the default generator's state: torch's twister words are the subkey's Philox stream
+    raw = np.random.Generator(np.random.Philox(key=_subkey(key, "noise", 2))).bit_generator.random_raw(312)
+    words = np.empty(624, dtype=np.uint64)
+    words[0::2], words[1::2] = raw & np.uint64(0xFFFFFFFF), raw >> np.uint64(32)
+    gen.raw_noise(2)
+    assert gen.generator.name == "torch-mt19937" and np.array_equal(gen.generator._words, words)
+    # numpy's generator (earlier versions'): its standard normals on the subkey
+    gen.use_generator("numpy-philox")
     ref = np.random.Generator(np.random.Philox(key=_subkey(key, "noise", 2))).standard_normal(7)
     assert torch.equal(gen.raw_noise(2), torch.from_numpy(ref))
     sizes, chunk = (5, 3), 2
     keys = ChunkedKeys(sizes, chunk=chunk)
     cg = noise_for_factorization(factorize(prefix_sum(4), "identity"), keys.dim, seed=key, keys=keys)
+    cg.use_generator("numpy-philox")
     parts = []
     for j, size in enumerate(sizes):
         for c in range(-(-size // chunk)):

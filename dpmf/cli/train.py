@@ -97,6 +97,12 @@ _TRAIN_FLAGS = (
         "--distributed run at any number of processes) or by step (checkpoints of earlier runs)",
     ),
     (
+        "--noise-generator",
+        str,
+        "device|torch-mt19937|torch-philox-cuda|numpy-philox: what makes the raw normals (default: "
+        "torch's generator on the training device; numpy-philox: the numbers of earlier versions)",
+    ),
+    (
         "--distributed-mode",
         str,
         "with --distributed: sharded (default; each parameter's noise and update on one owner "

@@ -29,14 +29,18 @@ states the bound. Each step also uses O(d) working memory (the output and one ra
 Regenerating costs compute instead: O(t·d) random numbers at step t for full Toeplitz and
 dense C⁻¹ (O(n²d) over a run), O(p·d) per step for a banded C⁻¹.
 
-Raw noise: z_t is drawn by numpy's ``Philox`` generator keyed by the 128-bit subkey
-``dpmf.seeds.derive(key, "noise", t)`` of the run's secret key (``dpmf.seeds``: keyed BLAKE2b,
-then Philox-4×64; the normals are numpy's ``standard_normal`` in the work dtype, moved to the
-device), so any z_t can be regenerated exactly, the whole stream is a function of the key and
-the checkpointable state is the step counter plus the buffers. The key is compared with a
+Raw noise: z_t is drawn from the 128-bit subkey ``dpmf.seeds.derive(key, "noise", t)`` of
+the run's secret key (``dpmf.seeds``: keyed BLAKE2b) by the stream's ``generator``
+(``dpmf.optim.raw_noise``): by default torch's own generator on the stream's device, its state
+set from the subkey (the CPU's Mersenne Twister, CUDA's Philox), so no noise crosses from host
+to device; numpy's Philox-4×64 (earlier versions' numbers) on request. Any z_t can be
+regenerated exactly, the whole stream is a function of the key and the generator, and the
+checkpointable state is the step counter plus the buffers. The key is compared with a
 checkpoint's by a salted digest (never stored in the fingerprint or shown in a message); the
-fingerprint carries the derivation's version (``dpmf.seeds.DERIVATION``), so a checkpoint of
-another derivation is refused in one line. Output is in the requested dtype; raw noise,
+fingerprint carries the derivation's version (``dpmf.seeds.DERIVATION``) and the generator's
+name, so a checkpoint of another derivation, or of a generator this device cannot run, is
+refused in one line (one of earlier versions, which name no generator, resumes with numpy's).
+Output is in the requested dtype; raw noise,
 recursions and buffers use that dtype, except for float16/bfloat16 models, whose noise is
 computed in float32 and rounded at the end.
 
@@ -74,6 +78,7 @@ from dpmf.mechanisms.streaming import (
     DenseInverseLayout,
     ToeplitzInverseLayout,
 )
+from dpmf.optim.raw_noise import NumpyPhilox, device_generator, generator_named, subkey
 from dpmf.seeds import KeyHolder
 
 __all__ = [
@@ -100,39 +105,6 @@ def raw_generator(key: int, step: int, *index: int) -> np.random.Generator:
     ``dpmf.seeds.derive(key, "noise", step, *index)``; ``index`` = (parameter, chunk) selects
     one chunk of a ``ChunkedKeys`` stream."""
     return seeds.generator(key, "noise", int(step), *(int(i) for i in index))
-
-
-_MASK64 = (1 << 64) - 1
-
-
-class _Rekeyed:
-    """One numpy ``Philox`` generator whose state is set to (subkey, counter 0, empty buffer)
-    for each draw: the numbers of ``raw_generator(key, step, *index)``, without building a bit
-    generator per draw (numpy seeds a new ``Philox`` from the operating system's entropy before
-    the key replaces it: about 10 µs each, per parameter and step with ``ChunkedKeys``)."""
-
-    __slots__ = ("bits", "gen")
-
-    _ZEROS = np.zeros(4, dtype=np.uint64)  # counter and buffer (the state setter copies them)
-
-    def __init__(self):
-        self.bits = np.random.Philox(key=0)
-        self.gen = np.random.Generator(self.bits)
-
-    def __call__(self, key: int, step: int, *index: int) -> np.random.Generator:
-        subkey = seeds.derive_int(key, "noise", int(step), *(int(i) for i in index))
-        self.bits.state = {
-            "bit_generator": "Philox",
-            "state": {
-                "counter": self._ZEROS,
-                "key": np.array([subkey & _MASK64, subkey >> 64], dtype=np.uint64),
-            },
-            "buffer": self._ZEROS,
-            "buffer_pos": 4,
-            "has_uint32": 0,
-            "uinteger": 0,
-        }
-        return self.gen
 
 
 @dataclass(frozen=True)
@@ -234,29 +206,34 @@ class CorrelatedNoise(KeyHolder, ABC):
         # half-precision models get their noise computed (and its state kept) in float32
         self.work_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
         self.step = 0
-        self._np_dtype = np.float32 if self.work_dtype == torch.float32 else np.float64
-        self._rekeyed = _Rekeyed()
+        self.generator = device_generator(self.device)  # raw normals made on the device
         self._forks: tuple[tuple[int, int], ...] = ()  # (first step, key) of each fork, in order
 
     # -- raw noise ------------------------------------------------------------------------
     def raw_noise(self, step: int) -> torch.Tensor:
         """z_step ~ N(0, I_d), regenerated exactly from (key, step) — or, with ``ChunkedKeys``,
-        chunk by chunk from (key, step, parameter, chunk). Shape (d,)."""
-        out = np.empty(self.dim, dtype=self._np_dtype)
-        keyed = self._rekeyed  # the generators of raw_generator(key, step, …), re-keyed in place
-        key = self._key_at(step)
+        chunk by chunk from (key, step, parameter, chunk) — by ``self.generator`` on the
+        stream's device. Shape (d,)."""
+        out = torch.empty(self.dim, dtype=self.work_dtype, device=self.device)
+        fill, key = self.generator.fill, self._key_at(step)
         if self.keys is None:
-            keyed(key, step).standard_normal(out=out, dtype=self._np_dtype)
+            fill(out, subkey(key, step))
         else:
             chunk = self.keys.chunk
             for j, (start, stop) in self.keys.offsets().items():
                 for c, a in enumerate(range(start, stop, chunk)):
-                    b = min(a + chunk, stop)
-                    keyed(key, step, j, c).standard_normal(out=out[a:b], dtype=self._np_dtype)
-        z = torch.from_numpy(out)
-        if z.dtype != self.work_dtype:  # float16/bfloat16 never reach here (work dtype float32)
-            z = z.to(self.work_dtype)
-        return z if self.device.type == "cpu" else z.to(self.device, non_blocking=False)
+                    fill(out[a : min(a + chunk, stop)], subkey(key, step, j, c))
+        return out
+
+    def use_generator(self, name: str) -> None:
+        """Draw every later raw noise with the generator ``name`` (``dpmf.optim.raw_noise``:
+        ``"device"``, ``"torch-mt19937"``, ``"torch-philox-cuda"``, ``"numpy-philox"``, or a
+        checkpoint's recorded name).
+
+        Raises:
+            ValueError: an unknown name, or one that cannot make its numbers on this device.
+        """
+        self.generator = generator_named(name, self.device)
 
     def use_key(self, key: int) -> None:
         """Adopt ``key`` (a checkpoint's, on resume) for every later raw noise."""
@@ -364,7 +341,13 @@ class CorrelatedNoise(KeyHolder, ABC):
 
     def fingerprint(self) -> dict:
         """What must match for a checkpoint to be loaded into this generator."""
-        out = {"kind": self.kind, "derivation": seeds.DERIVATION, "dim": self.dim, "steps": self.steps}
+        out = {
+            "kind": self.kind,
+            "derivation": seeds.DERIVATION,
+            "generator": self.generator.name,
+            "dim": self.dim,
+            "steps": self.steps,
+        }
         if self.keys is not None:
             out.update(self.keys.describe())
         return out
@@ -386,6 +369,7 @@ class CorrelatedNoise(KeyHolder, ABC):
             ValueError: the checkpoint belongs to a different generator (derivation version,
                 kind, d, n or coefficients differ) or was saved under another key.
         """
+        self._adopt_generator(state.get("fingerprint"))
         _compare_fingerprints(state.get("fingerprint"), self.fingerprint())
         self._check_key(state.get("key_check"))
         self.step = check_int("step", state["step"], minimum=0, maximum=self.steps)
@@ -429,6 +413,8 @@ class CorrelatedNoise(KeyHolder, ABC):
         merged: dict = {}
         steps = set()
         for st in states:
+            self._adopt_generator(st.get("fingerprint"))
+            mine = _shared_fingerprint(self.fingerprint())
             _compare_fingerprints(st.get("fingerprint"), mine)
             self._check_key(st.get("key_check"))
             steps.add(int(st["step"]))
@@ -444,6 +430,14 @@ class CorrelatedNoise(KeyHolder, ABC):
             for k, v in tensors.items():
                 v[..., a:b].copy_(merged[j][k].to(self.device, self.work_dtype))
         self.step = step
+
+    def _adopt_generator(self, saved) -> None:
+        """Continue with the generator a checkpoint's noise was drawn with (earlier dpmf
+        versions record none: theirs is ``numpy-philox``); refuse one this device cannot run."""
+        if isinstance(saved, dict) and saved.get("derivation") == seeds.DERIVATION:
+            name = saved.get("generator", NumpyPhilox.name)
+            if name != self.generator.name:
+                self.generator = generator_named(name, self.device)
 
     def _chunked_offsets(self, what: str) -> dict:
         if self.keys is None:
@@ -464,6 +458,7 @@ def _compare_fingerprints(saved, mine: dict) -> None:
             f"{theirs if theirs is not None else 'of an older dpmf'!s}, this dpmf derives noise with "
             f"{mine['derivation']}; such a checkpoint cannot be resumed (start the run again)"
         )
+    saved = {"generator": NumpyPhilox.name, **saved}  # earlier versions record none: numpy's
     if saved != mine:
         diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
         detail = ", ".join(f"{k}: {saved.get(k)!r} saved, {mine.get(k)!r} here" for k in diff)

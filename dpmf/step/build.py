@@ -241,4 +241,6 @@ def build(
         noise = noise_stream(plan, sum(sizes), policy.key, device=p0.device, dtype=p0.dtype, keys=keys)
         privatizer = Privatizer(model, loss_fn, noise=noise, **common)
         batches = privatizer.draw_from(sampler)
+    if flags.noise_generator != "device":
+        privatizer.noise.use_generator(flags.noise_generator)
     return DPStep(plan, sampler, privatizer, batches, flags, policy, comm)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from dpmf._validation import check_choice, check_int
 from dpmf.distributed.modes import MODES
-from dpmf.optim.choices import CLIPPING_MODES
+from dpmf.optim.choices import CLIPPING_MODES, NOISE_GENERATORS
 
 __all__ = ["ExecutionFlags", "NOISE_KEYS"]
 
@@ -31,6 +31,10 @@ class ExecutionFlags:
             to rounding and the same sensitivity ζ.
         micro_batch_size: the most per-example gradients held at once (≥ 1), None: automatic.
         noise_keys: ``chunked`` (default) or ``stream`` (``NOISE_KEYS``).
+        noise_generator: what makes the raw normals (``dpmf.optim.raw_noise``): ``device``
+            (default: torch's generator on the parameters' device, CPU or CUDA), or
+            ``torch-mt19937``, ``torch-philox-cuda``, ``numpy-philox`` (earlier versions').
+            The same distribution; other numbers.
         distributed_mode: with a process group: ``sharded`` (default), ``replicated`` or
             ``rank0`` (``dpmf.distributed.step``).
         check_every: with a process group: compare per-parameter checksums every K steps
@@ -43,6 +47,7 @@ class ExecutionFlags:
     clipping: str = "auto"
     micro_batch_size: int | None = None
     noise_keys: str = "chunked"
+    noise_generator: str = "device"
     distributed_mode: str = "sharded"
     check_every: int = 50
 
@@ -53,5 +58,6 @@ class ExecutionFlags:
                 self, "micro_batch_size", check_int("micro_batch_size", self.micro_batch_size, minimum=1)
             )
         check_choice("noise_keys", self.noise_keys, NOISE_KEYS)
+        check_choice("noise_generator", self.noise_generator, NOISE_GENERATORS)
         check_choice("distributed_mode", self.distributed_mode, MODES)
         object.__setattr__(self, "check_every", check_int("check_every", self.check_every, minimum=0))

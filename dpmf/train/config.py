@@ -16,7 +16,7 @@ from dpmf._validation import check_choice, check_int, check_real
 from dpmf.accountants.registry import ACCOUNTANTS
 from dpmf.distributed.modes import MODES
 from dpmf.mechanisms.registry import parse_factorization
-from dpmf.optim.choices import CLIPPING_MODES
+from dpmf.optim.choices import CLIPPING_MODES, NOISE_GENERATORS
 from dpmf.optim.registry import DEFAULT_LR, optimizer_names
 from dpmf.plan.schemes import SCHEMES, Poisson, scheme_names
 from dpmf.step.flags import NOISE_KEYS, ExecutionFlags
@@ -107,6 +107,10 @@ class TrainConfig:
             costs ≤ 5 % of a private step, ``benchmarks/bench_noise_keys_default.py``) or
             ``stream`` (one raw-noise stream keyed by step: the keying of earlier runs, to
             resume their checkpoints). Distributed runs always use ``chunked``.
+        noise_generator: what makes the raw normals (``dpmf.optim.raw_noise``): ``device``
+            (default: torch's generator on the training device, no host-to-device copy),
+            ``torch-mt19937``, ``torch-philox-cuda`` or ``numpy-philox`` (earlier versions'). A
+            resumed run continues with its checkpoint's generator.
         distributed_mode: with ``train(..., distributed=True)``: ``sharded`` (each parameter's
             noise and update on one owner process), ``replicated`` or ``rank0``
             (``dpmf.distributed.step``). The same trajectory up to rounding, so not part of the
@@ -149,6 +153,7 @@ class TrainConfig:
     epsilon_each_epoch: bool | None = None
     log_every: int | None = None
     noise_keys: str = "chunked"
+    noise_generator: str = "device"
     distributed_mode: str = "sharded"
 
     def __post_init__(self):
@@ -268,6 +273,7 @@ class TrainConfig:
         if self.log_every is not None:
             object.__setattr__(self, "log_every", check_int("log_every", self.log_every, minimum=1))
         check_choice("noise_keys", self.noise_keys, NOISE_KEYS)
+        check_choice("noise_generator", self.noise_generator, NOISE_GENERATORS)
         check_choice("distributed_mode", self.distributed_mode, DISTRIBUTED_MODES)
         if self.epsilon_each_epoch is not None and not isinstance(self.epsilon_each_epoch, bool):
             raise TypeError(
@@ -379,6 +385,7 @@ class TrainConfig:
             clipping=self.clipping,
             micro_batch_size=self.micro_batch_size,
             noise_keys=self.noise_keys,
+            noise_generator=self.noise_generator,
             distributed_mode=self.distributed_mode,
         )
 
@@ -394,6 +401,7 @@ class TrainConfig:
             "log_every",
             "clipping",
             "distributed_mode",
+            "noise_generator",  # the checkpoint's noise state names its generator
         ):
             d.pop(k)
         if d["noise_keys"] == "stream":  # the original keying: older checkpoints keep matching
