@@ -90,6 +90,28 @@ def test_own_loader_whole_data_set_and_split_batches_are_refused():
     assert private.steps_taken == 1
 
 
+def test_the_yielded_batch_is_matched_by_identity_and_one_changed_in_place_is_refused():
+    private = _private()
+    drawn = private.privatizer.drawn
+    batches = iter(private.data_loader)
+    xb, yb = next(batches)
+    drawn.check(0, xb, yb)  # the tensors the loader yielded, unchanged: no value is read
+    assert drawn._records[0].leaves is None
+    xb.mul_(1.001)  # a transformation in the loop, in place
+    with pytest.raises(BatchCheckError, match="altered values"):
+        private.backward(xb, target=yb)
+    with pytest.raises(BatchCheckError, match="altered values"):
+        private.backward(xb.clone(), target=yb)  # a copy of the changed tensor: no match either
+    assert _untouched(private)
+    x1, y1 = next(batches)
+    with pytest.raises(BatchCheckError, match="the batch drawn for step 1"):
+        private.backward(x1, target=y1)  # matched by identity against the later record
+    private2 = _private()
+    xs, ys = next(iter(private2.data_loader))
+    private2.backward(xs.double().float(), target=ys)  # a copy: matched by its values
+    assert private2.privatizer.drawn._last.leaves is not None
+
+
 def test_reused_and_skipped_batches_are_refused_under_min_sep():
     # bsr:4 with cyclic Poisson sampling assumes an example is in no two steps closer than 4
     private = _private(batch_size=8, factorization="bsr:4", scheme="cyclic_poisson", epochs=1)

@@ -73,10 +73,46 @@ class _Leaf:
 
 @dataclass(eq=False)
 class _Record:
+    """What the door handed out for one step: the loader's batch (its batched tensors, their
+    version counters and, computed when first needed, their fingerprints) or dataset indices."""
+
     step: int
     n: int
-    leaves: tuple | None  # of _Leaf (the loader's batch), or None
+    leaves: tuple | None  # of _Leaf (the loader's batch), or None until needed
     ids: np.ndarray | None  # dataset indices (the loop's batch), or None
+    handed: dict | None = None  # id(tensor) → (tensor, its version when handed out)
+
+    def is_handed(self, tensors: list[torch.Tensor]) -> bool:
+        """Every tensor is one handed out, unchanged since (same object, same version: the
+        common case, decided without reading a value)."""
+        h = self.handed
+        if not h:
+            return False
+        for t in tensors:
+            entry = h.get(id(t))
+            if entry is None or entry[0] is not t or _version(t) != entry[1]:
+                return False
+        return True
+
+    def fingerprints(self) -> tuple | None:
+        """The handed-out batch's fingerprints, computed on first use from its tensors that are
+        unchanged since they were handed out (one changed in place matches nothing); None when
+        there are none."""
+        if self.leaves is None and self.handed:
+            unchanged = [t for t, v in self.handed.values() if _version(t) == v]
+            if not unchanged:
+                return None
+            self.leaves = batch_fingerprints(unchanged, self.n)
+        return self.leaves
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (bumped by every in-place write), or None (inference tensors
+    keep none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 _WEIGHTS: dict = {}
@@ -306,8 +342,13 @@ class DrawnBatches:
             ids = np.asarray(ids, dtype=np.int64).copy()
         if n is None:
             n = drawn
-        leaves = None if batch is None else batch_fingerprints(batch, n)
-        self._records[step] = _Record(step, int(n), leaves, ids)
+        leaves, handed = None, None
+        if batch is not None:
+            batched = [t for t in _tensors(batch) if t.ndim and int(t.shape[0]) == n]
+            handed = {id(t): (t, _version(t)) for t in batched}
+            if any(v is None for _, v in handed.values()):  # no version counters: fingerprint now
+                leaves, handed = batch_fingerprints(batched, n), None
+        self._records[step] = _Record(step, int(n), leaves, ids, handed)
 
     def record_next(self, batch, token: int) -> None:
         """``record`` the oldest drawn step with ``batch`` (a data loader's yield, in order).
@@ -350,11 +391,14 @@ class DrawnBatches:
                 return False
             if other.ids is not None and example_ids is not None:
                 return np.array_equal(other.ids, _as_ids(example_ids))
-            if other.leaves is None:
+            if other.is_handed(tensors):  # the handed-out tensors themselves, unchanged
+                return True
+            leaves = other.fingerprints()  # moved to another device or dtype: compare values
+            if leaves is None:
                 return False
             if received is None:
                 received = _received(tensors, n)
-            return _matches(received, other.leaves)
+            return _matches(received, leaves)
 
         if rec is None or not same_as(rec):
             if same_as(self._last):
