@@ -10,12 +10,14 @@ twice (gradient accumulation by two backward calls, or the same batch in adjacen
   the sampler's state before that draw, so that a checkpoint written while a DataLoader has
   drawn ahead (prefetching) still holds the sampler at the privatized step
   (``sampler_state``);
-- ``record(t, batch=…, ids=…)`` notes what the door handed out for step t: the batch's
-  per-example fingerprints (``make_private``'s data loader, computed in the main process as
-  the loader yields it) or its dataset indices (``dpmf train``, which gathers the batch
-  itself);
+- ``record(t, batch=…, ids=…)`` notes what the door handed out for step t: the batch's tensors
+  and their version counters (``make_private``'s data loader; their per-example fingerprints
+  are computed when first needed) or its dataset indices (``dpmf train``, which gathers the
+  batch itself);
 - ``check(t, inputs, targets, example_ids)``, called by ``Privatizer.privatize`` before any
-  work, refuses anything else, with the reason; ``consume(t)`` after the step makes a second
+  work, refuses anything else, with the reason (the tensors handed out, received as they are,
+  are matched by object and version counter without reading a value; only a copy — another
+  device, dtype or layout — is compared by fingerprints); ``consume(t)`` after the step makes a second
   privatization of the same batch fail.
 
 Fingerprints: each tensor of a batch with one row per example is reduced to two random
