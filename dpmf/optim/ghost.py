@@ -113,7 +113,7 @@ from dpmf.optim.clipping_layers import (
     weighted_sum,
 )
 from dpmf.optim.clipping_layers.norms import _as, _sq
-from dpmf.optim.clipping_layers.registry import value_preserving
+from dpmf.optim.clipping_layers.registry import batch_adapter, value_preserving
 from dpmf.optim.func_call import functional_call
 from dpmf.optim.ghost_chain import chain_layers, chain_output_gradients
 from dpmf.optim.ghost_tied import TiedEmbeddingLinear, tied_embedding_linear
@@ -187,6 +187,7 @@ class _Call:
     recording: bool = True
     shape: torch.Size | None = None  # the output's shape when the node sits on its base
     arrived: Callable | None = None  # called when the output gradient is recorded
+    kwargs: dict | None = None  # the keyword inputs its handler reads (``keyword_inputs``), detached
 
 
 @dataclass(eq=False)
@@ -421,9 +422,13 @@ class _Engine:
         for layer in self.layers:
             m = layer.module
             self.handles.append(m.register_forward_pre_hook(self._pre(layer)))
-            handle = m.register_forward_hook(self._post(layer), always_call=True)
+            handle = m.register_forward_hook(self._post(layer), with_kwargs=True, always_call=True)
             layer.hook_id = handle.id
             self.handles.append(handle)
+        for m in self.model.modules():  # batch-shared tensors given one row per example
+            adapter = batch_adapter(m)
+            if adapter is not None:
+                self.handles.append(m.register_forward_pre_hook(adapter, with_kwargs=True))
         return self
 
     def __exit__(self, *exc):
@@ -462,7 +467,10 @@ class _Engine:
         return hook
 
     def _post(self, layer):
-        def hook(module, args, out):
+        accepted = frozenset(getattr(layer.handler, "keyword_inputs", ()))
+        expands_output = getattr(layer.handler, "expand_shared_output", False)
+
+        def hook(module, args, kwargs, out):
             if self.mode == "off":
                 return None
             stack = self.stack
@@ -497,11 +505,19 @@ class _Engine:
             if layer.handler is None and (len(args) != 1 or not isinstance(args[0], torch.Tensor)):
                 layer.fallback = "it is called with other than one tensor"
                 return None
+            if kwargs and not kwargs.keys() <= accepted:  # its per-layer formulas see args only
+                layer.fallback = f"it is called with keyword arguments {sorted(kwargs.keys() - accepted)}"
+                return None
             if len(args) == 1 and isinstance(args[0], torch.Tensor):  # the usual call: one tensor
                 kept = (args[0].detach(),)
             else:
                 kept = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+            b = self.batch
+            if expands_output and b and b > 1 and out.dim() >= 1 and out.shape[0] == 1:
+                out = out.expand(b, *out.shape[1:])  # broadcast downstream: the same values
             call = _Call(self.point, kept)
+            if kwargs:
+                call.kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
             layer.calls.append(call)
             self.quiet = True
             try:

@@ -28,6 +28,13 @@ book-keeping; ``loss_fn(output, target)`` is their mean, used by ``torch.func``)
   gradient; an example with no token to predict has ℓ_i = 0. With the mean, a long example
   weighs as much as a short one; with the sum, a long example has a larger gradient, so more
   of it is clipped.
+- sequence-to-sequence LM (``seq2seq_lm_loss``, T5, BART): the decoder's cross-entropy of
+  example i, ℓ_i = (1/|V_i|) Σ_{t ∈ V_i} CE(logits_i[t], labels_i[t]), no shift (position t of
+  the decoder predicts label t), V_i = the positions whose label is not -100 (and whose
+  ``decoder_attention_mask`` is 1, when the batch has one). The decoder's inputs are the labels
+  shifted right, starting with the model's ``decoder_start_token_id``, -100 replaced by its
+  ``pad_token_id`` (what transformers' models do with ``labels=``, which would also make the
+  model compute its own batch-mean loss); a batch with ``decoder_input_ids`` keeps its own.
 - sequence classification (``sequence_classification_loss``): CE(logits_i, labels_i).
 
 Trainable parameters only: what ``make_private`` clips, noises, counts in the noise state and
@@ -49,6 +56,7 @@ from torch import nn
 __all__ = [
     "HFLoss",
     "causal_lm_loss",
+    "seq2seq_lm_loss",
     "sequence_classification_loss",
     "trainable_state",
     "load_trainable_state",
@@ -61,7 +69,7 @@ __all__ = [
 ]
 
 _REDUCTIONS = ("mean", "sum")
-_KINDS = ("causal_lm", "sequence_classification")
+_KINDS = ("causal_lm", "seq2seq_lm", "sequence_classification")
 
 
 def _logits(output) -> torch.Tensor:
@@ -83,20 +91,24 @@ class HFLoss:
     """The loss of a Hugging Face model on a dict batch (see the module docstring).
 
     Attributes:
-        kind: ``"causal_lm"`` or ``"sequence_classification"``.
-        reduction: per example, over its tokens: ``"mean"`` (default) or ``"sum"`` (causal LM).
+        kind: ``"causal_lm"``, ``"seq2seq_lm"`` or ``"sequence_classification"``.
+        reduction: per example, over its tokens: ``"mean"`` (default) or ``"sum"`` (LMs).
         position_ids: add ``position_ids`` of shape (B, T) to a batch without them (for models
             whose forward takes them, such as GPT-2 and BERT; False for others).
         label_key: the batch entry holding the labels.
+        decoder_start_token_id, pad_token_id: a seq2seq model's (its config's), for the
+            decoder inputs built from the labels.
 
     Raises (at construction):
-        ValueError: an unknown kind or reduction.
+        ValueError: an unknown kind or reduction, or a seq2seq loss without both token ids.
     """
 
     kind: str = "causal_lm"
     reduction: str = "mean"
     position_ids: bool = True
     label_key: str = "labels"
+    decoder_start_token_id: int | None = None
+    pad_token_id: int | None = None
 
     def __post_init__(self):
         if self.kind not in _KINDS:
@@ -105,6 +117,14 @@ class HFLoss:
             raise ValueError(
                 f"reduction={self.reduction!r} is invalid: must be 'mean' (over an example's tokens) or 'sum'"
             )
+        if self.kind == "seq2seq_lm":
+            for name in ("decoder_start_token_id", "pad_token_id"):
+                v = getattr(self, name)
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                    raise ValueError(
+                        f"{name}={v!r} is invalid: a seq2seq loss needs the model's token id (an int "
+                        "≥ 0); build it with seq2seq_lm_loss(model), which reads model.config"
+                    )
 
     def split(self, batch: dict) -> tuple[dict, object]:
         """(model inputs, target) of a dict batch: ``labels`` out of the inputs, ``position_ids``
@@ -132,9 +152,26 @@ class HFLoss:
             inputs["position_ids"] = torch.arange(t, device=ids.device).expand(b, t)
         if self.kind == "sequence_classification":
             return inputs, labels
+        if self.kind == "seq2seq_lm":
+            return self._seq2seq_split(inputs, labels)
         target = {"labels": labels}
         if isinstance(inputs.get("attention_mask"), torch.Tensor):
             target["attention_mask"] = inputs["attention_mask"]
+        return inputs, target
+
+    def _seq2seq_split(self, inputs: dict, labels: torch.Tensor) -> tuple[dict, dict]:
+        if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
+            raise ValueError(
+                f"labels={type(labels).__name__} is invalid: a seq2seq batch's labels are a (B, T) tensor of "
+                "token ids (-100 where no loss is wanted)"
+            )
+        if "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs:
+            start = torch.full_like(labels[:, :1], self.decoder_start_token_id)
+            shifted = torch.cat([start, labels[:, :-1]], 1)
+            inputs["decoder_input_ids"] = shifted.masked_fill(shifted == -100, self.pad_token_id)
+        target = {"labels": labels}
+        if isinstance(inputs.get("decoder_attention_mask"), torch.Tensor):
+            target["attention_mask"] = inputs["decoder_attention_mask"]
         return inputs, target
 
     def per_example(self, output, target) -> torch.Tensor:
@@ -147,12 +184,16 @@ class HFLoss:
                 return F.cross_entropy(logits.to(dtype), labels, reduction="none")
         labels = target["labels"] if isinstance(target, dict) else target
         mask = target.get("attention_mask") if isinstance(target, dict) else None
-        # position t predicts token t+1; the last position predicts nothing (weight 0). The
-        # logits are used whole (a view, no copy of the (B, T, V) tensor).
-        nxt = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)
-        valid = nxt != -100
-        if mask is not None:
-            valid = valid & torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], 1).bool()
+        if self.kind == "seq2seq_lm":  # position t predicts label t
+            nxt, valid = labels, labels != -100
+            if mask is not None:
+                valid = valid & mask.bool()
+        else:  # position t predicts token t+1; the last position predicts nothing (weight 0)
+            nxt = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)
+            valid = nxt != -100
+            if mask is not None:
+                valid = valid & torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], 1).bool()
+        # the logits are used whole (a view, no copy of the (B, T, V) tensor)
         with torch.autocast(logits.device.type, enabled=False):
             lg = logits.to(dtype)
             ce = F.cross_entropy(
@@ -172,6 +213,31 @@ class HFLoss:
 def causal_lm_loss(reduction: str = "mean", *, position_ids: bool = True) -> HFLoss:
     """Next-token cross-entropy per example, mean (or sum) over its non-padding tokens."""
     return HFLoss("causal_lm", reduction, position_ids)
+
+
+def seq2seq_lm_loss(
+    model=None,
+    reduction: str = "mean",
+    *,
+    decoder_start_token_id: int | None = None,
+    pad_token_id: int | None = None,
+) -> HFLoss:
+    """The decoder's cross-entropy per example (T5, BART), mean (or sum) over its labelled tokens.
+
+    Args:
+        model: a transformers encoder–decoder (or its config): its ``decoder_start_token_id``
+            and ``pad_token_id`` build the decoder inputs from the labels; the keywords
+            override them.
+
+    Raises:
+        ValueError: a token id missing from both the model's config and the keywords.
+    """
+    config = getattr(model, "config", model)
+    start = decoder_start_token_id
+    if start is None:
+        start = getattr(config, "decoder_start_token_id", None)
+    pad = pad_token_id if pad_token_id is not None else getattr(config, "pad_token_id", None)
+    return HFLoss("seq2seq_lm", reduction, False, "labels", start, pad)
 
 
 def sequence_classification_loss(*, position_ids: bool = True) -> HFLoss:

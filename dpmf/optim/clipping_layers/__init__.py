@@ -32,6 +32,9 @@ Built-in handlers (one module each, registered through the same decorator):
   ``scale_grad_by_freq`` embeddings (their gradients couple the batch's token counts).
 - ``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.RMSNorm``: the affine gradients Σ_t G∘x̂ and Σ_t G,
   instantiated per example.
+- transformers' ``T5LayerNorm``/``LlamaRMSNorm``, BART's scaled word and learned positional
+  embeddings, and T5's relative position bias (a **batch adapter** on ``T5Attention`` gives the
+  bias one row per example; ``register_batch_adapter``), by qualified name (``hf_layers``).
 
 A handler implements ``per_example`` (instantiated per-example gradients; the default norms and
 sums are taken from them) or, for a cheaper closed form, ``sq_norms`` and ``clipped_sum``.
@@ -43,12 +46,12 @@ tied between one ``nn.Embedding`` and one ``nn.Linear`` has its own closed form 
 
 Modules: ``norms`` (the shared numerical kernels), ``registry`` (the handler base class, the
 registry and its lookup), one module per built-in layer family (``linear``, ``conv``,
-``embedding``, ``norm``).
+``embedding``, ``norm``, ``hf_layers``).
 """
 
 from __future__ import annotations
 
-from dpmf.optim.clipping_layers import conv, embedding, linear, norm  # noqa: F401  (register)
+from dpmf.optim.clipping_layers import conv, embedding, hf_layers, linear, norm  # noqa: F401  (register)
 from dpmf.optim.clipping_layers.conv import ConvHandler
 from dpmf.optim.clipping_layers.embedding import EmbeddingHandler, most_repeated
 from dpmf.optim.clipping_layers.linear import Conv1DHandler, LinearHandler
@@ -56,9 +59,11 @@ from dpmf.optim.clipping_layers.norm import NormHandler
 from dpmf.optim.clipping_layers.norms import PendingNorm, row_norms, squares, weighted_sum
 from dpmf.optim.clipping_layers.registry import (
     ClippingHandler,
+    batch_adapter,
     clipping_handler,
     clipping_layer,
     mark_builtin,
+    register_batch_adapter,
     register_clipping_layer,
     registered_clipping_layers,
 )
@@ -73,9 +78,11 @@ __all__ = [
     "LinearHandler",
     "NormHandler",
     "PendingNorm",
+    "batch_adapter",
     "clipping_handler",
     "clipping_layer",
     "most_repeated",
+    "register_batch_adapter",
     "register_clipping_layer",
     "registered_clipping_layers",
     "row_norms",

@@ -15,6 +15,7 @@ on a ``ClippingHandler`` subclass, or ``register_clipping_layer(MyLayer, handler
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -52,12 +53,20 @@ class ClippingHandler:
             layer runs, so that its output, and the output gradient each example's gradient
             is read from, has one row per example (the same values downstream wherever the
             output is broadcast against the batch); False: such a call takes torch.func.
+        expand_shared_output: an output whose dim 0 has size 1 while the batch has b > 1
+            examples (a lookup shared by the batch, broadcast against it downstream) is expanded
+            to b rows, the same values, so that each example's output gradient is its own row
+            (with ``copy_output``: the node sits on a copy).
+        keyword_inputs: the keyword arguments of the layer's forward the handler reads (from
+            ``call.kwargs``); a call with any other keyword argument takes torch.func.
     """
 
     name: ClassVar[str] = "custom"
     copy_output: ClassVar[bool] = True
     sum_by_backward: ClassVar[bool] = True
     expand_shared_input: ClassVar[bool] = False
+    expand_shared_output: ClassVar[bool] = False
+    keyword_inputs: ClassVar[tuple[str, ...]] = ()
 
     def check(self, module: nn.Module) -> str | None:
         """Why this module cannot take this handler (it then takes torch.func), or None."""
@@ -166,6 +175,18 @@ def _key_of(cls) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _type_key(module_type) -> str:
+    if isinstance(module_type, str):
+        if "." not in module_type:
+            raise TypeError(
+                f"module_type={module_type!r} is invalid: a name must be qualified, 'package.module.Class'"
+            )
+        return module_type
+    if isinstance(module_type, type) and issubclass(module_type, nn.Module):
+        return _key_of(module_type)
+    raise TypeError(f"module_type={module_type!r} is invalid: must be an nn.Module subclass or its name")
+
+
 def register_clipping_layer(module_type, handler: ClippingHandler, *, replace: bool = False) -> None:
     """Register ``handler`` for the layers of ``module_type`` (ghost clipping and book-keeping).
 
@@ -185,16 +206,7 @@ def register_clipping_layer(module_type, handler: ClippingHandler, *, replace: b
 
     Example: ``tests/test_clipping_registry.py`` and docs/architecture.md ("Extending").
     """
-    if isinstance(module_type, str):
-        if "." not in module_type:
-            raise TypeError(
-                f"module_type={module_type!r} is invalid: a name must be qualified, 'package.module.Class'"
-            )
-        key = module_type
-    elif isinstance(module_type, type) and issubclass(module_type, nn.Module):
-        key = _key_of(module_type)
-    else:
-        raise TypeError(f"module_type={module_type!r} is invalid: must be an nn.Module subclass or its name")
+    key = _type_key(module_type)
     if not isinstance(handler, ClippingHandler):
         raise TypeError(f"handler={handler!r} is invalid: must be an instance of dpmf.optim.ClippingHandler")
     if key in _BUILTIN and not replace:
@@ -253,6 +265,46 @@ def clipping_handler(module: nn.Module) -> tuple[ClippingHandler | None, str | N
             return None, reason
         return handler, None
     return None, f"no clipping handler is registered for {t.__name__}"
+
+
+# type name → batch adapter: a forward pre-hook (module, args, kwargs) → None or (args, kwargs)
+_ADAPTERS: dict[str, Callable] = {}
+_ADAPTED: dict[type, Callable | None] = {}  # a module type → its adapter (cache of the lookup)
+
+
+def register_batch_adapter(module_type, adapter: Callable) -> None:
+    """Register a **batch adapter** for the modules of ``module_type`` (exact type).
+
+    Some models compute a tensor shared by the batch from a trainable layer and broadcast it
+    against the examples later (T5's relative position bias: an embedding of a (T, T) bucket
+    matrix, added to every example's attention scores). The layer's output gradient is then the
+    sum over the batch, from which no per-example gradient can be read. An adapter is a forward
+    pre-hook with keyword arguments, ``adapter(module, args, kwargs) -> None | (args, kwargs)``,
+    that computes the shared tensor with one row per example (the same values) and hands it to
+    the module's forward, so that the layer it calls sees examples along dim 0 and its handler
+    applies; ghost clipping installs it on matching modules for its recorded forward only.
+
+    Args:
+        module_type: an ``nn.Module`` subclass or its qualified name ``"package.module.Class"``.
+        adapter: the pre-hook; it must leave the module's outputs' values unchanged.
+
+    Raises:
+        TypeError: ``module_type`` is not a module type or qualified name, or ``adapter`` is not
+            callable.
+    """
+    key = _type_key(module_type)
+    if not callable(adapter):
+        raise TypeError(f"adapter={adapter!r} is invalid: must be a callable (module, args, kwargs)")
+    _ADAPTERS[key] = adapter
+    _ADAPTED.clear()
+
+
+def batch_adapter(module: nn.Module) -> Callable | None:
+    """The batch adapter registered for the module's exact type, or None."""
+    t = type(module)
+    if t not in _ADAPTED:
+        _ADAPTED[t] = _ADAPTERS.get(_key_of(t))
+    return _ADAPTED[t]
 
 
 def mark_builtin() -> None:
