@@ -435,7 +435,7 @@ class CorrelatedNoise(KeyHolder, ABC):
         """Continue with the generator a checkpoint's noise was drawn with (earlier dpmf
         versions record none: theirs is ``numpy-philox``); refuse one this device cannot run."""
         if isinstance(saved, dict) and saved.get("derivation") == seeds.DERIVATION:
-            name = saved.get("generator", NumpyPhilox.name)
+            name = _saved_generator(saved)
             if name != self.generator.name:
                 self.generator = generator_named(name, self.device)
 
@@ -448,6 +448,11 @@ class CorrelatedNoise(KeyHolder, ABC):
         return f"{type(self).__name__}(dim={self.dim}, steps={self.steps}, step={self.step})"
 
 
+def _saved_generator(fingerprint: dict) -> str:
+    """The generator a saved fingerprint names; earlier versions name none: numpy's Philox."""
+    return fingerprint.get("generator", NumpyPhilox.name)
+
+
 def _compare_fingerprints(saved, mine: dict) -> None:
     """One-line refusal naming what differs (a fingerprint holds nothing secret)."""
     saved = saved if isinstance(saved, dict) else {}
@@ -458,7 +463,7 @@ def _compare_fingerprints(saved, mine: dict) -> None:
             f"{theirs if theirs is not None else 'of an older dpmf'!s}, this dpmf derives noise with "
             f"{mine['derivation']}; such a checkpoint cannot be resumed (start the run again)"
         )
-    saved = {"generator": NumpyPhilox.name, **saved}  # earlier versions record none: numpy's
+    saved = {**saved, "generator": _saved_generator(saved)}
     if saved != mine:
         diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
         detail = ", ".join(f"{k}: {saved.get(k)!r} saved, {mine.get(k)!r} here" for k in diff)

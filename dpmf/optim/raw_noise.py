@@ -46,7 +46,7 @@ import torch
 from dpmf import seeds
 from dpmf.optim.choices import NOISE_GENERATORS
 
-__all__ = ["GENERATORS", "RawGenerator", "device_generator", "generator_named"]
+__all__ = ["RawGenerator", "device_generator", "generator_named", "subkey"]
 
 _MASK64 = (1 << 64) - 1
 _MT_WORDS = 624
@@ -161,8 +161,8 @@ class TorchCudaPhilox(RawGenerator):
     """torch's CUDA Philox-4×32-10 with seed and offset from the subkey, then ``torch.randn``."""
 
     def __init__(self, device):
-        self.device = torch.device(device)
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        index = torch.device(device).index
+        index = torch.cuda.current_device() if index is None else index
         self.device = torch.device("cuda", index)
         sm = torch.cuda.get_device_properties(index).multi_processor_count
         self.name = f"torch-philox-cuda-{sm}sm"
@@ -172,10 +172,6 @@ class TorchCudaPhilox(RawGenerator):
         self._gen.manual_seed(subkey & _MASK64)
         self._gen.set_offset((subkey >> 64) & ~3)
         torch.randn(out.shape, generator=self._gen, dtype=out.dtype, device=out.device, out=out)
-
-
-#: The generator families a run may name (``ExecutionFlags.noise_generator``).
-GENERATORS = NOISE_GENERATORS
 
 
 def device_generator(device) -> RawGenerator:
@@ -190,7 +186,7 @@ def device_generator(device) -> RawGenerator:
 
 
 def generator_named(name: str, device) -> RawGenerator:
-    """The generator ``name`` (a family of ``GENERATORS`` or a recorded name) for noise on
+    """The generator ``name`` (a family of ``NOISE_GENERATORS`` or a recorded name) for noise on
     ``device``.
 
     Raises:
@@ -223,7 +219,7 @@ def generator_named(name: str, device) -> RawGenerator:
                 "depends on the multiprocessor count; resume on a GPU of the saved kind, or start again"
             )
         return here
-    raise ValueError(f"noise_generator={name!r} is invalid: must be one of {', '.join(GENERATORS)}")
+    raise ValueError(f"noise_generator={name!r} is invalid: must be one of {', '.join(NOISE_GENERATORS)}")
 
 
 def subkey(key: int, step: int, *index: int) -> int:
