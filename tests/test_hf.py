@@ -51,6 +51,20 @@ def bert(lora=True, seed=0):
     return model.eval()
 
 
+def llama(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention
+        max_position_embeddings=16,
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
 def batch(b=4, seed=0, classes=None):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, VOCAB, (b, T), generator=g)
@@ -90,6 +104,7 @@ CASES = {
     "gpt2-full": (lambda: gpt2(False), causal_lm_loss(), None),  # tied input/output embeddings
     "bert-lora": (lambda: bert(True), sequence_classification_loss(), 3),
     "bert-full": (lambda: bert(False), sequence_classification_loss(), 3),
+    "llama-full": (llama, causal_lm_loss(), None),  # LlamaRMSNorm's handler
 }
 
 
