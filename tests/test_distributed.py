@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import dpmf
 from dpmf.distributed import (
     DistributedPrivatizer,
     DivergenceError,
@@ -527,3 +528,33 @@ def test_each_mode_is_one_object_that_decides_which_noise_a_rank_draws():
         "replicated": [(0, 1, 2)] * 3,
         "rank0": [(0, 1, 2), (), ()],
     }
+
+
+def test_a_model_sharded_by_fully_shard_is_refused_before_any_step(tmp_path):
+    """FSDP2 parameters are DTensors: the private step clips and noises whole parameters, so
+    make_private refuses the sharded model in one line, before drawing a batch."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        fully_shard(model[0])
+        fully_shard(model)
+        data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randint(0, 3, (32,)))
+        with pytest.raises(
+            ValueError, match=r"parameters 0\.weight, 0\.bias, 2\.weight are sharded DTensors"
+        ):
+            dpmf.make_private(
+                model,
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                data,
+                loss_fn=torch.nn.functional.cross_entropy,
+                batch_size=8,
+                steps=2,
+                noise_multiplier=1.0,
+                target_delta=1e-5,
+                factorization="identity",
+            )
+    finally:
+        dist.destroy_process_group()

@@ -115,6 +115,15 @@ _BATCH_COUPLED = (nn.modules.batchnorm._BatchNorm,)
 _NO_PER_EXAMPLE_KERNEL = (nn.RNNBase, nn.RNNCellBase)
 
 
+def _sharded_parameters(model: nn.Module) -> list[str]:
+    """The names of the model's parameters that are DTensors (sharded across processes)."""
+    if not torch.distributed.is_available():
+        return []
+    from torch.distributed.tensor import DTensor
+
+    return [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
+
+
 def check_per_example_safe(model: nn.Module, walk: ModelWalk | None = None) -> None:
     """Refuse a model whose layers couple the examples of a batch.
 
@@ -129,7 +138,9 @@ def check_per_example_safe(model: nn.Module, walk: ModelWalk | None = None) -> N
     gradient path (torch.func cannot batch their fused kernels reliably): refused while
     trainable, with a recurrence written with ``nn.Linear`` layers (book-keeping) as the way out.
     A module compiled by ``torch.compile`` is refused: its graph hides the layers the clipping
-    reads.
+    reads. So are parameters sharded as DTensors (``fully_shard``, FSDP2; tensor parallelism):
+    the private step clips, noises and steps whole parameters (data parallelism:
+    ``make_private(process_group=…)`` on the unsharded model).
 
     Args:
         walk: a ``dpmf.optim.model_guard.ModelWalk`` of ``model`` taken now (None: a new one).
@@ -148,6 +159,14 @@ def check_per_example_safe(model: nn.Module, walk: ModelWalk | None = None) -> N
             f"model is invalid for per-example clipping: {', '.join(compiled)} is a torch.compile'd "
             "module (OptimizedModule), whose compiled graph hides the layers the clipping reads; "
             "give make_private the module before compiling (model._orig_mod)"
+        )
+    sharded = _sharded_parameters(model)
+    if sharded:
+        raise ValueError(
+            f"model is invalid for the private step: its parameters {', '.join(sharded[:3])} are sharded "
+            "DTensors (torch.distributed fully_shard / FSDP2 or tensor parallelism), and dpmf clips, "
+            "noises and steps whole parameters; give make_private the model before fully_shard, with "
+            "process_group=… for data parallelism (one copy of the model per rank)"
         )
     recurrent = [
         f"{name or '<model>'} ({type(m).__name__})"
