@@ -2,6 +2,7 @@
 data, every example compared) or as a declared fork, whose noise is its own from the fork on
 and whose ε is accounted with its siblings' (σ/√m)."""
 
+import functools
 import math
 
 import pytest
@@ -40,14 +41,16 @@ class Records(Dataset):
         return self.x[i], self.y[i]
 
 
-def _private(dataset=None, lr=0.1, seed=None, factorization="bsr:2", scheme="cyclic_poisson"):
+def _private(
+    dataset=None, lr=0.1, seed=None, factorization="bsr:2", scheme="cyclic_poisson", loss_fn=F.cross_entropy
+):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(D, 8), nn.Tanh(), nn.Linear(8, 3))
     private = dpmf.make_private(
         model,
         torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
         Records() if dataset is None else dataset,
-        loss_fn=F.cross_entropy,
+        loss_fn=loss_fn,
         batch_size=B,
         epochs=2,
         noise_multiplier=1.0,
@@ -111,6 +114,54 @@ def test_an_optimizer_built_with_other_hyperparameters_is_refused_at_resume(save
         private = _private()
         private.optimizer.param_groups[0]["momentum"] = 0.5
         private.resume(saved)
+
+
+def _smoothed(output, target):  # a script's own loss: compared by its code
+    return F.cross_entropy(output, target, label_smoothing=0.1)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        functools.partial(F.cross_entropy, label_smoothing=0.1),
+        nn.CrossEntropyLoss(label_smoothing=0.1),
+        lambda output, target: F.cross_entropy(output, target, label_smoothing=0.1),
+        _smoothed,
+    ],
+    ids=["partial", "module", "lambda", "function"],
+)
+def test_a_continuation_with_another_loss_is_refused_and_a_fork_may_change_it(saved, other):
+    """The same noise on another loss's gradients: the two continuations' difference would be
+    noiseless, so only a fork (new noise) may change the loss."""
+    with pytest.raises(ValueError, match=r"the loss changed \(saved 'torch\.nn\.functional\.cross_entropy'"):
+        _private(loss_fn=other).resume(saved)
+    same = _private(loss_fn=nn.CrossEntropyLoss())  # another callable: compared by its settings
+    with pytest.raises(ValueError, match="the loss changed"):
+        same.resume(saved)
+    fork = _private(loss_fn=other)
+    fork.resume(saved, fork=True)
+    assert fork.steps_taken == 3
+    again = _private()  # the run's own loss: a continuation
+    again.resume(saved)
+    assert again.steps_taken == 3
+
+
+def test_loss_identities_of_equal_losses_agree_and_of_others_differ():
+    from dpmf.train.continuation import loss_identity
+
+    assert loss_identity(nn.CrossEntropyLoss(label_smoothing=0.1)) == loss_identity(
+        nn.CrossEntropyLoss(label_smoothing=0.1)
+    )
+    assert loss_identity(nn.CrossEntropyLoss()) != loss_identity(nn.CrossEntropyLoss(label_smoothing=0.1))
+    weighted = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 3.0]))
+    assert loss_identity(weighted) != loss_identity(nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 4.0])))
+    assert loss_identity(lambda o, y: F.cross_entropy(o, y)) != loss_identity(lambda o, y: F.nll_loss(o, y))
+
+    def smoothed(s):
+        return lambda o, y: F.cross_entropy(o, y, label_smoothing=s)
+
+    assert loss_identity(smoothed(0.1)) == loss_identity(smoothed(0.1))
+    assert loss_identity(smoothed(0.1)) != loss_identity(smoothed(0.2))
 
 
 def test_resume_on_one_replaced_record_is_refused(saved):

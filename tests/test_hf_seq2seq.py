@@ -153,6 +153,9 @@ def test_seq2seq_loss_is_the_models_own_loss_for_one_example(name):
 def test_seq2seq_loss_needs_the_models_token_ids():
     with pytest.raises(ValueError, match="decoder_start_token_id=None is invalid"):
         seq2seq_lm_loss()
+    encoder = transformers.T5EncoderModel(t5(False).config)
+    with pytest.raises(ValueError, match="T5EncoderModel is invalid for seq2seq_lm_loss"):
+        seq2seq_lm_loss(encoder)
     loss = seq2seq_lm_loss(decoder_start_token_id=0, pad_token_id=0, reduction="sum")
     logits = torch.randn(1, 3, 5)
     labels = torch.tensor([[1, -100, 4]])

@@ -92,6 +92,10 @@ def test_trainer_train_runs_the_private_step(tmp_path):
     trainer = PrivateTrainer(private, args(tmp_path))
     trainer.train()
     assert private.steps_taken == STEPS and trainer.state.global_step == STEPS
+    # nothing logged counts the sampled batches' examples or tokens
+    assert trainer.state.total_flos == 0 and trainer.state.num_input_tokens_seen == 0
+    with pytest.raises(ValueError, match="has taken all its 4 steps"):
+        trainer.train()
     # one step's clipped sum: the loop of single-example backward passes on the step's batch
     inputs, targets = recorder.batches[0]
     _, ref = loop_reference(tiny_gpt2(), causal_lm_loss(), inputs, targets, private.clip_norm)
@@ -156,6 +160,7 @@ class _StopAt(transformers.TrainerCallback):
         ({"max_steps": 9}, "max_steps=9 is invalid: the private plan has 4 steps"),
         ({"lr_scheduler_type": "cosine"}, "lr_scheduler_type='cosine'"),
         ({"warmup_steps": 2}, "warm-up 2"),
+        ({"include_num_input_tokens_seen": "all"}, "include_num_input_tokens_seen='all' is invalid"),
     ],
 )
 def test_arguments_that_would_change_the_private_step_are_refused(tmp_path, kw, match):

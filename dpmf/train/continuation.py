@@ -5,8 +5,9 @@ the same noise, so the difference of their releases would be the noiseless diffe
 clipped sums. Hence:
 
 * **Continuation** (``resume(path)``): the optimizer's hyperparameters of every parameter group
-  (lr, momentum, betas, weight decay, …) and the data set (every example, ``dataset_digest``)
-  must be those of the run that wrote the state; a change is refused at ``resume`` and, for a
+  (lr, momentum, betas, weight decay, …), the loss (``loss_identity``: its type or function,
+  settings and code) and the data set (every example, ``dataset_digest``) must be those of the
+  run that wrote the state; a change is refused at ``resume`` and, for a
   hyperparameter set after ``resume``, at the first ``backward``. A continuation repeated from
   the same state (after a crash) is the same computation with the same noise: the same release.
 * **Fork** (``resume(path, fork=True)``): the same data, any hyperparameters, and raw noise
@@ -28,14 +29,107 @@ members known when it was made.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
 import math
+import sys
 import uuid
+
+import torch
 
 from dpmf import seeds
 from dpmf.train.checkpoint import save_checkpoint
 from dpmf.train.state import hyperparameter_change, hyperparameters
 
-__all__ = ["Lineage", "check_hyperparameters", "new_run_id"]
+__all__ = ["Lineage", "check_hyperparameters", "check_loss", "loss_identity", "new_run_id"]
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _code_digest(code) -> str:
+    """SHA-256 (16 hex digits) of a code object's instructions, names and constants (nested
+    code included; not its line numbers, so a comment elsewhere does not change it)."""
+    h = hashlib.sha256(code.co_code)
+    h.update(repr(code.co_names).encode())
+    for c in code.co_consts:
+        h.update((_code_digest(c) if hasattr(c, "co_code") else repr(c)).encode())
+    return h.hexdigest()[:16]
+
+
+def _settings(obj) -> str:
+    """The plain-valued attributes of an object, and a digest of its tensors (nn.Module state)."""
+    values = vars(obj) if hasattr(obj, "__dict__") else {}
+    plain = {
+        k: v
+        for k, v in sorted(values.items())
+        if isinstance(v, _PLAIN) and not k.startswith("_") and k != "training"  # train()/eval()
+    }
+    state = getattr(obj, "state_dict", None)
+    if callable(state):
+        h = hashlib.sha256()
+        for k, t in sorted(state().items()):
+            h.update(k.encode())
+            h.update(
+                t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                if t.numel()
+                else b""
+            )
+        plain["state"] = h.hexdigest()[:16]
+    return repr(plain)
+
+
+def _reachable(module, fn) -> bool:
+    """Whether ``fn`` is its module's attribute at its qualified name (not a local or lambda)."""
+    obj = module
+    for part in fn.__qualname__.split("."):
+        obj = getattr(obj, part, None)
+    return obj is fn
+
+
+def loss_identity(loss_fn) -> str:
+    """A description of ``loss_fn`` that is the same in every process for the same loss and
+    differs for another: a dataclass loss (``dpmf.train.hf``) by its repr; a module-level
+    function of an imported module (``F.cross_entropy``) by its qualified name; a script's
+    function, a local function or a lambda by its name, code and closure values; a
+    ``functools.partial`` by its function and arguments; any other callable
+    (``nn.CrossEntropyLoss(label_smoothing=0.1)``) by its type, plain settings and tensors.
+    (A resume with another loss would release the noiseless difference of the two runs'
+    gradients.)"""
+    if isinstance(loss_fn, functools.partial):
+        keywords = sorted(loss_fn.keywords.items())
+        return f"partial({loss_identity(loss_fn.func)}, {loss_fn.args!r}, {keywords!r})"
+    code = getattr(loss_fn, "__code__", None)
+    if code is not None:  # a function or lambda
+        module = sys.modules.get(loss_fn.__module__)
+        if module is not None and module.__name__ != "__main__" and _reachable(module, loss_fn):
+            return f"{loss_fn.__module__}.{loss_fn.__qualname__}"  # a library's: by its name
+        cells = [c.cell_contents for c in (loss_fn.__closure__ or ())]
+        closure = [repr(v) if isinstance(v, _PLAIN) else loss_identity(v) for v in cells]
+        return f"{loss_fn.__module__}.{loss_fn.__qualname__}#{_code_digest(code)}{closure or ''}"
+    name = f"{type(loss_fn).__module__}.{type(loss_fn).__qualname__}"
+    if dataclasses.is_dataclass(loss_fn):
+        return f"{name}:{loss_fn!r}"
+    if callable(getattr(loss_fn, "__func__", None)):  # a bound method
+        return f"{name}:{loss_fn.__qualname__}"
+    return f"{name}{_settings(loss_fn)}"
+
+
+def check_loss(saved: str | None, loss_fn, where: str) -> None:
+    """Refuse a continuation whose loss is not the one the run was saved with (a state of a
+    version that recorded none is not compared).
+
+    Raises:
+        ValueError: another loss, with the way out (the run's loss, or ``fork=True``).
+    """
+    if saved is None or saved == loss_identity(loss_fn):
+        return
+    raise ValueError(
+        f"{where} is invalid for a continuation: the loss changed (saved {saved!r}, here "
+        f"{loss_identity(loss_fn)!r}); a resumed run reuses the run's noise key, so two continuations "
+        "with other losses would release the noiseless difference of their gradients: resume with the "
+        "run's loss_fn, or pass fork=True for new noise from here on"
+    )
 
 
 def new_run_id() -> str:

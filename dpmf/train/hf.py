@@ -35,6 +35,8 @@ book-keeping; ``loss_fn(output, target)`` is their mean, used by ``torch.func``)
   shifted right, starting with the model's ``decoder_start_token_id``, -100 replaced by its
   ``pad_token_id`` (what transformers' models do with ``labels=``, which would also make the
   model compute its own batch-mean loss); a batch with ``decoder_input_ids`` keeps its own.
+  Pad the labels with -100 (transformers' ``DataCollatorForSeq2Seq`` does): a label equal to the
+  pad id is a token to predict.
 - sequence classification (``sequence_classification_loss``): CE(logits_i, labels_i).
 
 Trainable parameters only: what ``make_private`` clips, noises, counts in the noise state and
@@ -230,9 +232,16 @@ def seq2seq_lm_loss(
             override them.
 
     Raises:
-        ValueError: a token id missing from both the model's config and the keywords.
+        ValueError: a model that is not an encoder–decoder, or a token id missing from both the
+            model's config and the keywords.
     """
     config = getattr(model, "config", model)
+    if model is not None and getattr(config, "is_encoder_decoder", None) is False:
+        raise ValueError(
+            f"model={type(model).__name__} is invalid for seq2seq_lm_loss: it is not an encoder–decoder "
+            "(config.is_encoder_decoder is False); use causal_lm_loss() for a decoder-only LM, or a loss "
+            "of your own for an encoder"
+        )
     start = decoder_start_token_id
     if start is None:
         start = getattr(config, "decoder_start_token_id", None)

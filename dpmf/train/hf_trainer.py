@@ -24,7 +24,13 @@ What the Trainer does and what dpmf does:
   (``lr_scheduler_type`` ``"linear"`` — the default — or ``"constant"``, no warm-up; another is
   refused). A scheduler passed as ``lr_scheduler`` is used as given.
 - **Logs**: every log entry carries ``epsilon`` (ε spent so far) and ``delta``; each checkpoint
-  holds ``dpmf_ledger.json`` (ε with its accountant, guarantee and what it protects).
+  holds ``dpmf_ledger.json`` (ε with its accountant, guarantee and what it protects). The
+  logged ``grad_norm`` is that of the private (noised) gradient; the logged ``loss`` is the
+  sampled batches' mean loss, a non-private statistic (as ``backward``'s). What would publish
+  the sizes of the sampled batches is off: ``include_num_input_tokens_seen`` is refused and
+  ``total_flos`` is 0.
+- **Not used**: ``num_train_epochs`` and ``per_device_train_batch_size`` (the plan's steps and
+  batches are make_private's ``epochs``/``steps`` and ``batch_size``).
 - **Checkpoints**: each of the Trainer's checkpoints holds ``dpmf_state.pt``, the run's secret
   state (noise key and buffers, sampler position; file mode 0600). ``train(resume_from_checkpoint=…)``
   resumes it (the model's trainable weights included) with the Trainer's own state, optimizer
@@ -89,6 +95,13 @@ def _trainer_args(args, steps: int):
             "plan's, make_private(schedule=…); leave the Trainer's at its default, or pass lr_scheduler= "
             "to PrivateTrainer"
         )
+    tokens = args.include_num_input_tokens_seen
+    if tokens not in (False, None, "no"):
+        raise ValueError(
+            f"include_num_input_tokens_seen={tokens!r} is invalid: the Trainer would log the tokens of "
+            "each sampled batch, and a Poisson batch's size depends on who is in the data set (not "
+            "covered by ε); leave it at 'no'"
+        )
     if args.n_gpu > 1:
         raise ValueError(
             f"n_gpu={args.n_gpu} is invalid: the Trainer would wrap the model in DataParallel; run one "
@@ -131,6 +144,11 @@ class PrivateTrainer(transformers.Trainer):
         optimizers = (private.optimizer, lr_scheduler)
         super().__init__(model=private.model, args=args, optimizers=optimizers, **kwargs)
 
+    def floating_point_ops(self, inputs) -> int:
+        """0: the Trainer's FLOP count (``total_flos``) adds the tokens of every sampled batch,
+        whose sizes depend on who is in the data set."""
+        return 0
+
     def get_train_dataloader(self):
         """The plan's loader (``private.data_loader``)."""
         return self.private.data_loader
@@ -164,7 +182,8 @@ class PrivateTrainer(transformers.Trainer):
         """The Trainer's ``train``; a resume first restores the private run's state.
 
         Raises:
-            ValueError: the checkpoint holds no ``dpmf_state.pt`` (not saved by PrivateTrainer).
+            ValueError: the checkpoint holds no ``dpmf_state.pt`` (not saved by PrivateTrainer), or
+            the run has taken all its steps.
         """
         if resume_from_checkpoint is True or resume_from_checkpoint == "last":
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
@@ -172,6 +191,11 @@ class PrivateTrainer(transformers.Trainer):
                 raise ValueError(
                     f"resume_from_checkpoint is invalid: no checkpoint in {self.args.output_dir!r}"
                 )
+        if not resume_from_checkpoint and self.private.steps_taken >= self.private.plan.steps:
+            raise ValueError(
+                f"train() is invalid here: the private run has taken all its {self.private.plan.steps} "
+                "steps (ε is spent as planned); build a new run with make_private to train again"
+            )
         if resume_from_checkpoint:
             path = os.path.join(resume_from_checkpoint, STATE_NAME)
             if not os.path.isfile(path):

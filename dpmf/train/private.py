@@ -70,7 +70,7 @@ from dpmf.plan.schemes import auto_scheme, get_scheme
 from dpmf.step import ExecutionFlags
 from dpmf.step import build as build_step
 from dpmf.train.collate_check import check_collate_independent
-from dpmf.train.continuation import Lineage, check_hyperparameters, fork_key
+from dpmf.train.continuation import Lineage, check_hyperparameters, check_loss, fork_key, loss_identity
 from dpmf.train.hf import batch_size_of, split_batch
 from dpmf.train.ledger import check_export_folder, privacy_ledger
 from dpmf.train.ledger import export as export_files
@@ -469,7 +469,7 @@ class PrivateTraining:
             optimizer=self.optimizer,
             key=self._seed,
             given=self.seed_given,
-            run_identity={"run_id": self._lineage.run_id},
+            run_identity={"run_id": self._lineage.run_id, "loss": loss_identity(self.privatizer.loss_fn)},
             data=self._digest(),
             epoch=self.steps_taken // self.plan.steps_per_epoch,
             siblings=self._lineage.siblings,
@@ -511,6 +511,8 @@ class PrivateTraining:
             check_hyperparameters(
                 state["optimizer"].get("param_groups", []), self.optimizer.param_groups, where
             )
+            saved_loss = (state.get("run_identity") or {}).get("loss")
+            check_loss(saved_loss, self.privatizer.loss_fn, where)
         secret = state.get("secret") if isinstance(state.get("secret"), dict) else {}
         own = hyperparameters(self.optimizer.param_groups)  # a fork keeps the ones it was built with
         if fork:
