@@ -68,19 +68,26 @@ print(
 )
 
 loss_fn = causal_lm_loss()
-optimizer = dpmf.optim.DPAdam([p for p in model.parameters() if p.requires_grad], lr=3e-3)
-private = dpmf.make_private(
-    model,
-    optimizer,
-    train_set,
-    loss_fn=loss_fn,
-    batch_size=BATCH,
-    epochs=EPOCHS,
-    target_epsilon=8.0,
-    target_delta=1e-5,
-    factorization="bsr:4",
-    seed=SEED,
-)
+
+
+def private_run(model):
+    """DP-Adam on the adapters, at ε = 8."""
+    optimizer = dpmf.optim.DPAdam([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    return dpmf.make_private(
+        model,
+        optimizer,
+        train_set,
+        loss_fn=loss_fn,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        target_epsilon=8.0,
+        target_delta=1e-5,
+        factorization="bsr:4",
+        seed=SEED,
+    )
+
+
+private = private_run(model)
 for epoch in range(EPOCHS):
     model.train()
     for batch in private.data_loader:
@@ -113,19 +120,7 @@ from dpmf.train.hf_trainer import PrivateTrainer
 
 looped = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 model, encode, length = example.build("local", seed=0, rank=8)
-optimizer = dpmf.optim.DPAdam([p for p in model.parameters() if p.requires_grad], lr=3e-3)
-private = dpmf.make_private(
-    model,
-    optimizer,
-    train_set,
-    loss_fn=loss_fn,
-    batch_size=BATCH,
-    epochs=EPOCHS,
-    target_epsilon=8.0,
-    target_delta=1e-5,
-    factorization="bsr:4",
-    seed=SEED,
-)
+private = private_run(model)
 with tempfile.TemporaryDirectory() as out:
     args = TrainingArguments(
         output_dir=out,
