@@ -14,4 +14,4 @@ demo: $(VENV)/.installed
 	    --out $(OUT)/demo $(if $(wildcard $(OUT)/demo/checkpoint.pt),--resume)
 
 test: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q --numprocesses=auto --maxprocesses=4

@@ -66,7 +66,7 @@ def test_own_loop_in_four_statements_and_epsilon_equals_dpmf_epsilon(digits, cap
     capsys.readouterr()
     assert main(argv) == 0
     assert eps == pytest.approx(json.loads(capsys.readouterr().out)["epsilon"], rel=1e-12)
-    assert 2.99 < eps <= 3.0
+    assert 2.99 < eps <= 3.0 and private.target_delta == 1e-5
     assert private.steps_taken == private.plan.steps == 2 * len(private.data_loader)
 
 

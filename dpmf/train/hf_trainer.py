@@ -161,7 +161,7 @@ class PrivateTrainer(transformers.Trainer):
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         """The Trainer's log entry with ``epsilon`` (spent so far) and ``delta``."""
-        delta = self.private._delta
+        delta = self.private.target_delta
         if delta is not None:
             logs = {**logs, "epsilon": self.private.get_epsilon(), "delta": delta}
         super().log(logs, start_time)
@@ -171,7 +171,7 @@ class PrivateTrainer(transformers.Trainer):
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # the folder the Trainer wrote
         folder = os.path.join(self._get_output_dir(trial=trial), name)
         self.private.save(os.path.join(folder, STATE_NAME), overwrite=True)
-        if self.private._delta is not None:
+        if self.private.target_delta is not None:
             atomic_write_json(os.path.join(folder, LEDGER_NAME), self.private.ledger())
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:

@@ -301,6 +301,12 @@ class PrivateTraining:
         return self.plan.noise_multiplier
 
     @property
+    def target_delta(self) -> float | None:
+        """δ given to ``make_private`` (``target_delta``), at which ``get_epsilon`` and the ledger
+        report ε; None where none was given."""
+        return self._delta
+
+    @property
     def sampler(self):
         """The plan's batch sampler behind ``data_loader`` (global batches; in a distributed
         run the loader yields this rank's slice of each)."""

@@ -48,10 +48,16 @@ class EmbeddingHandler(ClippingHandler):
         return None
 
     def _ids_grads(self, module, calls, dtype):
+        return self._lookup_grads(module, [(c.inputs[0], c.grad) for c in calls], dtype)
+
+    @staticmethod
+    def _lookup_grads(module, pairs, dtype):
+        """(ids (b, L), output gradients (b, L, d)) of lookups given as (ids, gradient) pairs, the
+        padding rows zeroed; one call's ids are any (b, …) shape."""
         ids, gs = [], []
-        for c in calls:
-            i = c.inputs[0].reshape(c.inputs[0].shape[0], -1)
-            gg = c.grad.reshape(i.shape[0], -1, c.grad.shape[-1]).to(dtype)
+        for x, grad in pairs:
+            i = x.reshape(x.shape[0], -1)
+            gg = grad.reshape(i.shape[0], -1, grad.shape[-1]).to(dtype)
             if module.padding_idx is not None:
                 gg = gg * (i != module.padding_idx).unsqueeze(-1).to(dtype)
             ids.append(i)

@@ -57,13 +57,6 @@ class ScaledEmbeddingHandler(EmbeddingHandler):
         return ids, grads if scale is None or scale == 1.0 else grads * float(scale)
 
 
-class _PositionCall:
-    """A positional embedding's call seen as the plain lookup it makes: ``inputs[0]`` are the ids."""
-
-    def __init__(self, ids, grad):
-        self.inputs, self.grad = (ids,), grad
-
-
 @clipping_layer(f"{_BART}.BartLearnedPositionalEmbedding")
 class LearnedPositionHandler(EmbeddingHandler):
     """``W[p + offset]`` at its positions p: the embedding's rule at those ids, one row per example."""
@@ -73,7 +66,7 @@ class LearnedPositionHandler(EmbeddingHandler):
     expand_shared_output = True
 
     def _ids_grads(self, module, calls, dtype):
-        plain = []
+        pairs = []
         for c in calls:
             kw = c.kwargs or {}
             b = c.grad.shape[0]
@@ -84,8 +77,8 @@ class LearnedPositionHandler(EmbeddingHandler):
                 positions = torch.arange(start, start + t, device=c.grad.device).expand(b, t)
             else:  # the forward's (1, …) lookup, expanded with its output
                 positions = positions.unsqueeze(0).expand(b, *positions.shape)
-            plain.append(_PositionCall(positions + module.offset, c.grad))
-        return super()._ids_grads(module, plain, dtype)
+            pairs.append((positions + module.offset, c.grad))
+        return self._lookup_grads(module, pairs, dtype)
 
 
 def t5_relative_bias(module, args, kwargs):
