@@ -380,15 +380,11 @@ def clipped_sum(
     ``torch.func`` path (per module, or for the whole model; ``dpmf.optim.ghost``), so every
     model works, more slowly when much of it falls back.
 
-    Mixed precision: called under ``torch.autocast`` (bf16 on CPU or GPU, fp16 on GPU), the
-    forward and the backward run in the low precision; the recorded activations and output
-    gradients are cast to float32 before any norm or sum, the norms are combined in float64
-    and the sums are in the parameters' dtype (the noise is then added to them in that dtype
-    by ``Privatizer``). The clipping bound is exact for the vectors whose norms are taken, so
-    the sensitivity is ζ whatever the precision; what the low precision changes is the
-    gradient itself (rounding of activations and output gradients, ≈ 3 significant digits for
-    bf16). fp16 has no loss scaling here: output gradients below 6·10⁻⁸ flush to zero, so
-    prefer bf16.
+    Mixed precision (``torch.autocast``: bf16, or fp16 on GPU): forward and backward run in
+    the low precision; activations and output gradients are cast to float32 before any norm or
+    sum, norms are combined in float64, sums are in the parameters' dtype. The bound is exact
+    for the vectors whose norms are taken, so the sensitivity is ζ at any precision; fp16 has
+    no loss scaling (output gradients below 6·10⁻⁸ flush to zero): prefer bf16.
 
     Args:
         model, loss_fn: as in ``per_example_gradients``.
