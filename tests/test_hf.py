@@ -440,3 +440,20 @@ def test_reentrant_gradient_checkpointing_is_refused_with_the_fix():
     x, y = loss.split(batch())
     with pytest.raises(RuntimeError, match=r"reentrant activation checkpointing.*'use_reentrant': False"):
         clipped_sum(model, loss, x, y, clip_norm=1.0, clipping="bk")
+
+
+@pytest.mark.parametrize("clipping", ["auto", "bk", "ghost"])
+def test_a_tensor_loss_on_a_model_output_is_refused_in_one_line_naming_logits(clipping):
+    """``loss_fn=F.cross_entropy`` on a model that returns a ModelOutput: one line with the fix
+    (read ``.logits``), not an AttributeError deep in the step; the fix then trains."""
+    model = bert(True)
+    x, y = sequence_classification_loss().split(batch(classes=3))
+    with pytest.raises(
+        ValueError,
+        match=r"loss_fn=cross_entropy is invalid for this model: .* returns SequenceClassifierOutput;"
+        r" give loss_fn=lambda out, y: F\.cross_entropy\(out\.logits, y\)",
+    ):
+        clipped_sum(model, torch.nn.functional.cross_entropy, x, y, clip_norm=1.0, clipping=clipping)
+    fixed = clipped_sum(model, lambda out, t: torch.nn.functional.cross_entropy(out.logits, t), x, y,
+                        clip_norm=1.0, clipping=clipping)  # fmt: skip
+    assert fixed.norms.shape == (4,) and bool((fixed.norms > 0).all())

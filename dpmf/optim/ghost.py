@@ -573,6 +573,12 @@ def per_example_losses(loss_fn, out, targets) -> torch.Tensor:
     per = getattr(loss_fn, "per_example", None)
     if callable(per):
         return per(out, targets)
+    if loss_fn in (F.cross_entropy, F.nll_loss) and not isinstance(out, torch.Tensor):
+        raise ValueError(
+            f"loss_fn={loss_fn.__name__} is invalid for this model: it takes a tensor and the model "
+            f"returns {type(out).__name__}; give loss_fn=lambda out, y: F.{loss_fn.__name__}(out.logits, y) "
+            "(or a loss of dpmf.train.hf)"
+        )
     if (
         loss_fn in (F.cross_entropy, F.nll_loss)
         and out.dim() == 2
