@@ -569,22 +569,22 @@ def per_example_losses(loss_fn, out, targets) -> torch.Tensor:
     ``dpmf.train.hf``) gives the (b,) losses itself. ``F.cross_entropy`` and ``F.nll_loss`` on
     (b, classes) outputs and integer class targets use ``reduction="none"`` (the same numbers,
     one kernel); any other loss is ``vmap``-ed.
+
+    Raises:
+        ValueError: ``F.cross_entropy``/``F.nll_loss`` given a non-tensor output (a ModelOutput):
+            the message names the loss that reads ``.logits``.
     """
     per = getattr(loss_fn, "per_example", None)
     if callable(per):
         return per(out, targets)
-    if loss_fn in (F.cross_entropy, F.nll_loss) and not isinstance(out, torch.Tensor):
+    class_loss = loss_fn in (F.cross_entropy, F.nll_loss)
+    if class_loss and not isinstance(out, torch.Tensor):
         raise ValueError(
             f"loss_fn={loss_fn.__name__} is invalid for this model: it takes a tensor and the model "
             f"returns {type(out).__name__}; give loss_fn=lambda out, y: F.{loss_fn.__name__}(out.logits, y) "
             "(or a loss of dpmf.train.hf)"
         )
-    if (
-        loss_fn in (F.cross_entropy, F.nll_loss)
-        and out.dim() == 2
-        and targets.dim() == 1
-        and not targets.is_floating_point()
-    ):
+    if class_loss and out.dim() == 2 and targets.dim() == 1 and not targets.is_floating_point():
         # an ignored target (ignore_index −100) is one example's mean over no element: 0/0,
         # NaN with a NaN gradient, as loss_fn on that example alone; any other is divided by 1
         # (exact). Branch-free: the targets are never read back.
