@@ -517,7 +517,7 @@ def test_a_torchrun_environment_without_a_process_group_is_refused(monkeypatch, 
 def test_each_mode_is_one_object_that_decides_which_noise_a_rank_draws():
     from dpmf.distributed import DISTRIBUTED_MODES, MODES
 
-    assert tuple(DISTRIBUTED_MODES) == MODES == ("sharded", "replicated", "rank0")
+    assert tuple(DISTRIBUTED_MODES) == MODES == ("sharded", "replicated", "rank0", "fsdp")
     owned_by = ((0, 2), (1,), ())
     noised = {
         name: [tuple(cls().noised(owned_by, r, 3)) for r in range(3)]
@@ -527,12 +527,14 @@ def test_each_mode_is_one_object_that_decides_which_noise_a_rank_draws():
         "sharded": [(0, 2), (1,), ()],  # each owner its parameters: one copy of the noise
         "replicated": [(0, 1, 2)] * 3,
         "rank0": [(0, 1, 2), (), ()],
+        "fsdp": [(0, 1, 2)] * 3,  # every rank its shard (a range) of every parameter
     }
 
 
-def test_a_model_sharded_by_fully_shard_is_refused_before_any_step(tmp_path):
-    """FSDP2 parameters are DTensors: the private step clips and noises whole parameters, so
-    make_private refuses the sharded model in one line, before drawing a batch."""
+def test_a_model_sharded_by_fully_shard_is_refused_without_a_process_group(tmp_path):
+    """FSDP2 parameters are DTensors: only the sharded step (make_private with the process
+    group they are sharded over) noises them shard by shard, so make_private without one refuses
+    the model in one line, before drawing a batch."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -543,7 +545,7 @@ def test_a_model_sharded_by_fully_shard_is_refused_before_any_step(tmp_path):
         fully_shard(model)
         data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randint(0, 3, (32,)))
         with pytest.raises(
-            ValueError, match=r"parameters 0\.weight, 0\.bias, 2\.weight are sharded DTensors"
+            ValueError, match=r"parameters 0\.weight, 0\.bias, 2\.weight are sharded DTensors.*process_group="
         ):
             dpmf.make_private(
                 model,

@@ -10,6 +10,7 @@ Operations (all ranks call each one in the same order):
 ==========================  ===============================================================
 ``reduce(t, dst)``          t on rank ``dst`` ← Σ_r t_r (other ranks' t unspecified after)
 ``all_reduce(t)``           t on every rank ← Σ_r t_r
+``reduce_scatter(out, t)``  out on rank r ← (Σ_q t_q)'s r-th of W equal flat parts
 ``broadcast(t, src)``       t on every rank ← t_src
 ``all_gather_object(obj)``  [obj_0, …, obj_{W−1}] on every rank (small plain data)
 ``barrier()``               wait for all ranks
@@ -48,6 +49,18 @@ class Collectives:
 
     def broadcast(self, t: torch.Tensor, src: int) -> None:
         raise NotImplementedError
+
+    def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor) -> None:
+        """``out`` (t.numel()/W entries) ← this rank's part of Σ_r t_r (its share sent: (W−1)/W
+        of t). Raises ValueError when t does not split into W parts of out's size."""
+        raise NotImplementedError
+
+    def _check_split(self, out: torch.Tensor, t: torch.Tensor) -> None:
+        if t.numel() != out.numel() * self.world_size:
+            raise ValueError(
+                f"reduce_scatter is invalid: {t.numel()} entries do not split into {self.world_size} "
+                f"parts of {out.numel()}"
+            )
 
     def all_gather_object(self, obj) -> list:
         raise NotImplementedError
@@ -102,6 +115,14 @@ class TorchCollectives(Collectives):
             if self.rank == src:
                 self._count(t)
             self._dist.broadcast(t, src=self._global(src), group=self.group)
+
+    def reduce_scatter(self, out, t):
+        self._check_split(out, t)
+        if self.world_size == 1:
+            out.copy_(t.reshape(out.shape))
+            return
+        self._count(t, (self.world_size - 1) / self.world_size)
+        self._dist.reduce_scatter_single(out, t, op=self._dist.ReduceOp.SUM, group=self.group)
 
     def all_gather_object(self, obj):
         out = [None] * self.world_size
@@ -162,6 +183,16 @@ class ThreadCollectives(Collectives):
         parts = self._exchange(t.detach().clone() if self.rank == src else None)
         if self.rank != src:
             t.copy_(parts[src])
+
+    def reduce_scatter(self, out, t):
+        self._check_split(out, t)
+        if self.world_size > 1:
+            self._count(t, (self.world_size - 1) / self.world_size)
+        parts = self._exchange(t.detach().clone())
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total.add_(part)
+        out.copy_(total.reshape(self.world_size, -1)[self.rank].view(out.shape))
 
     def all_gather_object(self, obj):
         return self._exchange(obj)

@@ -46,6 +46,15 @@ from dpmf.distributed.collectives import Collectives
 from dpmf.distributed.modes import MODES
 from dpmf.distributed.sharding import assign_owners, owned_by, parameter_cost
 from dpmf.optim.clipping import trainable_parameters
+from dpmf.optim.fsdp import (
+    check_fully_sharded,
+    local_part,
+    reshard,
+    shard_span,
+    sharded_gradient,
+    sharded_names,
+    unsharded_aliases,
+)
 from dpmf.optim.noise import CHUNK_ENTRIES, ChunkedKeys, noise_for_factorization
 from dpmf.optim.privatize import Privatizer
 from dpmf.optim.registry import matrix_rule_names
@@ -57,6 +66,7 @@ __all__ = [
     "Sharded",
     "Replicated",
     "Rank0",
+    "FullyShard",
     "DistributedPrivatizer",
     "DivergenceError",
     "newton_schulz_parameters",
@@ -96,6 +106,7 @@ class DistributedMode:
     """
 
     name = ""
+    replicas = True  # every rank holds the whole parameters (False: each its shards)
 
     def noised(self, owned_by: tuple, rank: int, count: int) -> tuple[int, ...]:
         """Indices of the parameters whose noise this rank draws (of ``count``)."""
@@ -202,14 +213,89 @@ class Rank0(DistributedMode):
         return _set_gradients(params, flat.div_(bbar))
 
 
+def _mode_for(model: nn.Module, mode: str, world_size: int, clipping: str) -> str:
+    """The mode the model takes: ``fsdp`` for a ``fully_shard`` model (given, or in place of the
+    default ``sharded``), which must then pass ``check_fully_sharded``; any other mode for a model
+    whose parameters are whole.
+
+    Raises:
+        ValueError: a mode that does not fit the model, naming the fix.
+    """
+    sharded = bool(sharded_names(model))
+    if not sharded:
+        if mode == "fsdp":
+            raise ValueError(
+                "mode='fsdp' is invalid: the model's parameters are not sharded; apply "
+                "torch.distributed.fsdp.fully_shard to its blocks and root first, or use mode='sharded'"
+            )
+        return mode
+    if mode not in ("sharded", "fsdp"):
+        raise ValueError(
+            f"mode={mode!r} is invalid for a fully_shard model: its parameters are shards, each rank "
+            "noises and steps its own (mode='fsdp', the default for such a model)"
+        )
+    if clipping not in ("auto", "bk"):
+        raise ValueError(
+            f"clipping={clipping!r} is invalid for a fully_shard model: use 'bk' or 'auto' (book-keeping "
+            "from each layer's activations and output gradients)"
+        )
+    check_fully_sharded(model, world_size)
+    return "fsdp"
+
+
 def _set_gradients(params: list, flat: torch.Tensor) -> list:
     for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
         p.grad = g.view_as(p)
     return params
 
 
+class FullyShard(DistributedMode):
+    """A ``fully_shard`` (FSDP2) model: each rank holds a Shard(0) of every parameter. The
+    clipped sums — whole-parameter tensors computed from the rank's own examples — are
+    reduce-scattered to the shards in one collective; each rank adds the noise of its shard's
+    coordinates (``ChunkedKeys`` ranges: the one-process noise there), divides by B̄ and sets
+    ``p.grad`` to a DTensor of its rows; the optimizer steps the shards. Nothing follows the
+    step: the shards are the model."""
+
+    name = "fsdp"
+    replicas = False
+
+    def noised(self, owned_by, rank, count):
+        return tuple(range(count))
+
+    def release(self, step, params, sums):
+        comm, keys = step.collectives, step.noise.keys
+        scale, bbar = step.noise_std, step.expected_batch_size
+        W = comm.world_size
+        widths = [p.numel() // p.shape[0] if p.dim() else 1 for p in params]
+        parts = [-(-(p.shape[0] if p.dim() else 1) // W) * w for p, w in zip(params, widths, strict=True)]
+        total = sum(parts)
+        flat = sums[0].new_zeros((W, total))  # rank-major: every rank's rows of every parameter
+        at = 0
+        for s, part in zip(sums, parts, strict=True):
+            v = s.reshape(-1)
+            padded = v if v.numel() == W * part else torch.cat([v, v.new_zeros(W * part - v.numel())])
+            flat[:, at : at + part].copy_(padded.view(W, part))
+            at += part
+        mine = flat.new_empty(total)
+        comm.reduce_scatter(mine, flat.view(-1))
+        del flat
+        z = step.noise.next()
+        at = 0
+        for j, (p, part) in enumerate(zip(params, parts, strict=True)):
+            a, b = keys.span(j)
+            start, stop = keys.offsets()[j]
+            local = mine[at : at + b - a]
+            local.add_(z[start:stop], alpha=scale).div_(bbar)
+            p.grad = sharded_gradient(local.view(local_part(p).shape), p)
+            at += part
+        return params
+
+
 #: name → mode class, for every name of ``MODES`` (``dpmf.distributed.modes``).
-DISTRIBUTED_MODES: dict[str, type[DistributedMode]] = {cls.name: cls for cls in (Sharded, Replicated, Rank0)}
+DISTRIBUTED_MODES: dict[str, type[DistributedMode]] = {
+    cls.name: cls for cls in (Sharded, Replicated, Rank0, FullyShard)
+}
 if tuple(DISTRIBUTED_MODES) != MODES:  # the names config validates against are these modes
     raise ImportError(
         f"dpmf.distributed.modes.MODES={MODES} differs from the mode classes {tuple(DISTRIBUTED_MODES)}"
@@ -259,8 +345,9 @@ class DistributedPrivatizer(Privatizer):
         if not isinstance(collectives, Collectives):
             raise TypeError(f"collectives={collectives!r} is invalid: must be a dpmf Collectives")
         self.collectives = collectives
-        self.mode = check_choice("mode", mode, MODES)
+        self.mode = _mode_for(model, check_choice("mode", mode, MODES), collectives.world_size, clipping)
         self._mode = DISTRIBUTED_MODES[self.mode]()
+        self.shards_parameters = not self._mode.replicas
         self.check_every = check_int("check_every", check_every, minimum=0)
         seed = seeds.check_seed(seed)
         if seed is None:
@@ -278,8 +365,10 @@ class DistributedPrivatizer(Privatizer):
         self.owned_by = owned_by(self.owners, W)
         sizes = tuple(p.numel() for p in params)
         noised = tuple(self._mode.noised(self.owned_by, rank, len(params)))
-        keys = ChunkedKeys(sizes, noised, chunk)
+        spans = None if self._mode.replicas else tuple(shard_span(params[j]) for j in noised)
+        keys = ChunkedKeys(sizes, noised, chunk, ranges=spans)
         self._noised = noised
+        self._keys = keys
         p0 = params[0]
         noise = noise_for_factorization(
             plan.strategy, keys.dim, seed=seed, device=p0.device, dtype=p0.dtype, keys=keys
@@ -304,6 +393,9 @@ class DistributedPrivatizer(Privatizer):
             micro_batch_size=micro_batch_size,
             clipping=clipping,
         )
+        if not self._mode.replicas:  # the unsharded parameters exist from the first forward on
+            unsharded_aliases(model, materialize=True)
+            return
         with torch.no_grad():  # the same initial weights everywhere (as DistributedDataParallel)
             for p in params:
                 collectives.broadcast(p.data, src=0)
@@ -334,15 +426,22 @@ class DistributedPrivatizer(Privatizer):
         """
         sums = []
         with torch.no_grad():
-            for _, p in trainable_parameters(self.model):
+            for _, p in trainable_parameters(self.model) if self._mode.replicas else ():
                 q = p.detach().double()
                 sums.append(torch.stack([q.sum(), (q * q).sum()]))
-        checksum = torch.stack(sums).cpu().tolist()
+        checksum = torch.stack(sums).cpu().tolist() if sums else None  # shards differ by design
         self._agree("the state", {"seed": self.seed_digest, "step": self.noise.step, "parameters": checksum})
 
     # -- the private step ---------------------------------------------------------------------
+    def privatize(self, inputs, targets, **kwargs):
+        """As ``Privatizer.privatize``; a ``fully_shard`` model's units are resharded first (an
+        evaluation forward may have left the root's parameters gathered)."""
+        if not self._mode.replicas:
+            reshard(self.model)
+        return super().privatize(inputs, targets, **kwargs)
+
     def _noised_entries(self, params: list) -> int:
-        return sum(params[j].numel() for j in self._noised)
+        return self._keys.dim
 
     def _release(self, params: list, sums: list) -> list:
         return self._mode.release(self, params, sums)

@@ -37,6 +37,7 @@ from torch.func import grad, grad_and_value, vmap
 
 from dpmf._validation import check_choice, check_int, check_real
 from dpmf.optim.clipping_layers import row_norms
+from dpmf.optim.fsdp import is_sharded, sharded_names, zeros_of
 from dpmf.optim.func_call import functional_call
 from dpmf.optim.ghost import CLIPPING_MODES, ghost_clipped_sum
 from dpmf.optim.model_guard import ModelWalk
@@ -115,16 +116,7 @@ _BATCH_COUPLED = (nn.modules.batchnorm._BatchNorm,)
 _NO_PER_EXAMPLE_KERNEL = (nn.RNNBase, nn.RNNCellBase)
 
 
-def _sharded_parameters(model: nn.Module) -> list[str]:
-    """The names of the model's parameters that are DTensors (sharded across processes)."""
-    if not torch.distributed.is_available():
-        return []
-    from torch.distributed.tensor import DTensor
-
-    return [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
-
-
-def check_per_example_safe(model: nn.Module, walk: ModelWalk | None = None) -> None:
+def check_per_example_safe(model: nn.Module, walk: ModelWalk | None = None, *, sharded: bool = False) -> None:
     """Refuse a model whose layers couple the examples of a batch.
 
     BatchNorm (any ``_BatchNorm`` subclass, including SyncBatchNorm and the lazy variants)
@@ -138,12 +130,13 @@ def check_per_example_safe(model: nn.Module, walk: ModelWalk | None = None) -> N
     gradient path (torch.func cannot batch their fused kernels reliably): refused while
     trainable, with a recurrence written with ``nn.Linear`` layers (book-keeping) as the way out.
     A module compiled by ``torch.compile`` is refused: its graph hides the layers the clipping
-    reads. So are parameters sharded as DTensors (``fully_shard``, FSDP2; tensor parallelism):
-    the private step clips, noises and steps whole parameters (data parallelism:
-    ``make_private(process_group=…)`` on the unsharded model).
+    reads. Parameters sharded as DTensors (``fully_shard``, FSDP2) are refused unless
+    ``sharded``: only the sharded step (``make_private(process_group=…)``,
+    ``dpmf.distributed.step``) adds their noise shard by shard.
 
     Args:
         walk: a ``dpmf.optim.model_guard.ModelWalk`` of ``model`` taken now (None: a new one).
+        sharded: accept DTensor parameters (the sharded step checks them itself).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
@@ -160,13 +153,12 @@ def check_per_example_safe(model: nn.Module, walk: ModelWalk | None = None) -> N
             "module (OptimizedModule), whose compiled graph hides the layers the clipping reads; "
             "give make_private the module before compiling (model._orig_mod)"
         )
-    sharded = _sharded_parameters(model)
-    if sharded:
+    found = [] if sharded else sharded_names(model)
+    if found:
         raise ValueError(
-            f"model is invalid for the private step: its parameters {', '.join(sharded[:3])} are sharded "
-            "DTensors (torch.distributed fully_shard / FSDP2 or tensor parallelism), and dpmf clips, "
-            "noises and steps whole parameters; give make_private the model before fully_shard, with "
-            "process_group=… for data parallelism (one copy of the model per rank)"
+            f"model is invalid for a one-process private step: its parameters {', '.join(found[:3])} are "
+            "sharded DTensors (torch.distributed fully_shard / FSDP2); give make_private "
+            "process_group=… (the process group they are sharded over) for the sharded step"
         )
     recurrent = [
         f"{name or '<model>'} ({type(m).__name__})"
@@ -413,8 +405,7 @@ def clipped_sum(
         ``ClippedSum`` with one summed tensor per trainable parameter.
 
     Raises:
-        ValueError: ζ ≤ 0, micro_batch_size < 1, an unknown clipping method, a
-            batch-coupled model.
+        ValueError: ζ ≤ 0, micro_batch_size < 1, an unknown clipping method, a batch-coupled model.
         NonFiniteGradientError: a per-example gradient has NaN/inf entries (naming the step
             and the parameters; the examples only as attributes); nothing is returned.
     """
@@ -423,10 +414,11 @@ def clipped_sum(
     batch, device, clipping = _batch_of(inputs, clipping)
     target_batch = int(_leaves(targets)[0].shape[0])
     walk = ModelWalk(model) if walk is None else walk
-    check_per_example_safe(model, walk)
+    check_per_example_safe(model, walk, sharded=True)
     if batch != target_batch:
         raise ValueError(f"inputs and targets are invalid: batch sizes differ ({batch} vs {target_batch})")
     named = trainable_parameters(model, walk)
+    clipping = _sharded_clipping(named, clipping)
     plan = _check_points(points, named)
     micro_batch_size, vmap_micro = _micro_batch_sizes(named, batch, micro_batch_size, micro_batch_entries)
     sums, all_norms, used, all_losses = _sum_micro_batches(
@@ -434,7 +426,7 @@ def clipped_sum(
         step, example_ids, walk, batch, device,
     )  # fmt: skip
     norms = torch.cat(all_norms) if all_norms else torch.zeros(0, dtype=torch.float64)
-    zeros = (torch.zeros_like(p, memory_format=torch.contiguous_format) for _, p in named)
+    zeros = (zeros_of(p) for _, p in named)
     return ClippedSum(
         [z if t is None else t for t, z in zip(sums, zeros, strict=True)],
         norms,
@@ -443,6 +435,23 @@ def clipped_sum(
         used,
         _loss_sum(all_losses, batch, device),
     )
+
+
+def _sharded_clipping(named: list, clipping: str) -> str:
+    """The clipping method: ``"bk"`` for a fully_shard model (book-keeping, the one path that
+    works at the shards), ``clipping`` otherwise.
+
+    Raises:
+        ValueError: ``"vmap"`` or ``"ghost"`` for a fully_shard model.
+    """
+    if not (named and is_sharded(named[0][1])):
+        return clipping
+    if clipping not in ("auto", "bk"):
+        raise ValueError(
+            f"clipping={clipping!r} is invalid for a fully_shard model: use 'bk' or 'auto' (book-keeping "
+            "from each layer's activations; per-example gradients of whole parameters need them whole)"
+        )
+    return "bk"
 
 
 def _loss_sum(all_losses: list, batch: int, device) -> torch.Tensor | None:

@@ -114,6 +114,7 @@ from dpmf.optim.clipping_layers import (
 )
 from dpmf.optim.clipping_layers.norms import _as, _sq
 from dpmf.optim.clipping_layers.registry import batch_adapter, value_preserving
+from dpmf.optim.fsdp import is_sharded, reshard, unsharded_aliases, zeros_of
 from dpmf.optim.func_call import functional_call
 from dpmf.optim.ghost_chain import chain_layers, chain_output_gradients
 from dpmf.optim.ghost_tied import TiedEmbeddingLinear, tied_embedding_linear
@@ -879,7 +880,7 @@ class _Handler:
         names = self.names
         own = m._parameters  # the attributes are the module's own parameters (no dotted path)
         if self.zero:
-            return {names[a]: torch.zeros_like(own[a]) for a in self.attrs}
+            return {names[a]: zeros_of(own[a]) for a in self.attrs}
         if not self.attrs:
             return {}
         c = _as(factors, self.dtype)
@@ -974,6 +975,7 @@ def _probe(model, engine, inputs, plan) -> dict[str, str]:
     finally:
         engine.mode = "record"
         engine.stack.clear()
+        reshard(model)  # fully_shard: a forward without a backward leaves the root unsharded
     bad = {}
     for layer in engine.layers:
         dims = engine.probe_dims.get(id(layer), {1})
@@ -1036,7 +1038,9 @@ def ghost_clipped_sum(
     device = lead.device
     b = int(lead.shape[0])
     autocast_on = torch.is_autocast_enabled(device.type)
-    if method == "bk" and plan is None and not autocast_on and isinstance(inputs, torch.Tensor):
+    sharded = _sharded_start(model, named[names[0]], method, plan)
+    plain = isinstance(inputs, torch.Tensor) and not sharded
+    if method == "bk" and plan is None and not autocast_on and plain:
         chain = _chain_clipped_sum(model, loss_fn, inputs, targets, clip_norm, names, named, dtype)
         if chain is not None:  # a plain chain of linear layers: no hooks needed (ghost_chain)
             return chain
@@ -1063,7 +1067,7 @@ def ghost_clipped_sum(
         engine.process_early(b, dtype, device.type if autocast_on else None)
         if total.requires_grad:
             _anchor_backward(total, engine.anchor, keep)
-        _close_recording(engine, b)
+        _close_recording(engine, b, sharded)
         if not allow_fallback and any(layer.fallback for layer in engine.layers):
             return None
         engine.mode = "off"
@@ -1079,8 +1083,48 @@ def ghost_clipped_sum(
             result_grads = _clipped_sums(
                 method, parts, factors, named, names, points, losses, leaves, autocast_on
             )
+    if sharded:
+        reshard(model)
     at_theta = losses[0].detach() if len(points) == 1 and points[0][1] is None else None
     return GhostResult(result_grads, norms, sq, fallback, at_theta)
+
+
+def _sharded_start(model, first, method: str, plan) -> bool:
+    """Whether the model is fully_shard's (its first trainable parameter a DTensor); if so, its
+    shards are put back on the modules (what the walk and the engine's hooks see).
+
+    Raises:
+        ValueError: a fully_shard model with another method than "bk" or with an evaluation plan.
+    """
+    if not is_sharded(first):
+        return False
+    if method != "bk" or plan is not None:
+        raise ValueError(
+            f"clipping={method!r} is invalid for a fully_shard model: its clipped sum is taken by "
+            "book-keeping (clipping='bk' or 'auto') at the parameters themselves (no evaluation plan)"
+        )
+    reshard(model)
+    return True
+
+
+def _refuse_sharded_fallback(engine) -> None:
+    """A fully_shard model's layers must all be clipped by their handlers: the whole-model
+    torch.func path needs the whole parameters, which no rank holds.
+
+    Raises:
+        ValueError: naming the layers and why each has no handler path.
+    """
+    bad = [
+        f"{layer.name or '<model>'} ({layer.fallback or clipping_handler(layer.module)[1]})"
+        for layer in engine.layers
+        if layer.fallback or layer.handler is None
+    ]
+    if bad:
+        raise ValueError(
+            f"model is invalid for the sharded private step: {'; '.join(bad[:4])}: under fully_shard every "
+            "trainable layer is clipped by its clipping handler (dpmf.ClippingHandler); register one for "
+            "the layer, call it inside its own module, or freeze it"
+        )
 
 
 def _anchor_backward(total: torch.Tensor, anchor: torch.Tensor, keep: bool) -> None:
@@ -1114,9 +1158,10 @@ def _check_inputs_follow_examples(engine, b: int) -> None:
             layer.fallback = "its dim 0 does not follow the examples"
 
 
-def _close_recording(engine, b: int) -> None:
+def _close_recording(engine, b: int, sharded: bool = False) -> None:
     """After the backward: stop recording; an output gradient whose dim 0 is not the b examples,
-    or a tied parameter with a use that falls back, sends the layer (all the uses) to torch.func."""
+    or a tied parameter with a use that falls back, sends the layer (all the uses) to torch.func
+    (refused for a fully_shard model, ``_refuse_sharded_fallback``)."""
     for layer in engine.layers:
         for c in layer.calls:
             c.recording = False
@@ -1128,6 +1173,8 @@ def _close_recording(engine, b: int) -> None:
         if any(layer.fallback for layer in holders):
             for layer in holders:
                 layer.fallback = layer.fallback or "its tied parameter's other use falls back"
+    if sharded:
+        _refuse_sharded_fallback(engine)
 
 
 def _forward_points(engine, model, loss_fn, inputs, targets, points, named: dict, names: list):
@@ -1143,9 +1190,14 @@ def _forward_points(engine, model, loss_fn, inputs, targets, points, named: dict
             values = {n: (named[n].detach() + shift[n]).requires_grad_(True) for n in names}
             owner_ids = {q: id(values[q]) for q in names}
         engine.owner_of = {}
+        # a fully_shard model's forward uses the unsharded parameters FSDP2 registers in place
+        # of the shards: a use of those outside their module is watched as the shard's
+        aliases = unsharded_aliases(model) if shift is None and is_sharded(named[names[0]]) else {}
         for layer in engine.layers:
             for q, _ in layer.params:
                 engine.owner_of.setdefault(owner_ids[q], []).append(layer)
+                if owner_ids[q] in aliases:
+                    engine.owner_of.setdefault(id(aliases[owner_ids[q]]), []).append(layer)
         if shift is None:  # the parameters themselves: watched through their class
             engine.params_of = {id(lay): [values[q] for q, _ in lay.params] for lay in engine.layers}
         with _watching(engine, list(values.values()) if shift is None else None):
@@ -1241,7 +1293,7 @@ def _clipped_sums(method: str, parts, factors, named: dict, names: list, points,
         result_grads.update(_handler_sums(booked, factors))
     handlers.clear()
     for q in unused:  # a zero sum (the noise is added to it), in both methods
-        result_grads[q] = torch.zeros_like(named[q], memory_format=torch.contiguous_format)
+        result_grads[q] = zeros_of(named[q])
     if method == "ghost":
         wanted = [n for n in names if n not in result_grads]
         if wanted:
@@ -1252,7 +1304,7 @@ def _clipped_sums(method: str, parts, factors, named: dict, names: list, points,
             k = 0
             for _ in leaves:
                 for n in wanted:
-                    g = gs[k] if gs[k] is not None else torch.zeros_like(named[n])
+                    g = gs[k] if gs[k] is not None else zeros_of(named[n])
                     result_grads[n] = g if n not in result_grads else result_grads[n] + g
                     k += 1
     return result_grads

@@ -107,6 +107,23 @@ def raw_generator(key: int, step: int, *index: int) -> np.random.Generator:
     return seeds.generator(key, "noise", int(step), *(int(i) for i in index))
 
 
+def _fill_span(out, at: int, span: tuple[int, int], size: int, chunk: int, fill, key, step, j) -> None:
+    """Write coordinates span = [a, b) of parameter j's raw noise (``size`` entries, chunk c
+    from ``subkey(key, step, j, c)``) into ``out[at : at + b − a]``: whole chunks in place, a
+    chunk cut by the span's ends drawn whole and sliced (the same values either way)."""
+    a, b = span
+    for c in range(a // chunk, -(-b // chunk)):
+        lo, hi = c * chunk, min((c + 1) * chunk, size)
+        sub = subkey(key, step, j, c)
+        if a <= lo and hi <= b:
+            fill(out[at + lo - a : at + hi - a], sub)
+        else:
+            whole = out.new_empty(hi - lo)
+            fill(whole, sub)
+            x, y = max(a, lo), min(b, hi)
+            out[at + x - a : at + y - a].copy_(whole[x - lo : y - lo])
+
+
 @dataclass(frozen=True)
 class ChunkedKeys:
     """Raw noise keyed by (key, step, parameter, chunk) instead of (key, step).
@@ -122,14 +139,20 @@ class ChunkedKeys:
         owned: the indices of the parameters this generator covers (sorted, distinct; may be
             empty: a process that owns nothing still counts steps). None: all of them.
         chunk: entries per chunk (≥ 1); part of the stream's identity.
+        ranges: None (default): every owned parameter whole; else one (start, stop) per owned
+            parameter, 0 ≤ start ≤ stop ≤ sizes[j]: the generator covers only those
+            coordinates of it (a shard of a ``fully_shard`` parameter, its rows' flat range),
+            with the same values as the whole parameter's there.
 
     Raises:
-        ValueError: a size < 1, an owned index out of range or repeated, chunk < 1.
+        ValueError: a size < 1, an owned index out of range or repeated, chunk < 1, a range
+            outside its parameter or one per owned parameter missing.
     """
 
     sizes: tuple[int, ...]
     owned: tuple[int, ...] | None = None
     chunk: int = CHUNK_ENTRIES
+    ranges: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self):
         sizes = tuple(check_int(f"sizes[{j}]", s, minimum=1) for j, s in enumerate(self.sizes))
@@ -143,27 +166,47 @@ class ChunkedKeys:
         object.__setattr__(self, "sizes", sizes)
         object.__setattr__(self, "owned", owned)
         object.__setattr__(self, "chunk", check_int("chunk", self.chunk, minimum=1))
+        if self.ranges is not None:
+            ranges = tuple((int(a), int(b)) for a, b in self.ranges)
+            if len(ranges) != len(owned) or any(
+                not 0 <= a <= b <= sizes[j] for j, (a, b) in zip(owned, ranges, strict=False)
+            ):
+                raise ValueError(
+                    f"ranges={self.ranges!r} is invalid: one (start, stop) per owned parameter, "
+                    "0 <= start <= stop <= its size"
+                )
+            object.__setattr__(self, "ranges", ranges)
+
+    def span(self, j: int) -> tuple[int, int]:
+        """(start, stop): the coordinates of owned parameter j that the generator covers."""
+        if self.ranges is None:
+            return 0, self.sizes[j]
+        return self.ranges[self.owned.index(j)]
 
     @property
     def dim(self) -> int:
-        """d: the number of coordinates covered (Σ over the owned parameters' sizes)."""
-        return sum(self.sizes[j] for j in self.owned)
+        """d: the number of coordinates covered (Σ over the owned parameters' sizes or ranges)."""
+        return sum(b - a for a, b in map(self.span, self.owned))
 
     def offsets(self) -> dict[int, tuple[int, int]]:
         """Owned parameter j → (start, stop) of its coordinates in the generator's vector."""
         out, start = {}, 0
         for j in self.owned:
-            out[j] = (start, start + self.sizes[j])
-            start += self.sizes[j]
+            a, b = self.span(j)
+            out[j] = (start, start + b - a)
+            start += b - a
         return out
 
     def restricted(self, owned) -> ChunkedKeys:
-        """The same keys for another subset of the parameters."""
+        """The same keys for another subset of the parameters (whole)."""
         return ChunkedKeys(self.sizes, tuple(sorted(owned)), self.chunk)
 
     def describe(self) -> dict:
         """Plain data identifying the keying (what a checkpoint must match)."""
-        return {"keys": "chunked", "chunk": self.chunk, "sizes": list(self.sizes), "owned": list(self.owned)}
+        out = {"keys": "chunked", "chunk": self.chunk, "sizes": list(self.sizes), "owned": list(self.owned)}
+        if self.ranges is not None:
+            out["ranges"] = [list(r) for r in self.ranges]
+        return out
 
 
 class CorrelatedNoise(KeyHolder, ABC):
@@ -219,10 +262,9 @@ class CorrelatedNoise(KeyHolder, ABC):
         if self.keys is None:
             fill(out, subkey(key, step))
         else:
-            chunk = self.keys.chunk
-            for j, (start, stop) in self.keys.offsets().items():
-                for c, a in enumerate(range(start, stop, chunk)):
-                    fill(out[a : min(a + chunk, stop)], subkey(key, step, j, c))
+            keys = self.keys
+            for j, (start, _) in keys.offsets().items():
+                _fill_span(out, start, keys.span(j), keys.sizes[j], keys.chunk, fill, key, step, j)
         return out
 
     def use_generator(self, name: str) -> None:
@@ -397,6 +439,7 @@ class CorrelatedNoise(KeyHolder, ABC):
                 j: {k: v[..., a:b].detach().cpu().clone() for k, v in tensors.items()}
                 for j, (a, b) in offsets.items()
             },
+            "ranges": {j: self.keys.span(j) for j in offsets},
         }
 
     def load_parameter_state(self, states) -> None:
@@ -410,7 +453,7 @@ class CorrelatedNoise(KeyHolder, ABC):
         offsets = self._chunked_offsets("load_parameter_state")
         states = list(states)
         mine = _shared_fingerprint(self.fingerprint())
-        merged: dict = {}
+        pieces: dict = {}  # j → [((start, stop) of the saved coordinates, {name: tensor})]
         steps = set()
         for st in states:
             self._adopt_generator(st.get("fingerprint"))
@@ -418,17 +461,29 @@ class CorrelatedNoise(KeyHolder, ABC):
             _compare_fingerprints(st.get("fingerprint"), mine)
             self._check_key(st.get("key_check"))
             steps.add(int(st["step"]))
-            merged.update(st["parameters"])
+            spans = st.get("ranges") or {}
+            for j, part in st["parameters"].items():
+                pieces.setdefault(j, []).append((spans.get(j, (0, self.keys.sizes[j])), part))
         if len(steps) != 1:
             raise ValueError(f"noise states are inconsistent: saved at different steps {sorted(steps)}")
-        missing = [j for j in offsets if j not in merged]
-        if missing:
-            raise ValueError(f"noise state is incomplete: no saved state for parameters {missing}")
         step = check_int("step", steps.pop(), minimum=0, maximum=self.steps)
         tensors = self._state_tensors()
-        for j, (a, b) in offsets.items():
-            for k, v in tensors.items():
-                v[..., a:b].copy_(merged[j][k].to(self.device, self.work_dtype))
+        missing = []
+        for j, (at, _) in offsets.items():
+            a, b = self.keys.span(j)
+            reach = a  # the saved pieces, in order of their starts, must cover [a, b)
+            for (x, y), part in sorted(pieces.get(j, ()), key=lambda piece: piece[0]):
+                lo, hi = max(a, x), min(b, y)
+                if lo > reach or lo >= hi:
+                    continue
+                reach = max(reach, hi)
+                for k, v in tensors.items():
+                    saved = part[k][..., lo - x : hi - x].to(self.device, self.work_dtype)
+                    v[..., at + lo - a : at + hi - a].copy_(saved)
+            if reach < b:
+                missing.append(j)
+        if missing:
+            raise ValueError(f"noise state is incomplete: no saved state for parameters {missing}")
         self.step = step
 
     def _adopt_generator(self, saved) -> None:
@@ -472,7 +527,7 @@ def _compare_fingerprints(saved, mine: dict) -> None:
 
 def _shared_fingerprint(fp: dict) -> dict:
     """A fingerprint without what differs between the processes of one run."""
-    return {k: v for k, v in fp.items() if k not in ("owned", "dim")}
+    return {k: v for k, v in fp.items() if k not in ("owned", "dim", "ranges")}
 
 
 def _scales(row_scale, col_scale, n: int) -> tuple[np.ndarray | None, np.ndarray | None]:

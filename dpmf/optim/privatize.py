@@ -33,6 +33,7 @@ from dpmf._validation import check_choice, check_int, check_real
 from dpmf.optim.batch_probe import BatchCouplingError, batch_size_of, probe_batch_independence
 from dpmf.optim.batches import DrawnBatches
 from dpmf.optim.clipping import check_per_example_safe, clipped_sum, trainable_parameters
+from dpmf.optim.fsdp import local_part
 from dpmf.optim.ghost import CLIPPING_MODES
 from dpmf.optim.model_guard import (
     ModelStateChangedError,
@@ -129,6 +130,13 @@ def _clip_norm_of(plan, clip_norm) -> float:
     return clip_norm
 
 
+def _stamp(g: torch.Tensor) -> tuple[int, int]:
+    """(version, address) of a gradient's storage (a DTensor's local part): what a later
+    in-place write or replacement changes."""
+    t = local_part(g)
+    return t._version, t.data_ptr()
+
+
 class Privatizer(KeyHolder):
     """Writes the private gradient g̃_t into ``p.grad`` of every trainable parameter.
 
@@ -171,6 +179,10 @@ class Privatizer(KeyHolder):
         TypeError: no plan, or a noise stream of another device or dtype than the parameters.
     """
 
+    #: whether the model's parameters are shards (DTensors) whose noise this step adds shard by
+    #: shard (the sharded distributed step); a one-process step refuses them
+    shards_parameters = False
+
     def __init__(
         self,
         model: nn.Module,
@@ -182,7 +194,7 @@ class Privatizer(KeyHolder):
         micro_batch_size: int | None = None,
         clipping: str = "auto",
     ):
-        check_per_example_safe(model)
+        check_per_example_safe(model, sharded=self.shards_parameters)
         self.clipping = check_choice("clipping", clipping, CLIPPING_MODES)
         if not hasattr(plan, "require_noise_multiplier"):
             raise TypeError(
@@ -266,7 +278,7 @@ class Privatizer(KeyHolder):
             raise RuntimeError(f"optimizer.step() refused: no private gradient for this step; {fix}")
         for p, g, version in self._written:
             # a plain loss.backward() accumulates into p.grad in place (its version moves)
-            if p.grad is not g or (g._version, g.data_ptr()) != version:
+            if p.grad is not g or _stamp(g) != version:
                 raise RuntimeError(
                     "optimizer.step() refused: p.grad was replaced or modified after the private "
                     f"step wrote it (a parameter of shape {tuple(p.shape)}); {fix}"
@@ -291,7 +303,7 @@ class Privatizer(KeyHolder):
         """
         self.check_gradients()
         fn()
-        self._written = [(p, p.grad, (p.grad._version, p.grad.data_ptr())) for p, _, _ in self._written]
+        self._written = [(p, p.grad, _stamp(p.grad)) for p, _, _ in self._written]
 
     def consume(self) -> None:
         """Mark this step's private gradients as used (the next ``step()`` needs a new one)."""
@@ -398,7 +410,7 @@ class Privatizer(KeyHolder):
         batch_size, figures = self._batch_figures(summed)
         scale = self.noise_std
         fresh = scale * abs(self.noise.innovation(t)) / self.expected_batch_size
-        self._written = [(p, p.grad, (p.grad._version, p.grad.data_ptr())) for p in written]
+        self._written = [(p, p.grad, _stamp(p.grad)) for p in written]
         if self.drawn is not None:
             self.drawn.consume(t)
         self.last_step = PrivateStep(
@@ -536,7 +548,7 @@ def _check_noise_matches_plan(noise: CorrelatedNoise, plan) -> None:
     # d = 1: no large buffers
     expected = noise_for_factorization(plan.strategy, 1, seed=0, device=noise.device, dtype=noise.dtype)
     theirs, ours = noise.fingerprint(), expected.fingerprint()
-    for key in ("dim", "mode", "keys", "chunk", "sizes", "owned"):
+    for key in ("dim", "mode", "keys", "chunk", "sizes", "owned", "ranges"):
         theirs.pop(key, None)
         ours.pop(key, None)
     if theirs != ours:

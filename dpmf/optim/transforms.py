@@ -39,6 +39,7 @@ import torch
 
 from dpmf._validation import check_int, check_real
 from dpmf.optim.bias_correction import newton_schulz_bc
+from dpmf.optim.fsdp import gathered, scattered
 from dpmf.optim.matrix import aspect_factor, check_matrix_parameter, matrix_view
 from dpmf.optim.orthogonalization import QUINTIC_COEFFICIENTS, check_coefficients, newton_schulz
 from dpmf.optim.power_iteration import initial_vector, top_singular_value
@@ -353,8 +354,11 @@ class Orthogonalize(Transform):
 
     def update(self, update, state, param, ctx):
         _matrix_dims(param, ctx)
-        X = newton_schulz(matrix_view(update), self.steps, self.coefficients, self.eps)
-        return X.reshape(update.shape), state
+        # a fully_shard parameter's update: the whole matrix gathered (one all-gather), each
+        # rank keeping its rows of the result
+        whole = gathered(update)
+        X = newton_schulz(matrix_view(whole), self.steps, self.coefficients, self.eps)
+        return scattered(X.reshape(whole.shape), update), state
 
 
 @dataclass(frozen=True)

@@ -663,17 +663,18 @@ def _resolve(
     return factorization, get_scheme(scheme).name
 
 
-def _check_module(module, optimizer, loss_fn) -> None:
+def _check_module(module, optimizer, loss_fn, sharded: bool = False) -> None:
     """Refuse a module, optimizer or loss of the wrong type, a module that couples examples or
     writes the batch into itself, and an optimizer that does not hold the module's trainable
-    parameters (and only the module's)."""
+    parameters (and only the module's); ``sharded``: a process group is given, so fully_shard's
+    DTensor parameters are the sharded step's to check."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module={module!r} is invalid: must be a torch.nn.Module")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer={optimizer!r} is invalid: must be a torch.optim.Optimizer")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn={loss_fn!r} is invalid: must be callable(output, target)")
-    check_per_example_safe(module)
+    check_per_example_safe(module, sharded=sharded)
     params = {id(p) for _, p in trainable_parameters(module)}
     opt_params = {id(p) for g in optimizer.param_groups for p in g["params"]}
     if not opt_params <= {id(p) for p in module.parameters()}:
@@ -800,7 +801,7 @@ def make_private(
             scheme cannot account, a module that couples examples or writes the batch, a
             ``collate_fn`` that couples examples.
     """
-    _check_module(module, optimizer, loss_fn)  # before pick and calibration
+    _check_module(module, optimizer, loss_fn, process_group is not None)  # before pick and calibration
     run = _RunArgs.check(
         dataset, batch_size, epochs, steps, target_epsilon, target_delta, noise_multiplier, clip_norm, seed
     )

@@ -144,12 +144,15 @@ def _subclass_shadows(t: type, cls: type, own) -> str | None:
 
 # Forward hooks known to leave the output's values unchanged: transformers' input-embedding hook
 # of ``enable_input_require_grads`` (gradient checkpointing, adapters), which only marks the
-# output as requiring a gradient.
+# output as requiring a gradient; and FSDP2's post-forward hook (``fully_shard``), which reshards
+# the module's parameters and registers its pre-backward hook on the output (it casts the output
+# only under a ``MixedPrecisionPolicy(output_dtype=…)``, which the sharded step refuses).
 _VALUE_PRESERVING_HOOKS = {
     (
         "transformers.modeling_utils",
         "PreTrainedModel.enable_input_require_grads.<locals>.make_inputs_require_grads",
-    )
+    ),
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._post_forward"),
 }
 
 

@@ -1,0 +1,67 @@
+"""Run by ``torchrun`` from tests/test_fsdp.py (not a test module itself).
+
+``python -m torch.distributed.run --standalone --nproc-per-node W tests/fsdp_worker.py steps OUT``:
+the private step of dpmf on a fully_shard (FSDP2) model over W gloo processes, every case of
+``fsdp_helpers.cases()`` and one make_private run; rank 0 writes the whole final weights to OUT.
+"""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def _steps(out):
+    import fsdp_helpers as h
+    import torch.distributed as dist
+
+    from dpmf.distributed import DistributedPrivatizer, TorchCollectives, rank_slice
+
+    dist.init_process_group("gloo")
+    comm = TorchCollectives()
+    x, y = h.data()
+    for name, kind, plan in h.cases():
+        model = h.shard(h.build())
+        opt = h.optimizer(kind, model)
+        priv = DistributedPrivatizer(
+            model,
+            torch.nn.functional.cross_entropy,
+            collectives=comm,
+            plan=plan,
+            clip_norm=1.0,
+            seed=h.SEED,
+            optimizer=opt,
+            check_every=1,
+        )
+        opt.bind(priv)
+        for idx in h.batches(plan):
+            mine = rank_slice(idx, comm.rank, comm.world_size)
+            priv.privatize(x[mine], y[mine])
+            opt.step()
+            priv.after_step()
+            opt.zero_grad(set_to_none=True)
+        whole = [p.full_tensor().detach() for p in model.parameters()]
+        local = sum(p.to_local().numel() for p in model.parameters())
+        state = priv.noise_state_numel()
+        if comm.rank == 0:
+            torch.save({"weights": whole}, os.path.join(out, f"{name}.pt"))
+        with open(os.path.join(out, f"{name}.rank{comm.rank}.txt"), "w") as f:
+            f.write(f"{local} {state}")
+    run = h.make_private_run(h.shard(h.build(torch.float64)), process_group=dist.group.WORLD)
+    h.take_steps(run, 5)
+    whole = [p.full_tensor().detach() for p in run.model.parameters()]
+    if comm.rank == 0:
+        torch.save({"weights": whole, "epsilon": run.get_epsilon()}, os.path.join(out, "make_private.pt"))
+    dist.barrier()  # neither rank tears gloo down while another is still in a collective
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    if sys.argv[1] == "steps":
+        _steps(sys.argv[2])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # past gloo's teardown (as tests/distributed_worker.py)

@@ -1,0 +1,256 @@
+"""The private step on a fully_shard (FSDP2) model: ranged noise keys, the sharded release over
+W gloo processes against one process, and the refusals (checked at W = 1 in this process)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import fsdp_helpers as h
+import numpy as np
+import pytest
+import torch
+from test_distributed import STREAMS
+from torch import nn
+
+from dpmf.distributed import DistributedPrivatizer, TorchCollectives, simulate
+from dpmf.optim.noise import ChunkedKeys
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+SIZES = (7, 3, 12, 1, 5)
+
+
+# -- noise keyed by coordinate ranges ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [s[1] for s in STREAMS], ids=[s[0] for s in STREAMS])
+def test_a_stream_over_coordinate_ranges_is_the_full_streams_slice(make):
+    """Rows split as fully_shard splits them (chunk 4 cuts the ranges inside chunks): each
+    ranged stream's 20 steps are exactly the full stream's entries at those coordinates, and its
+    state is the share of the total."""
+    full_keys = ChunkedKeys(SIZES, chunk=4)
+    full = make(full_keys.dim, 5, full_keys)
+    reference = torch.stack([full.next() for _ in range(20)])
+    starts = np.cumsum((0,) + SIZES)
+    for spans in (((0, 3), (1, 2), (2, 9), (0, 1), (1, 4)), ((3, 7), (0, 3), (9, 12), (1, 1), (4, 5))):
+        keys = ChunkedKeys(SIZES, chunk=4, ranges=spans)
+        part = make(keys.dim, 5, keys)
+        got = torch.stack([part.next() for _ in range(20)])
+        cols = np.concatenate([np.arange(starts[j] + a, starts[j] + b) for j, (a, b) in enumerate(spans)])
+        assert torch.equal(got, reference[:, cols])
+        assert part.state_numel() * full_keys.dim == full.state_numel() * keys.dim
+
+
+def test_ranged_noise_states_load_at_another_split():
+    """A banded stream's state saved by 2 ranges per parameter loads into 3 ranges (resharding)
+    and continues with the full stream's noise; a missing piece is refused."""
+    from dpmf.mechanisms import factorize
+    from dpmf.optim.noise import noise_for_factorization
+    from dpmf.workloads import prefix_sum
+
+    fz = factorize(prefix_sum(12), "bsr:3")
+
+    def stream(spans):
+        keys = ChunkedKeys(SIZES, chunk=4, ranges=spans)
+        return noise_for_factorization(fz, keys.dim, seed=9, keys=keys)
+
+    halves = [tuple((0, s // 2) for s in SIZES), tuple((s // 2, s) for s in SIZES)]
+    whole = stream(None)
+    parts = [stream(sp) for sp in halves]
+    for _ in range(4):
+        whole.next()
+        for g in parts:
+            g.next()
+    thirds = [tuple((s * k // 3, s * (k + 1) // 3) for s in SIZES) for k in range(3)]
+    later = [stream(sp) for sp in thirds]
+    saved = [g.parameter_state() for g in parts]
+    for g in later:
+        g.load_parameter_state(saved)
+    nxt = whole.next()
+    starts = np.cumsum((0,) + SIZES)
+    for g, spans in zip(later, thirds, strict=True):
+        cols = np.concatenate([np.arange(starts[j] + a, starts[j] + b) for j, (a, b) in enumerate(spans)])
+        assert torch.equal(g.next(), nxt[cols])
+    with pytest.raises(ValueError, match="incomplete"):
+        stream(thirds[2]).load_parameter_state(saved[:1])
+
+
+def test_bad_ranges_are_refused():
+    with pytest.raises(ValueError, match="ranges"):
+        ChunkedKeys(SIZES, ranges=((0, 8), (0, 3), (0, 12), (0, 1), (0, 5)))  # 8 > 7
+    with pytest.raises(ValueError, match="ranges"):
+        ChunkedKeys(SIZES, (0, 1), ranges=((0, 7),))
+
+
+def test_reduce_scatter_on_simulated_ranks_sums_and_splits():
+    def fn(comm):
+        t = torch.arange(6.0) * (comm.rank + 1)
+        out = torch.empty(2)
+        comm.reduce_scatter(out, t)
+        return out
+
+    got = simulate(3, fn)
+    total = torch.arange(6.0) * 6
+    for r in range(3):
+        assert torch.equal(got[r], total[2 * r : 2 * r + 2])
+    with pytest.raises(ValueError, match="do not split into 3 parts"):
+        simulate(3, lambda comm: comm.reduce_scatter(torch.empty(2), torch.arange(5.0)))
+
+
+# -- one process group of one rank, in this process ----------------------------------------------
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def _privatizer(model, **kw):
+    plan = h.cases()[0][2]
+    return DistributedPrivatizer(
+        model,
+        nn.functional.cross_entropy,
+        collectives=TorchCollectives(),
+        plan=plan,
+        clip_norm=1.0,
+        seed=h.SEED,
+        **kw,
+    )
+
+
+def test_one_rank_fully_shard_takes_the_one_process_step(world_of_one):
+    """W = 1 (one GPU's FSDP): DP-Muon on a banded strategy gives the one-process weights."""
+    name, kind, plan = h.cases()[4]
+    model = h.shard(h.build(torch.float64))
+    opt = h.optimizer(kind, model)
+    priv = _privatizer(model, optimizer=opt)
+    assert priv.mode == "fsdp"
+    opt.bind(priv)
+    x, y = h.data(torch.float64)
+    for idx in h.batches(plan):
+        priv.privatize(x[idx], y[idx])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    got = [p.full_tensor() for p in model.parameters()]
+    for a, b in zip(got, h.one_process(plan, kind, torch.float64), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_what_the_sharded_step_cannot_take_is_refused_in_one_line(world_of_one):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    with pytest.raises(ValueError, match="mode='replicated' is invalid for a fully_shard model"):
+        _privatizer(h.shard(h.build()), mode="replicated")
+    with pytest.raises(ValueError, match="clipping='vmap' is invalid for a fully_shard model"):
+        _privatizer(h.shard(h.build()), clipping="vmap")
+    with pytest.raises(ValueError, match="mode='fsdp' is invalid: the model's parameters are not sharded"):
+        _privatizer(h.build(), mode="fsdp")
+    half = h.build()
+    fully_shard(half[0])  # the root not sharded: its LayerNorm and other Linears are whole
+    with pytest.raises(ValueError, match="not sharded; apply fully_shard to the root"):
+        _privatizer(half)
+    cast = h.build()
+    fully_shard(cast, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="mp_policy=.* casts the parameters"):
+        _privatizer(cast)
+
+
+class _Scaled(nn.Module):
+    """A layer without a clipping handler."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(5))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class _Outside(nn.Module):
+    """Reads a Linear's weight outside that Linear's forward (a tied use)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(6, 5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inner(x))
+        return self.head(h) + (x @ self.inner.weight.T).sum(1, keepdim=True)
+
+
+def test_layers_the_sharded_step_cannot_clip_by_handler_are_refused(world_of_one):
+    """A layer without a handler is refused when the step is built; a parameter used outside its
+    module (seen through the unsharded parameter FSDP2 registers during the forward) stops the
+    step before any release."""
+    from torch.distributed.fsdp import fully_shard
+
+    x, y = h.data()
+    odd = nn.Sequential(nn.Linear(6, 5), _Scaled(), nn.Linear(5, 3))
+    no_handler = r"layer 1 \(no clipping handler is registered for _Scaled\).*register one"
+    with pytest.raises(ValueError, match=no_handler):
+        _privatizer(h.shard(odd))
+
+    outside = _Outside()
+    fully_shard(outside)
+    priv = _privatizer(outside)
+    outside_use = r"inner \(a trainable parameter is used outside its module's forward\)"
+    with pytest.raises(ValueError, match=outside_use):
+        priv.privatize(x[:8], y[:8])
+    assert priv.step == 0
+
+
+# -- W gloo processes ----------------------------------------------------------------------------
+
+
+def _torchrun(args, tmp_path, nproc):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_fully_shard_over_processes_equals_one_process(tmp_path, world):
+    """DP-SGD, DP-Adam and DP-Muon, banded and BLT, float32: the whole final weights of W ranks
+    equal one process's to 1e-5; each rank holds ⌈rows/W⌉-row shards and the noise state of its
+    coordinates only (together the one-process state); make_private's run and ε likewise."""
+    _torchrun([str(HERE / "fsdp_worker.py"), "steps", str(tmp_path)], tmp_path, world)
+    for name, kind, plan in h.cases():
+        got = torch.load(tmp_path / f"{name}.pt", weights_only=True)["weights"]
+        for a, b in zip(got, h.one_process(plan, kind), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        held = [tuple(map(int, (tmp_path / f"{name}.rank{r}.txt").read_text().split())) for r in range(world)]
+        rows = [5, 5, 4, 4, 3, 3]  # the shapes' rows: weight and bias of each Linear
+        own = [sum(-(-r // world) * (p.numel() // r) for r, p in zip(rows, _linear_params(), strict=True))]
+        assert max(local for local, _ in held) <= own[0] + 2 * 5  # + the LayerNorm's shard
+        whole_state = _state_numel(plan)
+        assert sum(state for _, state in held) == whole_state
+    mp = torch.load(tmp_path / "make_private.pt", weights_only=True)
+    one = h.make_private_run(h.build(torch.float64), noise_keys="chunked")
+    h.take_steps(one, 5)
+    for a, b in zip(mp["weights"], one.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-12, atol=1e-12)
+    assert mp["epsilon"] == one.get_epsilon()
+
+
+def _linear_params():
+    m = h.build()
+    return [p for layer in m if isinstance(layer, nn.Linear) for p in layer.parameters()]
+
+
+def _state_numel(plan):
+    from dpmf.step import noise_stream
+
+    d = sum(p.numel() for p in h.build().parameters())
+    keys = ChunkedKeys(tuple(p.numel() for p in h.build().parameters()))
+    return noise_stream(plan, d, h.SEED, keys=keys).state_numel()
