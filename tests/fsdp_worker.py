@@ -58,10 +58,34 @@ def _steps(out):
     dist.destroy_process_group()
 
 
+def _save_or_resume(action, out):
+    """``save``: 5 steps of make_private's run, then ``save``; ``resume``: that file resumed
+    (at this W), 5 more steps, the whole weights written by rank 0."""
+    import fsdp_helpers as h
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    run = h.make_private_run(h.shard(h.build(torch.float64)), process_group=dist.group.WORLD)
+    path = os.path.join(out, "checkpoint.pt")
+    if action == "save":
+        h.take_steps(run, 5)
+        run.save(path)
+    else:
+        run.resume(path)
+        h.take_steps(run, 5)
+        whole = [p.full_tensor().detach() for p in run.model.parameters()]
+        if dist.get_rank() == 0:
+            torch.save({"weights": whole, "step": run.steps_taken}, os.path.join(out, "resumed.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     if sys.argv[1] == "steps":
         _steps(sys.argv[2])
+    else:
+        _save_or_resume(sys.argv[1], sys.argv[2])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # past gloo's teardown (as tests/distributed_worker.py)

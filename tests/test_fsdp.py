@@ -254,3 +254,40 @@ def _state_numel(plan):
     d = sum(p.numel() for p in h.build().parameters())
     keys = ChunkedKeys(tuple(p.numel() for p in h.build().parameters()))
     return noise_stream(plan, d, h.SEED, keys=keys).state_numel()
+
+
+@pytest.mark.slow
+def test_a_fully_shard_checkpoint_resumes_at_another_world_size(tmp_path):
+    """make_private's run saved at W = 2 (DCP shards of weights and momentum, noise by
+    coordinate ranges) resumes at W = 4 and ends where ten one-process steps end; its files are
+    private; a whole-model run refuses the file in one line."""
+    _torchrun([str(HERE / "fsdp_worker.py"), "save", str(tmp_path)], tmp_path, 2)
+    (folder,) = tmp_path.glob("checkpoint.pt.dcp.step5.*")
+    assert folder.stat().st_mode & 0o777 == 0o700
+    assert {f.stat().st_mode & 0o777 for f in folder.iterdir()} == {0o600}
+    _torchrun([str(HERE / "fsdp_worker.py"), "resume", str(tmp_path)], tmp_path, 4)
+    got = torch.load(tmp_path / "resumed.pt", weights_only=True)
+    one = h.make_private_run(h.build(torch.float64), noise_keys="chunked")
+    h.take_steps(one, 5)
+    h.take_steps(one, 5)
+    assert got["step"] == one.steps_taken == 10
+    for a, b in zip(got["weights"], one.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-12, atol=1e-12)
+    whole = h.make_private_run(h.build(torch.float64), noise_keys="chunked")
+    with pytest.raises(
+        ValueError, match="holds a fully_shard-parameter run and this run's parameters are whole"
+    ):
+        whole.resume(str(tmp_path / "checkpoint.pt"))
+
+
+def test_a_whole_model_checkpoint_is_refused_by_a_fully_shard_run(world_of_one, tmp_path):
+    import torch.distributed as dist
+
+    one = h.make_private_run(h.build(torch.float64), noise_keys="chunked")
+    h.take_steps(one, 2)
+    one.save(str(tmp_path / "one.pt"))
+    sharded = h.make_private_run(h.shard(h.build(torch.float64)), process_group=dist.group.WORLD)
+    with pytest.raises(
+        ValueError, match="holds a whole-parameter run and this run's parameters are fully_shard"
+    ):
+        sharded.resume(str(tmp_path / "one.pt"))

@@ -109,4 +109,8 @@ def merge_shards(state: dict, path: str) -> dict:
     merged = dict(state)
     merged["noise"] = noise
     merged["optimizer"] = dict(state["optimizer"], state=opt_state)
+    if state.get("fsdp") is not None:  # a fully_shard run: its DCP folder, beside the manifest
+        merged["fsdp"] = dict(
+            state["fsdp"], folder=os.path.join(folder, state["fsdp"]["folder"]), manifest=path
+        )
     return merged

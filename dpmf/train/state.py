@@ -25,6 +25,8 @@ key                       what
 ``metrics``               one row per epoch (``dpmf train``; ``[]`` for ``make_private``)
 ``empty_batches``         steps without any example (``dpmf train``; None: not counted)
 ``lookahead``             DiSK's lookahead state, or None
+``fsdp``                  a fully_shard run only: ``{"folder"}``, the DCP folder of its
+                          weights and optimizer state (``model`` is then empty)
 ========================  ==================================================================
 
 So a checkpoint of ``dpmf train`` resumes in ``make_private(...).resume(path)`` with the same
@@ -48,6 +50,7 @@ import torch
 
 from dpmf import seeds
 from dpmf.train.checkpoint import as_numpy, load_checkpoint, save_checkpoint
+from dpmf.train.dcp import load_dcp, remove_old_folders, save_dcp
 from dpmf.train.hf import check_model_state, load_model_state, model_state
 from dpmf.train.private_loader import TransformedDataset
 from dpmf.train.shards import merge_shards, save_sharded
@@ -345,7 +348,7 @@ def run_state(
         },
         "step": step,
         "epoch": int(epoch),
-        "model": model_state(model),
+        "model": {} if getattr(privatizer, "shards_parameters", False) else model_state(model),
         "optimizer": optimizer.state_dict(),
         # the sampler at the privatized step, not where a prefetching loader has drawn to
         "sampler": privatizer.drawn.sampler_state(step),
@@ -456,10 +459,15 @@ def restore_run_state(state: dict, *, model, optimizer, sampler, privatizer, whe
         ValueError: another noise keying or generator, other frozen weights, or a sampler and a
             noise stream at different steps.
     """
-    check_model_state(model, state["model"], where)  # other frozen weights: before any loading
+    sharded = _check_sharding(state, privatizer, where)
+    if not sharded:
+        check_model_state(model, state["model"], where)  # other frozen weights: before any loading
     load_noise_state(privatizer.noise, state["noise"], where)
-    load_model_state(model, state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    if sharded:  # the shards through DCP, resharded to this run's processes
+        load_dcp(state, model, optimizer, privatizer.collectives)
+    else:
+        load_model_state(model, state["model"])
+        optimizer.load_state_dict(state["optimizer"])
     sampler.load_state_dict(as_numpy(state["sampler"]))
     privatizer.drawn.reset()  # earlier draws and loader iterations are void
     keep_own_optimizer_state(optimizer, privatizer)
@@ -467,14 +475,39 @@ def restore_run_state(state: dict, *, model, optimizer, sampler, privatizer, whe
         raise ValueError(f"{where} is inconsistent: sampler and noise stream are at different steps")
 
 
+def _check_sharding(state: dict, privatizer, where: str) -> bool:
+    """Whether ``state`` is a fully_shard run's (its weights in a DCP folder); refuse it for a
+    run whose parameters are whole, and a whole-weights state for a fully_shard run.
+
+    Raises:
+        ValueError: the two differ, naming the fix.
+    """
+    saved = state.get("fsdp") is not None
+    here = bool(getattr(privatizer, "shards_parameters", False))
+    if saved != here:
+        have, want = ("fully_shard", "whole") if saved else ("whole", "fully_shard")
+        raise ValueError(
+            f"{where} holds a {have}-parameter run and this run's parameters are {want}: resume a "
+            "fully_shard checkpoint into the model sharded with fully_shard (at any number of "
+            "processes), and a whole-model checkpoint into the model before fully_shard"
+        )
+    return saved
+
+
 def write_run_state(path: str, state: dict, privatizer, collectives=None) -> None:
     """Write ``state`` to ``path``: one private file (``save_checkpoint``), or, with
     ``collectives``, this rank's shard and (rank 0) the manifest (``save_sharded``; every rank
-    calls it)."""
+    calls it); a fully_shard run's weights and optimizer state first through DCP
+    (``dpmf.train.dcp``)."""
     if collectives is None:
         save_checkpoint(path, state)
         return
+    sharded = getattr(privatizer, "shards_parameters", False)
+    if sharded:
+        state = save_dcp(path, state, privatizer.model, collectives)
     save_sharded(path, state, collectives, mode=privatizer.mode, seed_digest=privatizer.seed_digest)
+    if sharded and collectives.rank == 0:
+        remove_old_folders(path, state["fsdp"]["folder"])
 
 
 def read_run_state(path: str) -> dict:

@@ -1,0 +1,129 @@
+"""The model and optimizer shards of a ``fully_shard`` run, through ``torch.distributed.checkpoint``.
+
+A run whose parameters are FSDP2 shards (``dpmf.distributed.step.FullyShard``) cannot put its
+weights in the manifest: no rank holds them whole. Every rank writes its shards of the
+trainable weights and of the optimizer state with DCP into a new private folder
+``checkpoint.pt.dcp.step{S}.{token}`` (0700, its files 0600: as secret as the checkpoint)
+beside the manifest; the rest of the run state (noise state per shard, sampler, key) takes the
+usual sharded form (``dpmf.train.shards``), and the manifest names the folder. Only after the
+manifest is in place does rank 0 remove the older folders, so a stop at any moment leaves a
+manifest whose folder is complete. DCP reshards on load and the noise state is kept by
+coordinate ranges, so a run resumes at any number of processes over a ``fully_shard`` model.
+
+Frozen weights (a LoRA's base) are not saved: resume into the model built the same way.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import secrets
+import shutil
+
+import torch
+
+__all__ = ["FOLDER", "save_dcp", "load_dcp", "remove_old_folders"]
+
+FOLDER = "{name}.dcp.step{step}.{token}"
+
+
+def _folder(path: str, step: int, token: str) -> str:
+    return FOLDER.format(name=os.path.basename(path), step=int(step), token=token)
+
+
+def _trainable(model) -> dict:
+    params = {id(p) for p in model.parameters() if p.requires_grad}
+    named = dict(model.named_parameters())
+    return {k: v for k, v in model.state_dict().items() if k in named and id(named[k]) in params}
+
+
+def save_dcp(path: str, state: dict, model, collectives) -> dict:
+    """Write the model's trainable shards and ``state``'s optimizer state (its DTensors) with DCP
+    (every rank) and return ``state`` without them: ``"model"`` empty, the optimizer's
+    ``"state"`` empty, and ``"fsdp"`` naming the folder (beside the manifest)."""
+    import torch.distributed.checkpoint as dcp
+
+    # a new folder every time (rank 0's token): the manifest in place names a complete one
+    token = collectives.all_gather_object(secrets.token_hex(4) if collectives.rank == 0 else None)[0]
+    folder = os.path.join(os.path.dirname(path) or ".", _folder(path, state["step"], token))
+    if collectives.rank == 0:
+        os.makedirs(folder, mode=0o700)
+    collectives.barrier()
+    dcp.save(
+        {
+            "model": _trainable(model),
+            "optimizer": {str(k): dict(v) for k, v in state["optimizer"]["state"].items()},
+        },
+        storage_writer=dcp.FileSystemWriter(folder),
+        process_group=getattr(collectives, "group", None),
+    )
+    collectives.barrier()
+    if collectives.rank == 0:
+        for f in os.listdir(folder):
+            os.chmod(os.path.join(folder, f), 0o600)
+    out = dict(state, model={}, fsdp={"folder": os.path.basename(folder)})
+    out["optimizer"] = dict(state["optimizer"], state={})
+    return out
+
+
+def remove_old_folders(path: str, keep: str) -> None:
+    """Delete the DCP folders beside ``path`` except ``keep`` (the one its manifest names)."""
+    pattern = FOLDER.format(name=os.path.basename(path), step="*", token="*")
+    for old in glob.glob(os.path.join(os.path.dirname(path) or ".", pattern)):
+        if os.path.basename(old) != keep:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def load_dcp(state: dict, model, optimizer, collectives) -> None:
+    """Load a ``save_dcp`` folder into the (fully_shard) ``model`` and ``optimizer`` of this run,
+    resharded to its processes.
+
+    Raises:
+        ValueError: the folder is missing, or it holds parameters or optimizer state this model
+            has not (another model, or other trainable parameters).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor, zeros
+
+    folder = state["fsdp"]["folder"]  # made absolute by dpmf.train.shards.merge_shards
+    path = state["fsdp"].get("manifest", folder)
+    if not os.path.isdir(folder):
+        raise ValueError(
+            f"checkpoint {str(path)!r} is incomplete: its folder {os.path.basename(folder)!r} is missing "
+            "(copy it together with checkpoint.pt and its shards)"
+        )
+    reader = dcp.FileSystemReader(folder)
+    saved = reader.read_metadata().state_dict_metadata
+    weights = _trainable(model)
+    theirs = {k.split(".", 1)[1] for k in saved if k.startswith("model.")}
+    if theirs != set(weights):
+        extra, missing = sorted(theirs - set(weights))[:3], sorted(set(weights) - theirs)[:3]
+        raise ValueError(
+            f"checkpoint {str(path)!r} is invalid for this model: its trainable weights differ (saved only: "
+            f"{extra}, here only: {missing}); resume into the model it was saved from"
+        )
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    targets: dict = {}
+    for key, meta in saved.items():
+        if not key.startswith("optimizer."):
+            continue
+        _, index, name = key.split(".", 2)
+        p = params[int(index)]
+        size = tuple(getattr(meta, "size", ()))
+        if not hasattr(meta, "size"):
+            value = None  # a plain object (e.g. a step count): DCP sets it
+        elif isinstance(p, DTensor) and size == tuple(p.shape):
+            value = zeros(
+                size, dtype=meta.properties.dtype, device_mesh=p.device_mesh, placements=p.placements
+            )
+        else:
+            value = torch.zeros(size, dtype=meta.properties.dtype, device=p.device)
+        targets.setdefault(index, {})[name] = value
+    loaded = {"model": weights, "optimizer": targets}
+    dcp.load(loaded, storage_reader=reader, process_group=getattr(collectives, "group", None))
+    with torch.no_grad():
+        for k, v in weights.items():  # DCP wrote into the shards in place; the same tensors
+            if v is not loaded["model"][k]:
+                v.copy_(loaded["model"][k])
+    optimizer_state = {int(i): entries for i, entries in loaded["optimizer"].items()}
+    optimizer.load_state_dict(dict(state["optimizer"], state=optimizer_state))
