@@ -80,10 +80,37 @@ def _save_or_resume(action, out):
     dist.destroy_process_group()
 
 
+def _gpt2(out):
+    """A GPT-2 configuration with LoRA, every block and the root fully_shard-ed, 4 private steps
+    of make_private; rank 0 writes the whole LoRA weights and the mean losses."""
+    import gpt2_helpers as g
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    model = g.gpt2()
+    for block in model.base_model.model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    run = g.private_run(model, process_group=dist.group.WORLD, noise_multiplier=0.5)
+    losses = []
+    for batch in run.data_loader:
+        losses.append(float(run.backward(batch)))
+        run.optimizer.step()
+        run.optimizer.zero_grad()
+    lora = {n: p.full_tensor().detach() for n, p in model.named_parameters() if p.requires_grad}
+    if dist.get_rank() == 0:
+        torch.save({"lora": lora, "losses": losses, "steps": run.steps_taken}, os.path.join(out, "gpt2.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     if sys.argv[1] == "steps":
         _steps(sys.argv[2])
+    elif sys.argv[1] == "gpt2":
+        _gpt2(sys.argv[2])
     else:
         _save_or_resume(sys.argv[1], sys.argv[2])
     sys.stdout.flush()

@@ -291,3 +291,23 @@ def test_a_whole_model_checkpoint_is_refused_by_a_fully_shard_run(world_of_one, 
         ValueError, match="holds a whole-parameter run and this run's parameters are fully_shard"
     ):
         sharded.resume(str(tmp_path / "one.pt"))
+
+
+@pytest.mark.slow
+def test_gpt2_with_lora_fully_shard_at_two_processes_equals_one_process(tmp_path):
+    """A GPT-2 configuration with LoRA adapters, its blocks and root fully_shard-ed, through
+    make_private at W = 2 on gloo: the adapters after 4 Poisson steps equal one process's."""
+    import gpt2_helpers as g
+
+    _torchrun([str(HERE / "fsdp_worker.py"), "gpt2", str(tmp_path)], tmp_path, 2)
+    got = torch.load(tmp_path / "gpt2.pt", weights_only=True)
+    model = g.gpt2()
+    run = g.private_run(model, noise_multiplier=0.5, noise_keys="chunked")
+    for batch in run.data_loader:
+        run.backward(batch)
+        run.optimizer.step()
+        run.optimizer.zero_grad()
+    lora = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    assert got["steps"] == run.steps_taken == 4 and sorted(got["lora"]) == sorted(lora) and len(lora) == 2
+    for n, p in lora.items():
+        torch.testing.assert_close(got["lora"][n], p, rtol=1e-5, atol=1e-5)
