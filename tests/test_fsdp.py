@@ -311,3 +311,33 @@ def test_gpt2_with_lora_fully_shard_at_two_processes_equals_one_process(tmp_path
     assert got["steps"] == run.steps_taken == 4 and sorted(got["lora"]) == sorted(lora) and len(lora) == 2
     for n, p in lora.items():
         torch.testing.assert_close(got["lora"][n], p, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_dpmf_train_fsdp_stopped_at_two_processes_resumes_at_four(tmp_path):
+    """``dpmf train --distributed --fsdp``: stopped after epoch 1 of 2 at W = 2, resumed with
+    ``--resume`` at W = 4, its model.pt equals the one-process run's (DP-Muon, bsr:4)."""
+    import json
+
+    from dpmf.train.config import TrainConfig
+    from dpmf.train.run import train
+
+    base = dict(dataset="digits", model="mlp", optimizer="dp-muon", factorization="bsr:4")
+    base.update(scheme="fixed_order", batch_size=128, epsilon=3.0, seed=5, device="cpu", epochs=2)
+    config = TrainConfig(**base, distributed_mode="fsdp")
+    worker = [str(HERE / "distributed_worker.py"), "train", "two", json.dumps(config.to_dict())]
+    _torchrun(worker, tmp_path, 2)
+    manifest = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=True)
+    assert manifest["epoch"] == 1 and manifest["model"] == {}
+    assert manifest["fsdp"]["folder"].startswith("checkpoint.pt.dcp.step12.")
+    flags = ["--dataset", "digits", "--model", "mlp", "--optimizer", "dp-muon", "--factorization", "bsr:4"]
+    flags += ["--scheme", "fixed_order", "--batch-size", "128", "--epsilon", "3", "--seed", "5"]
+    flags += ["--epochs", "2"]
+    cmd = ["-m", "dpmf", "train", "--distributed", "--fsdp", "--resume", "--no-progress", "--out", "two"]
+    _torchrun([*cmd, *flags], tmp_path, 4)
+    train(TrainConfig(**base), str(tmp_path / "one"), progress=False, log=lambda *a: None)
+    a = torch.load(tmp_path / "two" / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "one" / "model.pt", weights_only=True)
+    assert sorted(a) == sorted(b)
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-5)

@@ -106,7 +106,7 @@ _TRAIN_FLAGS = (
         "--distributed-mode",
         str,
         "with --distributed: sharded (default; each parameter's noise and update on one owner "
-        "rank)|replicated|rank0",
+        "rank)|replicated|rank0|fsdp (= --fsdp)",
     ),
 )
 
@@ -142,6 +142,12 @@ def _add_train(sub):
         help="one of W processes started by torchrun --nproc-per-node W -m dpmf train ... "
         "(gloo on CPU, NCCL on GPUs); the same noise and ε as one process",
     )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="with --distributed: shard the model with fully_shard (FSDP2): each rank holds 1/W of "
+        "the weights, gradients, optimizer and noise state (--distributed-mode fsdp)",
+    )
     return p
 
 
@@ -160,6 +166,13 @@ def _train_config(args):
     overrides = {k: getattr(args, k) for k in names}
     if args.no_epsilon_each_epoch:
         overrides["epsilon_each_epoch"] = False
+    if args.fsdp:
+        if args.distributed_mode not in (None, "fsdp"):
+            raise UsageError(
+                f"--fsdp and --distributed-mode={args.distributed_mode} are invalid together: --fsdp is "
+                "--distributed-mode fsdp; pass one"
+            )
+        overrides["distributed_mode"] = "fsdp"
     return base.replace(**overrides)
 
 
@@ -183,6 +196,8 @@ def _check_train_flags(args, config) -> None:
             raise UsageError(
                 f"{flag}={shown} is invalid without {needs}: it would be ignored; add {needs} or drop {flag}"
             )
+    if args.fsdp and not args.distributed:
+        raise UsageError("--fsdp is invalid without --distributed: it would be ignored; add --distributed")
     world = os.environ.get("WORLD_SIZE", "1")
     if not args.distributed and world.isdigit() and int(world) > 1:
         raise UsageError(

@@ -112,9 +112,10 @@ class TrainConfig:
             ``torch-mt19937``, ``torch-philox-cuda`` or ``numpy-philox`` (earlier versions'). A
             resumed run continues with its checkpoint's generator.
         distributed_mode: with ``train(..., distributed=True)``: ``sharded`` (each parameter's
-            noise and update on one owner process), ``replicated`` or ``rank0``
-            (``dpmf.distributed.step``). The same trajectory up to rounding, so not part of the
-            run's identity.
+            noise and update on one owner process), ``replicated``, ``rank0``, or ``fsdp`` (the
+            model sharded with ``fully_shard``: each process holds 1/W of the weights,
+            gradients, optimizer and noise state) (``dpmf.distributed.step``). The same
+            trajectory up to rounding, so not part of the run's identity.
     """
 
     dataset: str = "fashion-mnist"

@@ -49,11 +49,10 @@ def save_dcp(path: str, state: dict, model, collectives) -> dict:
     if collectives.rank == 0:
         os.makedirs(folder, mode=0o700)
     collectives.barrier()
+    tensors: dict = {}
+    skeleton = _split(state["optimizer"]["state"], "", tensors)
     dcp.save(
-        {
-            "model": _trainable(model),
-            "optimizer": {str(k): dict(v) for k, v in state["optimizer"]["state"].items()},
-        },
+        {"model": _trainable(model), "optimizer": tensors},
         storage_writer=dcp.FileSystemWriter(folder),
         process_group=getattr(collectives, "group", None),
     )
@@ -62,8 +61,35 @@ def save_dcp(path: str, state: dict, model, collectives) -> dict:
         for f in os.listdir(folder):
             os.chmod(os.path.join(folder, f), 0o600)
     out = dict(state, model={}, fsdp={"folder": os.path.basename(folder)})
-    out["optimizer"] = dict(state["optimizer"], state={})
+    out["optimizer"] = dict(state["optimizer"], state=skeleton)
     return out
+
+
+_SLOT = "dcp:"  # a tensor's place in an optimizer state's skeleton: "dcp:<its key in the folder>"
+
+
+def _split(tree, where: str, tensors: dict):
+    """``tree`` (an optimizer's state: dicts and lists of tensors and numbers) with each tensor
+    replaced by ``"dcp:<key>"`` and put in ``tensors[key]`` (keys: the path, "/"-separated)."""
+    if isinstance(tree, torch.Tensor):
+        tensors[where] = tree
+        return _SLOT + where
+    if isinstance(tree, dict):
+        return {k: _split(v, f"{where}/{k}" if where else str(k), tensors) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_split(v, f"{where}/{i}", tensors) for i, v in enumerate(tree))
+    return tree
+
+
+def _joined(tree, tensors: dict):
+    """``_split``'s inverse: the skeleton with its slots filled from ``tensors``."""
+    if isinstance(tree, str) and tree.startswith(_SLOT):
+        return tensors[tree[len(_SLOT) :]]
+    if isinstance(tree, dict):
+        return {k: _joined(v, tensors) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_joined(v, tensors) for v in tree)
+    return tree
 
 
 def remove_old_folders(path: str, keep: str) -> None:
@@ -103,27 +129,28 @@ def load_dcp(state: dict, model, optimizer, collectives) -> None:
             f"{extra}, here only: {missing}); resume into the model it was saved from"
         )
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = [p[1] if isinstance(p, tuple) else p for p in params]
     targets: dict = {}
     for key, meta in saved.items():
         if not key.startswith("optimizer."):
             continue
-        _, index, name = key.split(".", 2)
-        p = params[int(index)]
-        size = tuple(getattr(meta, "size", ()))
-        if not hasattr(meta, "size"):
-            value = None  # a plain object (e.g. a step count): DCP sets it
-        elif isinstance(p, DTensor) and size == tuple(p.shape):
-            value = zeros(
-                size, dtype=meta.properties.dtype, device_mesh=p.device_mesh, placements=p.placements
-            )
+        path_ = key[len("optimizer.") :]  # "<parameter index>/<path in its state>"
+        p = params[int(path_.split("/", 1)[0])]
+        size = tuple(meta.size)
+        if isinstance(p, DTensor) and size == tuple(p.shape):  # sharded as its parameter
+            mesh, placements = p.device_mesh, p.placements
+            targets[path_] = zeros(size, dtype=meta.properties.dtype, device_mesh=mesh, placements=placements)
         else:
-            value = torch.zeros(size, dtype=meta.properties.dtype, device=p.device)
-        targets.setdefault(index, {})[name] = value
+            targets[path_] = torch.zeros(size, dtype=meta.properties.dtype, device=_device_of(p))
     loaded = {"model": weights, "optimizer": targets}
     dcp.load(loaded, storage_reader=reader, process_group=getattr(collectives, "group", None))
     with torch.no_grad():
         for k, v in weights.items():  # DCP wrote into the shards in place; the same tensors
             if v is not loaded["model"][k]:
                 v.copy_(loaded["model"][k])
-    optimizer_state = {int(i): entries for i, entries in loaded["optimizer"].items()}
+    optimizer_state = _joined(state["optimizer"]["state"], loaded["optimizer"])
     optimizer.load_state_dict(dict(state["optimizer"], state=optimizer_state))
+
+
+def _device_of(p) -> torch.device:
+    return p.to_local().device if hasattr(p, "to_local") else p.device

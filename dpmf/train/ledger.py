@@ -71,14 +71,21 @@ def _without_seed(method: str, seed: int | None) -> str:
     return method if seed is None else method.replace(f"seed {seed}", "seed withheld")
 
 
-def export(out_dir: str, model: torch.nn.Module, ledger: dict) -> tuple[str, str]:
+def export(
+    out_dir: str, model: torch.nn.Module, ledger: dict, *, weights: dict | None = None
+) -> tuple[str, str]:
     """Write ``out_dir/model.pt`` (the weights, on CPU) and ``out_dir/privacy.json``.
+
+    Args:
+        weights: the whole weights to write in place of ``model.state_dict()`` (a fully_shard
+            model's, gathered by every rank: ``dpmf.train.models.whole_state``).
 
     Returns:
         the two paths.
     """
     os.makedirs(out_dir, exist_ok=True)
-    weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    weights = model.state_dict() if weights is None else weights
+    weights = {k: v.detach().cpu().clone() for k, v in weights.items()}
     model_path = os.path.join(out_dir, MODEL_FILE)
     with atomic_path(model_path) as tmp:
         torch.save(weights, tmp)

@@ -196,3 +196,27 @@ def build_model(name: str, input_shape, num_classes: int, *, seed: int | None = 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return builders[name]()
+
+
+def fully_shard_model(model: nn.Module) -> nn.Module:
+    """Shard ``model`` with ``torch.distributed.fsdp.fully_shard`` (FSDP2) over the default
+    process group: every module with parameters of its own (a layer), then the root; in place.
+
+    Returns:
+        ``model``, whose parameters are now DTensor shards (the private step's ``fsdp`` mode).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for _, m in list(model.named_modules())[1:]:
+        if any(True for _ in m.parameters(recurse=False)):
+            fully_shard(m)
+    fully_shard(model)
+    return model
+
+
+def whole_state(model: nn.Module) -> dict:
+    """``model.state_dict()`` with every DTensor gathered whole (every rank must call it: an
+    all-gather per sharded entry)."""
+    from dpmf.optim.fsdp import gathered
+
+    return {k: gathered(v) for k, v in model.state_dict().items()}

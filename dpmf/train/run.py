@@ -45,7 +45,7 @@ from dpmf.train.config import TrainConfig
 from dpmf.train.data import Dataset, load_dataset
 from dpmf.train.ledger import export, privacy_ledger
 from dpmf.train.loop import CHECKPOINT, Trainer, TrainOutcome
-from dpmf.train.models import build_model
+from dpmf.train.models import build_model, fully_shard_model, whole_state
 from dpmf.train.outputs import RESULTS, check_out_state, clear_run_files, record_stop, write_results
 from dpmf.train.planning import mc_seed, plan_for
 from dpmf.train.state import check_run_state, data_digest, read_run_state, resumed_key
@@ -215,6 +215,8 @@ def _build_step(run: _Run) -> None:
     config, key = run.config, run.policy.key
     model = build_model(config.model, run.data.input_shape, run.data.num_classes, seed=sub_seed(key, 0))
     run.model = model.to(run.device)
+    if run.collectives is not None and config.distributed_mode == "fsdp":  # --fsdp: shards per rank
+        fully_shard_model(run.model)
     run.optimizer = build_optimizer(config, run.model, log=run.log, seed=key)
     run.step = build_step(
         run.plan,
@@ -343,9 +345,11 @@ def _finish(run: _Run, header: dict, outcome: TrainOutcome) -> TrainResult:
     ledger = privacy_ledger(
         plan, privacy, steps_taken=outcome.steps, clip_norm=config.clip_norm, seed_given=seed_given
     )
+    sharded = run.collectives is not None and config.distributed_mode == "fsdp"
+    weights = whole_state(run.model) if sharded else None  # every rank gathers its shards
     if run.writer:
         try:
-            export(run.out_dir, run.model, ledger)
+            export(run.out_dir, run.model, ledger, weights=weights)
             write_results(run.out_dir, header)
         except BaseException as exc:  # the export failed (disk full, a stop): not "complete"
             header.pop("final", None)

@@ -1,0 +1,232 @@
+"""The private step on a fully_shard (FSDP2) model: memory held per rank, bytes sent per step and
+step time at W = 1, 2 and 4 processes (gloo on CPU, NCCL with --device cuda), in one run.
+
+Each W is started with ``torchrun --standalone`` (loopback). The model is an MLP of ``--layers``
+Linear layers of width ``--width`` (a LayerNorm before the head), every Linear and the root
+``fully_shard``-ed; the strategy a BLT (``--strategy``; its buffers are noise state); DP-SGD
+(momentum) and DP-Muon each take ``--steps`` timed steps after two warm-up steps. Printed per
+W and optimizer, the slowest rank's figures:
+
+- held/rank: the entries each rank keeps between steps — parameter shards, gradient shards,
+  optimizer state and correlated-noise state — and that total against W = 1's (the ideal is
+  1/W; the rows of a parameter that does not split evenly make it a little more);
+- the clipped sum's transient buffer: the whole-model clipped sums each rank holds during its
+  step before the reduce-scatter (the one whole-model tensor of the step, freed before the
+  optimizer runs);
+- sent/step: bytes each rank sends per step — the reduce-scatter of the clipped sums, counted
+  by dpmf's collectives, plus, for DP-Muon, the all-gather of each orthogonalised matrix
+  ((W−1)/W of it per rank, counted from the shapes) — and that against DP-SGD's;
+- the median step time and its ratio to W = 1 (on a machine with fewer cores than W·threads the
+  ranks share cores: the ratio then measures the protocol's overhead, not a speed-up).
+
+Usage:
+    python benchmarks/bench_fsdp.py [--width 512] [--layers 6] [--batch-size 64]
+        [--strategy blt:2] [--steps 10] [--device cpu|cuda] [--worlds 1,2,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _model(args, device):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(args.width, args.width) for _ in range(args.layers - 1)]
+    body = [m for lin in layers for m in (lin, nn.Tanh())]
+    return nn.Sequential(*body, nn.LayerNorm(args.width), nn.Linear(args.width, 10)).to(device)
+
+
+def _held(model, opt, priv) -> dict:
+    """Entries this rank keeps between steps, by kind."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    local = [p.to_local() for p in params]
+    state = sum(
+        v.to_local().numel() if hasattr(v, "to_local") else v.numel()
+        for s in opt.state.values()
+        for v in _tensors(s)
+    )
+    return {
+        "parameters": sum(t.numel() for t in local),
+        "gradients": sum(t.numel() for t in local),  # p.grad: a DTensor of the local rows
+        "optimizer": state,
+        "noise": priv.noise_state_numel(),
+    }
+
+
+def _tensors(tree):
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _tensors(v)
+
+
+def _gathered_bytes(model, world: int) -> int:
+    """Bytes a rank sends per step in DP-Muon's all-gathers: (W−1)/W of each matrix it
+    orthogonalises (every weight matrix: ``route_parameters``' "matrix" group)."""
+    from dpmf.optim import route_parameters
+
+    total = 0
+    for group in route_parameters(model):
+        if group.get("rule") == "matrix":
+            for _, p in group["params"]:
+                total += p.numel() * p.element_size()
+    return int(total * (world - 1) / world)
+
+
+def _rank(args) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from dpmf.distributed import DistributedPrivatizer, TorchCollectives, rank_slice
+    from dpmf.optim import DPSGD, DPMuon, route_parameters
+    from dpmf.plan import PrivatePlan
+
+    torch.set_num_threads(max(1, args.threads))
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    from torch.distributed.fsdp import fully_shard
+
+    comm = TorchCollectives()
+    steps = args.steps + 2
+    plan = PrivatePlan(60000, args.batch_size, steps=steps, scheme="fixed_order", strategy=args.strategy)
+    plan = plan.with_noise(1.0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(args.batch_size, args.width, generator=g).to(device)
+    y = torch.randint(0, 10, (args.batch_size,), generator=g).to(device)
+    mine = torch.from_numpy(rank_slice(torch.arange(args.batch_size).numpy(), comm.rank, comm.world_size))
+    rows = {}
+    for kind in ("dp-sgd", "dp-muon"):
+        whole = _model(args, device)
+        gathered = _gathered_bytes(whole, comm.world_size) if kind == "dp-muon" else 0
+        model = whole
+        for m in model:
+            if isinstance(m, torch.nn.Linear):
+                fully_shard(m)
+        fully_shard(model)
+        if kind == "dp-sgd":
+            opt = DPSGD(model.parameters(), lr=0.05, momentum=0.9)
+        else:
+            opt = DPMuon(route_parameters(model), lr=0.05)
+        priv = DistributedPrivatizer(
+            model, F.cross_entropy, collectives=comm, plan=plan, clip_norm=1.0, seed=1, optimizer=opt,
+            check_every=0,
+        )  # fmt: skip
+        opt.bind(priv)
+        times, sent = [], []
+        for t in range(steps):
+            comm.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            before, began = comm.bytes_sent, time.perf_counter()
+            priv.privatize(x[mine.to(device)], y[mine.to(device)])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if t >= 2:
+                times.append(time.perf_counter() - began)
+                sent.append(comm.bytes_sent - before + gathered)
+        d = sum(p.numel() for p in model.parameters())
+        rows[kind] = {
+            "median_s": statistics.median(times),
+            "bytes_per_step": statistics.median(sent),
+            "held": _held(model, opt, priv),
+            "transient": d,  # the whole-model clipped sums of the step
+            "entry_bytes": next(model.parameters()).element_size(),
+        }
+    gathered = comm.all_gather_object(rows)
+    if comm.rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(gathered, f)
+    dist.destroy_process_group()
+
+
+def _launch(args, world: int) -> list:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        flags = ["--width", str(args.width), "--layers", str(args.layers)]
+        flags += ["--batch-size", str(args.batch_size)]
+        flags += ["--strategy", args.strategy, "--steps", str(args.steps), "--device", args.device]
+        flags += ["--threads", str(args.threads)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+        cmd += [__file__, "--rank-mode", "--out", out, *flags]
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(args.threads))
+        subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=1800)
+        with open(out) as f:
+            return json.load(f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--strategy", default="blt:2")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--worlds", default="1,2,4")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--rank-mode", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.rank_mode:
+        _rank(args)
+        return
+    results = {w: _launch(args, w) for w in [int(v) for v in args.worlds.split(",")]}
+    first = min(results)
+    print(
+        f"fully_shard MLP {args.layers}×{args.width}, B = {args.batch_size}, {args.strategy}, {args.device}, "
+        f"{args.steps} timed steps (slowest rank)"
+    )
+    print(
+        f"{'W':>2} {'optimizer':>9} {'held/rank (M entries)':>22} {'vs W=' + str(first):>7} "
+        f"{'param':>7} {'grad':>7} {'optim':>7} {'noise':>7} {'transient (M)':>14} "
+        f"{'sent/step (MB)':>15} {'vs DP-SGD':>10} {'step (ms)':>10} {'vs W=' + str(first):>7}"
+    )
+    for kind in ("dp-sgd", "dp-muon"):
+        base = results[first]
+        base_held = max(sum(r[kind]["held"].values()) for r in base)
+        base_time = max(r[kind]["median_s"] for r in base)
+        for w, rows in results.items():
+            held = [r[kind]["held"] for r in rows]
+            top = max(held, key=lambda h: sum(h.values()))
+            total = sum(top.values())
+            sent = max(r[kind]["bytes_per_step"] for r in rows)
+            sgd_sent = max(r["dp-sgd"]["bytes_per_step"] for r in rows)
+            step = max(r[kind]["median_s"] for r in rows)
+            ratio = f"{sent / sgd_sent:>10.2f}" if sgd_sent else f"{'—':>10}"
+            print(
+                f"{w:>2} {kind:>9} {total / 1e6:>22.3f} {total / base_held:>7.3f} "
+                f"{top['parameters'] / 1e6:>7.3f} {top['gradients'] / 1e6:>7.3f} "
+                f"{top['optimizer'] / 1e6:>7.3f} "
+                f"{top['noise'] / 1e6:>7.3f} {rows[0][kind]['transient'] / 1e6:>14.3f} "
+                f"{sent / 1e6:>15.3f} {ratio} {1000 * step:>10.1f} {step / base_time:>7.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
