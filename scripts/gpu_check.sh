@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in under 5 minutes:
+# The checks that need a GPU, in under 8 minutes:
 #   1. the CUDA tests of the suite (pytest -k cuda: they are skipped on machines without CUDA),
 #      the coordinate-keyed noise of sharded ranks against the full stream on the GPU included;
 #   2. one short training run on the GPU (dpmf train --device cuda, digits, 1 epoch);
@@ -7,7 +7,9 @@
 #   4. the time of one private step with DP-Muon against one with DP-SGD at batch 1024
 #      (per-example gradients, clipping, noise and the optimizer; medians of interleaved
 #      repetitions, and the ratio);
-#   5. raw noise made on the GPU against torch.randn there (benchmarks/bench_raw_noise.py).
+#   5. raw noise made on the GPU against torch.randn there (benchmarks/bench_raw_noise.py);
+#   6. the fully_shard (FSDP2) step on every GPU found (W = 1 is fine): dpmf train --distributed
+#      --fsdp against the one-process run of stage 3, then benchmarks/bench_fsdp.py on them.
 # Results go to $OUT/gpu_check.txt when OUT is set, else out/gpu_check.txt.
 #
 #   ./scripts/gpu_check.sh [VENV]        (VENV default .venv; created by scripts/setup.sh if absent)
@@ -95,6 +97,18 @@ r = json.load(open('$WORK/nccl/results.json'))['processes']
 print('backend', r['backend'], 'largest weight difference NCCL rank vs one process', d)
 assert r['backend'] == 'nccl' and d < 1e-5
 \""
+
+# the fully_shard (FSDP2) step on every GPU here: the same weights as the one-process run above
+GPUS=$("$PY" -c "import torch; print(max(1, torch.cuda.device_count()))")
+stage fsdp-gpus 150 bash -c "'$PY' -m torch.distributed.run --standalone --nproc-per-node $GPUS -m dpmf train \
+  ${DIST_FLAGS[*]} --distributed --fsdp --out '$WORK/fsdp' && '$PY' -c \"
+import torch, json
+a = torch.load('$WORK/fsdp/model.pt', weights_only=True); b = torch.load('$WORK/one/model.pt', weights_only=True)
+d = max(float((a[k] - b[k]).abs().max()) for k in b)
+r = json.load(open('$WORK/fsdp/results.json'))['processes']
+print('W', r['world_size'], 'backend', r['backend'], 'largest weight difference FSDP vs one process', d)
+assert r['backend'] == 'nccl' and d < 1e-5
+\" && '$PY' benchmarks/bench_fsdp.py --device cuda --worlds $GPUS --steps 5"
 
 cat >"$WORK/step_timing.py" <<'EOF'
 """One private step (clip, sum, noise, optimizer) with DP-Muon against DP-SGD at batch 1024."""

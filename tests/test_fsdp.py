@@ -341,3 +341,49 @@ def test_dpmf_train_fsdp_stopped_at_two_processes_resumes_at_four(tmp_path):
     assert sorted(a) == sorted(b)
     for k in b:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-5)
+
+
+def test_a_plain_backward_on_a_fully_shard_model_does_not_step(world_of_one):
+    """FSDP2's own backward writes reduce-scattered gradients into p.grad: the guarded optimizer
+    refuses them, alone or added to a private gradient (no clipping, no noise); after a private
+    backward alone it steps."""
+    import torch.distributed as dist
+
+    run = h.make_private_run(h.shard(h.build()), process_group=dist.group.WORLD)
+    batches = iter(run.data_loader)
+    xb, yb = next(batches)
+    nn.functional.cross_entropy(run.model(xb), yb).backward()
+    with pytest.raises(RuntimeError, match="no private gradient for this step"):
+        run.optimizer.step()
+    run.optimizer.zero_grad()
+    run.backward(xb, target=yb)
+    nn.functional.cross_entropy(run.model(xb), yb).backward()  # onto the private gradient
+    with pytest.raises(RuntimeError, match="p.grad was replaced or modified"):
+        run.optimizer.step()
+    run.optimizer.zero_grad()
+    xb, yb = next(batches)
+    run.backward(xb, target=yb)
+    before = [p.to_local().clone() for p in run.model.parameters()]
+    run.optimizer.step()
+    assert all(not torch.equal(a, p.to_local()) for a, p in zip(before, run.model.parameters(), strict=True))
+
+
+def test_fsdp_flag_needs_distributed(capsys):
+    from dpmf.cli import main
+
+    assert main(["train", "--dataset", "digits", "--fsdp", "--out", "unused"]) == 2
+    assert "--fsdp is invalid without --distributed" in capsys.readouterr().err
+    rc = main(
+        [
+            "train",
+            "--dataset",
+            "digits",
+            "--distributed",
+            "--fsdp",
+            "--distributed-mode",
+            "rank0",
+            "--out",
+            "x",
+        ]
+    )
+    assert rc == 2 and "--fsdp and --distributed-mode=rank0 are invalid together" in capsys.readouterr().err
