@@ -1,4 +1,5 @@
-"""Timing and memory helpers shared by the benchmark scripts (medians, tracemalloc peaks)."""
+"""Timing and memory helpers shared by the benchmark scripts (medians, tracemalloc peaks), and
+the set-up of a rank started by torchrun."""
 
 from __future__ import annotations
 
@@ -25,3 +26,33 @@ def peak_mb(fn) -> float:
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     return peak / 1e6
+
+
+def init_rank(device_name: str, threads: int):
+    """One rank started by ``torchrun``: torch's thread count, the rank's device (its own GPU
+    for ``cuda``) and the process group (NCCL on GPUs, gloo on CPU). Returns the device."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, threads))
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def add_rank_arguments(ap, *, steps: int, worlds: str) -> None:
+    """The options of a benchmark that starts itself under ``torchrun`` once per W: --steps,
+    --device, --worlds, --threads, and the hidden --rank-mode/--out of its ranks."""
+    import argparse
+
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--worlds", default=worlds)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--rank-mode", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)

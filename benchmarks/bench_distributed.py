@@ -30,6 +30,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _harness import add_rank_arguments, init_rank  # noqa: E402
 
 
 def _rank(args) -> None:
@@ -42,12 +45,7 @@ def _rank(args) -> None:
     from dpmf.plan import PrivatePlan
     from dpmf.train.models import build_model
 
-    torch.set_num_threads(max(1, args.threads))
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    device = init_rank(args.device, args.threads)
     comm = TorchCollectives()
     shape = (1, 28, 28) if args.model in ("cnn", "mlp") else (3, 32, 32)
     model = build_model(args.model, shape, 10, seed=0).to(device)
@@ -106,12 +104,7 @@ def main() -> None:
     ap.add_argument("--model", default="cnn")
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--strategy", default="bsr:16")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--worlds", default="1,2")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    ap.add_argument("--rank-mode", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    add_rank_arguments(ap, steps=20, worlds="1,2")
     args = ap.parse_args()
     if args.rank_mode:
         _rank(args)
@@ -163,7 +156,7 @@ def main() -> None:
         state = max(r["noise_state"] for r in rows)
         print(
             f"{w:>2} {1000 * slow:>10.1f} {slow / base:>7.2f} {sent / 1e6:>15.3f} "
-            f"{sent / rows[0]['gradient_bytes']:>10.2f} {state:>17d} {state / total_state:>6.2f}"
+            f"{sent / rows[0]['gradient_bytes']:>10.2f} {state:>17d} {state / max(total_state, 1):>6.2f}"
         )
 
 

@@ -38,6 +38,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _harness import add_rank_arguments, init_rank  # noqa: E402
 
 
 def _model(args, device):
@@ -102,12 +105,7 @@ def _rank(args) -> None:
     from dpmf.optim import DPSGD, DPMuon, route_parameters
     from dpmf.plan import PrivatePlan
 
-    torch.set_num_threads(max(1, args.threads))
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    device = init_rank(args.device, args.threads)
     from torch.distributed.fsdp import fully_shard
 
     comm = TorchCollectives()
@@ -186,12 +184,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--strategy", default="blt:2")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--worlds", default="1,2,4")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    ap.add_argument("--rank-mode", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    add_rank_arguments(ap, steps=10, worlds="1,2,4")
     args = ap.parse_args()
     if args.rank_mode:
         _rank(args)

@@ -2,6 +2,7 @@
 tests/test_fsdp.py and by tests/fsdp_worker.py, which torchrun starts)."""
 
 import torch
+from test_distributed import _private, _steps
 from torch import nn
 
 from dpmf.optim import DPSGD, DPAdam, DPMuon, route_parameters
@@ -80,31 +81,41 @@ def one_process(plan, kind, dtype=torch.float32):
     return [p.detach().clone() for p in params]
 
 
-def make_private_run(model, process_group=None, **kw):
-    """make_private over the helpers' data: SGD with momentum, bsr:3, a given seed."""
+# make_private over the same data as tests/test_distributed.py's runs (SGD with momentum,
+# bsr:3, a given seed) and its steps
+make_private_run = _private
+take_steps = _steps
+
+
+def tiny_batches_run(model, process_group=None, **kw):
+    """make_private with Poisson batches of expected size 1 (DP-SGD's identity strategy): over
+    W ≥ 2 ranks most batches have fewer examples than ranks (some none at all)."""
     import dpmf
 
-    x, y = data(model[0].weight.dtype)
+    x, y = data(torch.float64)
     return dpmf.make_private(
         model,
         torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9),
         torch.utils.data.TensorDataset(x, y),
         loss_fn=nn.functional.cross_entropy,
-        batch_size=8,
-        epochs=2,
+        batch_size=1,
+        steps=8,
         noise_multiplier=0.8,
         target_delta=1e-5,
-        factorization="bsr:3",
-        seed=5,
+        factorization="identity",
+        scheme="poisson",
+        seed=13,
         process_group=process_group,
         **kw,
     )
 
 
-def take_steps(run, k):
-    it = iter(run.data_loader)
-    for _ in range(k):
-        xb, yb = next(it)
+def all_steps(run):
+    """Every step of ``run``'s plan through its loader; the global batch sizes seen."""
+    sizes = []
+    for xb, yb in run.data_loader:
         run.backward(xb, target=yb, return_loss=False)
+        sizes.append(run.privatizer.last_step.batch_size)
         run.optimizer.step()
         run.optimizer.zero_grad()
+    return sizes

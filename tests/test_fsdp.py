@@ -241,6 +241,12 @@ def test_fully_shard_over_processes_equals_one_process(tmp_path, world):
     for a, b in zip(mp["weights"], one.model.parameters(), strict=True):
         torch.testing.assert_close(a, b.detach(), rtol=1e-12, atol=1e-12)
     assert mp["epsilon"] == one.get_epsilon()
+    # batches of fewer examples than ranks: a rank without one runs its forward on padding
+    tiny = torch.load(tmp_path / "tiny.pt", weights_only=True)
+    alone = h.tiny_batches_run(h.build(torch.float64), noise_keys="chunked")
+    assert tiny["sizes"] == h.all_steps(alone) and any(0 < n < world for n in tiny["sizes"])
+    for a, b in zip(tiny["weights"], alone.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-12, atol=1e-12)
 
 
 def _linear_params():
@@ -349,7 +355,7 @@ def test_a_plain_backward_on_a_fully_shard_model_does_not_step(world_of_one):
     backward alone it steps."""
     import torch.distributed as dist
 
-    run = h.make_private_run(h.shard(h.build()), process_group=dist.group.WORLD)
+    run = h.make_private_run(h.shard(h.build(torch.float64)), process_group=dist.group.WORLD)
     batches = iter(run.data_loader)
     xb, yb = next(batches)
     nn.functional.cross_entropy(run.model(xb), yb).backward()

@@ -167,7 +167,7 @@ def _train_config(args):
     if args.no_epsilon_each_epoch:
         overrides["epsilon_each_epoch"] = False
     if args.fsdp:
-        if args.distributed_mode not in (None, "fsdp"):
+        if args.distributed_mode is not None:
             raise UsageError(
                 f"--fsdp and --distributed-mode={args.distributed_mode} are invalid together: --fsdp is "
                 "--distributed-mode fsdp; pass one"

@@ -95,22 +95,44 @@ def rank_slice(indices: np.ndarray, rank: int, world_size: int) -> np.ndarray:
 class RankSlices:
     """A batch sampler yielding this rank's slice (``rank_slice``) of each global batch of
     ``sampler``; everything else (``len``, ``step``, ``state_dict``, …) is the sampler's, so the
-    global batches, their accounting and their checkpoints stay those of one process."""
+    global batches, their accounting and their checkpoints stay those of one process.
 
-    def __init__(self, sampler, rank: int, world_size: int):
+    With ``pad`` (a ``fully_shard`` model, whose forward and backward are collectives every rank
+    must join), a rank whose slice of a non-empty global batch is empty (fewer examples than
+    ranks) gets the batch's first example as **padding** instead: it runs the forward and backward
+    with the others, and ``is_padding(t)`` tells its step to count nothing of it (its clipped sum,
+    loss and figures are zeroed before they leave the rank). An empty global batch stays empty
+    on every rank (no rank runs a forward)."""
+
+    def __init__(self, sampler, rank: int, world_size: int, *, pad: bool = False):
         self.sampler = sampler
         self.world_size = check_int("world_size", world_size, minimum=1)
         self.rank = check_int("rank", rank, minimum=0, maximum=self.world_size - 1)
+        self.pad = bool(pad)
+        self._padding: set[int] = set()  # steps whose slice here is padding
 
     def __len__(self) -> int:
         return len(self.sampler)
 
     def __iter__(self):
-        for batch in self.sampler:
-            yield rank_slice(batch, self.rank, self.world_size)
+        for batch in self.sampler:  # the sampler's epoch; its step is past the batch now
+            yield self._part(int(self.sampler.step) - 1, batch)
 
     def next(self) -> np.ndarray:
-        return rank_slice(self.sampler.next(), self.rank, self.world_size)
+        t = int(self.sampler.step)
+        return self._part(t, self.sampler.next())
+
+    def _part(self, t: int, batch) -> np.ndarray:
+        part = rank_slice(batch, self.rank, self.world_size)
+        self._padding.discard(t)
+        if self.pad and not len(part) and len(batch):
+            self._padding.add(t)
+            part = np.asarray(batch)[:1]
+        return part
+
+    def is_padding(self, step: int) -> bool:
+        """Whether this rank's slice of step ``step``'s batch is padding (see the class)."""
+        return int(step) in self._padding
 
     def __getattr__(self, name):
         if name == "sampler":  # not yet set (unpickling)

@@ -17,6 +17,17 @@ Then, by ``mode``:
 ``rank0``
     rank 0 adds the full noise to its local sum before the all-reduce (how DP-SGD libraries
     without correlated noise do it); every process runs the full update.
+``fsdp`` (a model sharded by ``fully_shard``, FSDP2; chosen for DTensor parameters)
+    each rank holds a Shard(0) of every parameter. Its layers' activations and output
+    gradients are those of its own examples with the whole (gathered) weights, so the
+    per-example norms and the book-keeping clipped sums are computed locally, with no
+    collective; one reduce-scatter brings each rank the summed rows of its shards; each rank
+    adds the noise of its shard's coordinates (``ChunkedKeys`` ranges), divides by B̄ and sets
+    ``p.grad`` to a DTensor; the optimizer steps the shards (DP-Muon all-gathers each matrix,
+    orthogonalises it and keeps its rows). A rank without an example of a non-empty batch runs
+    its forward on padding (``RankSlices(pad=True)``), counted as nothing, since the forward and
+    backward are collectives. Parameters, gradients, optimizer and noise state are ≈ 1/W per
+    rank; the step's whole-model clipped sums are held once, before the reduce-scatter.
 
 In every mode the released gradient is the one of a single process,
 g̃_t = (Σ_{i∈batch_t} clip_ζ(g_i) + σζ·sens·(C⁻¹Z)_t)/B̄, with one copy of the noise: the raw
@@ -35,6 +46,7 @@ ownership for Newton–Schulz as in distributed Muon implementations.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -445,6 +457,24 @@ class DistributedPrivatizer(Privatizer):
 
     def _release(self, params: list, sums: list) -> list:
         return self._mode.release(self, params, sums)
+
+    def padding(self) -> bool:
+        """Whether this rank's batch of the current step is padding (``RankSlices(pad=True)``:
+        a fully_shard rank without an example of its own runs the forward on another's)."""
+        slices = getattr(self.drawn, "sampler", None)
+        return bool(getattr(slices, "is_padding", None)) and slices.is_padding(self.noise.step)
+
+    def _clipped_sum(self, inputs, targets, t, walk, example_ids, points):
+        """As ``Privatizer._clipped_sum``; on padding (``padding``) the forward and backward run
+        with the other ranks and the result is that of an empty batch: zero sums, no example,
+        no loss."""
+        summed = super()._clipped_sum(inputs, targets, t, walk, example_ids, points)
+        if not self.padding():
+            return summed
+        for g in summed.grads:
+            g.zero_()
+        loss = None if summed.loss_sum is None else torch.zeros_like(summed.loss_sum)
+        return dataclasses.replace(summed, norms=summed.norms[:0], batch_size=0, loss_sum=loss)
 
     def _batch_figures(self, summed) -> tuple[int, object]:
         n, (clipped, norms) = super()._batch_figures(summed)

@@ -230,7 +230,8 @@ def build(
             check_every=flags.check_every,
             **common,
         )
-        batches = privatizer.draw_from(RankSlices(sampler, comm.rank, comm.world_size))
+        slices = RankSlices(sampler, comm.rank, comm.world_size, pad=privatizer.shards_parameters)
+        batches = privatizer.draw_from(slices)
     else:
         params = [p for _, p in trainable_parameters(model)]
         if not params:

@@ -210,12 +210,19 @@ def _plan(run: _Run) -> None:
     )
 
 
+def _shards_model(run: _Run) -> bool:
+    """Whether the run's distributed mode is one whose ranks hold shards of the model (``fsdp``)."""
+    from dpmf.distributed.step import DISTRIBUTED_MODES
+
+    return run.collectives is not None and not DISTRIBUTED_MODES[run.config.distributed_mode].replicas
+
+
 def _build_step(run: _Run) -> None:
     """The model (initial weights from the key), the optimizer and the plan's private step."""
     config, key = run.config, run.policy.key
     model = build_model(config.model, run.data.input_shape, run.data.num_classes, seed=sub_seed(key, 0))
     run.model = model.to(run.device)
-    if run.collectives is not None and config.distributed_mode == "fsdp":  # --fsdp: shards per rank
+    if _shards_model(run):  # --fsdp: each rank its shards of the model
         fully_shard_model(run.model)
     run.optimizer = build_optimizer(config, run.model, log=run.log, seed=key)
     run.step = build_step(
@@ -345,8 +352,7 @@ def _finish(run: _Run, header: dict, outcome: TrainOutcome) -> TrainResult:
     ledger = privacy_ledger(
         plan, privacy, steps_taken=outcome.steps, clip_norm=config.clip_norm, seed_given=seed_given
     )
-    sharded = run.collectives is not None and config.distributed_mode == "fsdp"
-    weights = whole_state(run.model) if sharded else None  # every rank gathers its shards
+    weights = whole_state(run.model) if _shards_model(run) else None  # every rank gathers its shards
     if run.writer:
         try:
             export(run.out_dir, run.model, ledger, weights=weights)
