@@ -330,12 +330,13 @@ def test_a_sigterm_right_after_a_checkpoint_is_written_counts_that_epoch(tmp_pat
 
     monkeypatch.setattr(loop, "remove_shards", signal_after_the_write)
     previous = signal.signal(signal.SIGTERM, interrupt)
+    sigint = signal.getsignal(signal.SIGINT)  # the test process's (another test may have changed it)
     try:
         out = tmp_path / "run"
         assert main([*TRAIN, "--epochs", "3", "--noise-multiplier", "1", "--out", str(out)]) == 143
     finally:
         signal.signal(signal.SIGTERM, previous)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    assert signal.getsignal(signal.SIGINT) is sigint  # restored
     res = json.loads((out / "results.json").read_text())
     state = load_checkpoint(str(out / "checkpoint.pt"))
     assert state["epoch"] == 2 == res["completed_epochs"] and res["checkpoint_step"] == state["step"] == 12
