@@ -81,6 +81,37 @@ def one_process(plan, kind, dtype=torch.float32):
     return [p.detach().clone() for p in params]
 
 
+# ranks of unequal batches: rank 0 takes the first 3 examples of each step's slice of the data,
+# rank 1 the next one (the first step's probes then see 3 and 1 examples)
+UNEVEN = PrivatePlan(40, 8, steps=3, scheme="fixed_order", strategy="bsr:2").with_noise(0.7)
+
+
+def uneven_slice(t, rank):
+    """Rank ``rank``'s examples of step ``t`` (W = 2): 3 on rank 0, 1 on rank 1."""
+    start = 4 * t + (0 if rank == 0 else 3)
+    return slice(start, start + (3 if rank == 0 else 1))
+
+
+def uneven_one_process(micro_batch_size=None):
+    """The final weights of UNEVEN's steps in one process, each batch the ranks' slices."""
+    model = build(torch.float64)
+    params = list(model.parameters())
+    keys = ChunkedKeys(tuple(p.numel() for p in params))
+    noise = noise_stream(UNEVEN, keys.dim, SEED, dtype=torch.float64, keys=keys)
+    priv = Privatizer(
+        model, nn.functional.cross_entropy, plan=UNEVEN, clip_norm=1.0, noise=noise,
+        micro_batch_size=micro_batch_size,
+    )  # fmt: skip
+    opt = optimizer("dp-sgd", model)
+    opt.bind(priv)
+    x, y = data(torch.float64)
+    for t in range(UNEVEN.steps):
+        priv.privatize(x[4 * t : 4 * t + 4], y[4 * t : 4 * t + 4])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in params]
+
+
 # make_private over the same data as tests/test_distributed.py's runs (SGD with momentum,
 # bsr:3, a given seed) and its steps
 make_private_run = _private

@@ -63,6 +63,62 @@ def _steps(out):
     dist.destroy_process_group()
 
 
+def _agree(out):
+    """Ranks of unequal batches (3 and 1 examples; with and without micro-batches of 2) in
+    lock-step; a NaN on rank 1 only at step 1, a batch other than the drawn one on rank 1 only,
+    and an empty slice on rank 1 only: every rank's error message, one file per rank and case."""
+    import fsdp_helpers as h
+    import torch.distributed as dist
+
+    from dpmf.distributed import DistributedPrivatizer, TorchCollectives
+
+    dist.init_process_group("gloo")
+    comm = TorchCollectives()
+    x, y = h.data(torch.float64)
+    refused = {}
+    for micro in (None, 2):
+        model = h.shard(h.build(torch.float64))
+        opt = h.optimizer("dp-sgd", model)
+        priv = DistributedPrivatizer(
+            model, torch.nn.functional.cross_entropy, collectives=comm, plan=h.UNEVEN, clip_norm=1.0,
+            seed=h.SEED, optimizer=opt, micro_batch_size=micro,
+        )  # fmt: skip
+        opt.bind(priv)
+        for t in range(h.UNEVEN.steps):
+            mine = h.uneven_slice(t, comm.rank)
+            if t == 1 and micro is None:
+                bad = x[mine].clone()
+                bad[0, 0] = float("nan") if comm.rank == 1 else bad[0, 0]
+                try:
+                    priv.privatize(bad, y[mine])
+                except FloatingPointError as err:
+                    refused["nan"] = f"{type(err).__name__} {priv.noise.step} {err}"
+            priv.privatize(x[mine], y[mine])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        whole = [p.full_tensor().detach() for p in model.parameters()]
+        if comm.rank == 0:
+            torch.save(whole, os.path.join(out, f"uneven-{micro}.pt"))
+        if micro is None:  # an empty slice on one rank, without padding
+            try:
+                priv.privatize(x[:0] if comm.rank == 1 else x[:2], y[:0] if comm.rank == 1 else y[:2])
+            except ValueError as err:
+                refused["empty"] = f"{type(err).__name__} {err}"
+    run = h.make_private_run(h.shard(h.build(torch.float64)), process_group=dist.group.WORLD)
+    xb, yb = next(iter(run.data_loader))
+    try:
+        run.backward(xb.flip(0) if comm.rank == 1 else xb, target=yb, return_loss=False)
+    except RuntimeError as err:
+        refused["batch"] = f"{type(err).__name__} {err}"
+    run.backward(xb, target=yb, return_loss=False)  # the drawn batch still goes through
+    run.optimizer.step()
+    for case, text in refused.items():
+        with open(os.path.join(out, f"{case}.rank{comm.rank}.txt"), "w") as f:
+            f.write(text)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _save_or_resume(action, out):
     """``save``: 5 steps of make_private's run, then ``save``; ``resume``: that file resumed
     (at this W), 5 more steps, the whole weights written by rank 0."""
@@ -116,6 +172,8 @@ if __name__ == "__main__":
         _steps(sys.argv[2])
     elif sys.argv[1] == "gpt2":
         _gpt2(sys.argv[2])
+    elif sys.argv[1] == "agree":
+        _agree(sys.argv[2])
     else:
         _save_or_resume(sys.argv[1], sys.argv[2])
     sys.stdout.flush()

@@ -21,7 +21,8 @@ from dpmf.distributed import (
 )
 from dpmf.mechanisms import factorize
 from dpmf.optim import DPSGD, DPMuon, route_parameters
-from dpmf.optim.clipping import trainable_parameters
+from dpmf.optim.batches import BatchCheckError
+from dpmf.optim.clipping import NonFiniteGradientError, trainable_parameters
 from dpmf.optim.noise import ChunkedKeys, DenseInverseNoise, noise_for_factorization, raw_generator
 from dpmf.optim.privatize import Privatizer
 from dpmf.plan import PrivatePlan
@@ -344,6 +345,61 @@ def test_a_different_seed_on_one_rank_is_refused():
 
     with pytest.raises(DivergenceError, match="rank 1 differs from rank 0 in seed"):
         simulate(2, rank_fn)
+
+
+@pytest.mark.parametrize("mode", ["sharded", "replicated", "rank0"])
+def test_a_check_that_fails_on_one_rank_stops_every_rank_with_its_error(mode):
+    """A NaN in rank 1's slice only: both ranks raise the same NonFiniteGradientError before
+    the release (no gradient written, the step not advanced), and the run then goes on to the
+    one-process weights."""
+    plan = PrivatePlan(40, 8, steps=4, scheme="fixed_order", strategy="bsr:2").with_noise(0.7)
+    batches = _batches(plan)
+
+    def rank_fn(comm):
+        model = _model(torch.float64)
+        opt = _optimizer("dp-sgd", model)
+        priv = DistributedPrivatizer(
+            model, nn.functional.cross_entropy, collectives=comm, plan=plan, clip_norm=1.0, seed=21,
+            mode=mode, optimizer=opt,
+        )  # fmt: skip
+        opt.bind(priv)
+        x, y = _data(torch.float64)
+        refused = None
+        for t, idx in enumerate(batches):
+            mine = rank_slice(idx, comm.rank, comm.world_size)
+            if t == 1:
+                bad = x[mine].clone()
+                bad[0, 0] = float("nan") if comm.rank == 1 else bad[0, 0]
+                with pytest.raises(NonFiniteGradientError) as err:
+                    priv.privatize(bad, y[mine])
+                refused = (str(err.value), priv.noise.step, [p.grad for p in model.parameters()])
+            priv.privatize(x[mine], y[mine])
+            opt.step()
+            priv.after_step()
+            opt.zero_grad(set_to_none=True)
+        return refused, [p.detach().clone() for p in model.parameters()]
+
+    (r0, weights), (r1, _) = simulate(2, rank_fn)
+    assert r0[0] == r1[0] and r0[0].startswith(
+        "rank 1 of 2 refused step 1, so every rank stops before the release: non-finite per-example"
+    )
+    assert r0[1] == r1[1] == 1 and all(g is None for g in r0[2] + r1[2])
+    for a, b in zip(weights, _one_process(plan, "dp-sgd", torch.float64, batches), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_batch_other_than_the_drawn_one_on_one_rank_stops_every_rank():
+    def ranks(comm):
+        run = _private(_model(torch.float64), process_group=comm)
+        xb, yb = next(iter(run.data_loader))
+        with pytest.raises(BatchCheckError) as err:
+            run.backward(xb.flip(0) if comm.rank == 1 else xb, target=yb, return_loss=False)
+        run.backward(xb, target=yb, return_loss=False)  # the drawn batch still goes through
+        return str(err.value), run.privatizer.step
+
+    (a, step), (b, _) = simulate(2, ranks)
+    assert a == b and a.startswith("rank 1 of 2 refused step 0, so every rank stops before the release")
+    assert step == 1
 
 
 def test_diverged_parameters_are_detected():

@@ -263,6 +263,31 @@ def _state_numel(plan):
 
 
 @pytest.mark.slow
+def test_ranks_of_unequal_batches_keep_in_step_and_a_rank_that_fails_a_check_stops_every_rank(tmp_path):
+    """The forward and backward of a fully_shard model are collectives: with 3 examples on one
+    rank and 1 on the other (the first step's batch-independence and layer probes then differ
+    per rank; micro-batches of 2 make the ranks' pass counts differ) every rank still issues the
+    same collectives and the weights equal one process's. A NaN, a batch other than the drawn
+    one or an empty slice on rank 1 only makes both ranks raise the same error before any
+    release, and the run then goes on."""
+    _torchrun([str(HERE / "fsdp_worker.py"), "agree", str(tmp_path)], tmp_path, 2)
+    for micro in (None, 2):
+        got = torch.load(tmp_path / f"uneven-{micro}.pt", weights_only=True)
+        for a, b in zip(got, h.uneven_one_process(micro), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    expected = {
+        "nan": "NonFiniteGradientError 1 rank 1 of 2 refused step 1, so every rank stops before the release: "
+        "non-finite per-example gradient at step 1",
+        "batch": "BatchCheckError rank 1 of 2 refused step 0, so every rank stops before the release: "
+        "backward refused at step 0: the batch is not the one the plan's sampler drew",
+        "empty": "ValueError step 3's batch is invalid for a fully_shard model: rank 1 has no example",
+    }
+    for case, start in expected.items():
+        texts = [(tmp_path / f"{case}.rank{r}.txt").read_text() for r in range(2)]
+        assert texts[0] == texts[1] and texts[0].startswith(start), texts
+
+
+@pytest.mark.slow
 def test_a_fully_shard_checkpoint_resumes_at_another_world_size(tmp_path):
     """make_private's run saved at W = 2 (DCP shards of weights and momentum, noise by
     coordinate ranges) resumes at W = 4 and ends where ten one-process steps end; its files are

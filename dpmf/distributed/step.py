@@ -29,6 +29,14 @@ Then, by ``mode``:
     backward are collectives. Parameters, gradients, optimizer and noise state are ≈ 1/W per
     rank; the step's whole-model clipped sums are held once, before the reduce-scatter.
 
+A check of the step that fails on one rank (``STEP_CHECK_ERRORS``: a batch other than the drawn
+one, a NaN gradient, a forward that writes the model, a coupled model) is raised on every rank,
+the failing rank's class and message, before anything is released: each rank's failure flag
+travels in the step's one all-reduce of the batch figures, which precedes the release. A
+``fully_shard`` step, whose forward is a collective, agrees once more before it — on the flags and
+every rank's example count — so that the batch-independence probe runs on the same step on every
+rank and the book-keeping passes (micro-batches) are as many everywhere.
+
 In every mode the released gradient is the one of a single process,
 g̃_t = (Σ_{i∈batch_t} clip_ζ(g_i) + σζ·sens·(C⁻¹Z)_t)/B̄, with one copy of the noise: the raw
 noise is keyed by coordinate (``dpmf.optim.noise.ChunkedKeys``), so the noise is the same
@@ -57,6 +65,7 @@ from dpmf._validation import check_choice, check_int
 from dpmf.distributed.collectives import Collectives
 from dpmf.distributed.modes import MODES
 from dpmf.distributed.sharding import assign_owners, owned_by, parameter_cost
+from dpmf.optim.batch_probe import batch_size_of
 from dpmf.optim.clipping import trainable_parameters
 from dpmf.optim.fsdp import (
     check_fully_sharded,
@@ -68,7 +77,7 @@ from dpmf.optim.fsdp import (
     unsharded_aliases,
 )
 from dpmf.optim.noise import CHUNK_ENTRIES, ChunkedKeys, noise_for_factorization
-from dpmf.optim.privatize import Privatizer
+from dpmf.optim.privatize import STEP_CHECK_ERRORS, Privatizer
 from dpmf.optim.registry import matrix_rule_names
 
 __all__ = [
@@ -381,6 +390,8 @@ class DistributedPrivatizer(Privatizer):
         keys = ChunkedKeys(sizes, noised, chunk, ranges=spans)
         self._noised = noised
         self._keys = keys
+        self._failure: BaseException | None = None  # this rank's failed check of the current step
+        self._sizes: list[int] | None = None  # every rank's example count (fully_shard), agreed
         p0 = params[0]
         noise = noise_for_factorization(
             plan.strategy, keys.dim, seed=seed, device=p0.device, dtype=p0.dtype, keys=keys
@@ -464,11 +475,71 @@ class DistributedPrivatizer(Privatizer):
         slices = getattr(self.drawn, "sampler", None)
         return bool(getattr(slices, "is_padding", None)) and slices.is_padding(self.noise.step)
 
+    # -- a check failed on one rank: every rank raises it, before anything is released --------
+    @property
+    def _lockstep(self) -> bool:
+        return not self._mode.replicas  # fully_shard: the forward and backward are collectives
+
+    def _before_forward(self, t, walk, inputs, targets, example_ids, handed_out) -> None:
+        """The checks before the forward, a failure kept for the ranks' agreement. A fully_shard
+        step agrees here, before its forward (a collective): on the failures and on every rank's
+        example count (one all-reduce of W + 1 numbers)."""
+        self._failure = None
+        try:
+            super()._before_forward(t, walk, inputs, targets, example_ids, handed_out)
+        except STEP_CHECK_ERRORS as err:
+            self._failure = err
+        if not self._lockstep:
+            return
+        W, rank = self.collectives.world_size, self.collectives.rank
+        p0 = trainable_parameters(self.model, walk)[0][1]
+        v = torch.zeros(W + 1, dtype=torch.float64, device=p0.device)
+        v[rank], v[W] = batch_size_of(inputs), float(self._failure is not None)
+        self.collectives.all_reduce(v)
+        agreed = [int(round(float(x))) for x in v.cpu()]
+        if agreed[W]:
+            self._raise_agreed(t)
+        self._sizes = agreed[:W]
+        empty = [r for r, n in enumerate(self._sizes) if n == 0]
+        if empty and len(empty) < W:
+            raise ValueError(
+                f"step {t}'s batch is invalid for a fully_shard model: rank {empty[0]} has no example "
+                "while other ranks have some, and the forward is a collective every rank joins; draw "
+                "the ranks' batches with dpmf.distributed.RankSlices(sampler, rank, world_size, pad=True) "
+                "(make_private and dpmf train do), which gives such a rank padding counted as nothing"
+            )
+
+    def _raise_agreed(self, t: int) -> None:
+        """Raise, on every rank, the first failed check of a rank (its class and message)."""
+        mine = None if self._failure is None else (type(self._failure), str(self._failure))
+        reports = self.collectives.all_gather_object(mine)
+        r, (cls, message) = next((r, m) for r, m in enumerate(reports) if m is not None)
+        failure, self._failure = self._failure, None
+        W = self.collectives.world_size
+        text = f"rank {r} of {W} refused step {t}, so every rank stops before the release: {message}"
+        raise cls(text) from failure
+
+    def _probe_now(self, inputs) -> bool:
+        if not self._lockstep:
+            return super()._probe_now(inputs)
+        return not self._probed and min(self._sizes) >= 2  # on every rank at once
+
+    def _micro_batches(self) -> int | None:
+        if not (self._lockstep and self._micro_batch_given):
+            return None  # book-keeping takes each rank's batch in one pass
+        return -(-max(self._sizes) // self.micro_batch_size)
+
     def _clipped_sum(self, inputs, targets, t, walk, example_ids, points):
-        """As ``Privatizer._clipped_sum``; on padding (``padding``) the forward and backward run
-        with the other ranks and the result is that of an empty batch: zero sums, no example,
-        no loss."""
-        summed = super()._clipped_sum(inputs, targets, t, walk, example_ids, points)
+        """As ``Privatizer._clipped_sum``, a failed check kept for the agreement (None then);
+        on padding (``padding``) the forward and backward run with the other ranks and the
+        result is that of an empty batch: zero sums, no example, no loss."""
+        if self._failure is not None:
+            return None  # a failed check before the forward (not fully_shard: no collective)
+        try:
+            summed = super()._clipped_sum(inputs, targets, t, walk, example_ids, points)
+        except STEP_CHECK_ERRORS as err:
+            self._failure = err
+            return None
         if not self.padding():
             return summed
         for g in summed.grads:
@@ -477,11 +548,17 @@ class DistributedPrivatizer(Privatizer):
         return dataclasses.replace(summed, norms=summed.norms[:0], batch_size=0, loss_sum=loss)
 
     def _batch_figures(self, summed) -> tuple[int, object]:
-        n, (clipped, norms) = super()._batch_figures(summed)
+        """The global batch's figures, summed over the ranks with each rank's failed-check flag
+        in the same all-reduce: if any rank failed, every rank raises its error here, before
+        the release."""
+        n, (clipped, norms) = (0, (0.0, 0.0)) if summed is None else super()._batch_figures(summed)
         p0 = trainable_parameters(self.model)[0][1]
-        t = torch.tensor([n, float(clipped), float(norms)], dtype=torch.float64, device=p0.device)
-        self.collectives.all_reduce(t)  # the global batch's figures, summed over the ranks
-        n, clipped, norms = (float(v) for v in t.cpu())
+        failed = float(self._failure is not None)
+        t = torch.tensor([n, float(clipped), float(norms), failed], dtype=torch.float64, device=p0.device)
+        self.collectives.all_reduce(t)
+        n, clipped, norms, failed = (float(v) for v in t.cpu())
+        if failed:
+            self._raise_agreed(self.noise.step)
         return int(round(n)), (clipped, norms)
 
     def after_step(self) -> None:

@@ -155,7 +155,7 @@ def _rng_devices(model: nn.Module) -> list[int]:
     return sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
 
 
-def probe_batch_independence(model: nn.Module, inputs, targets, norms_of) -> None:
+def probe_batch_independence(model: nn.Module, inputs, targets, norms_of, *, whole: bool = False) -> None:
     """Refuse a model whose examples influence each other (see the module docstring).
 
     Args:
@@ -163,6 +163,8 @@ def probe_batch_independence(model: nn.Module, inputs, targets, norms_of) -> Non
         inputs, targets: the first batch (B ≥ 2), as the private step receives them.
         norms_of: ``norms_of(inputs, targets)`` → per-example gradient norms, shape (b,), under
             the run's clipping method.
+        whole: run every pass before raising the first coupling found (the passes of a
+            fully_shard model are collectives every rank joins); False: stop at the first.
 
     Raises:
         BatchCouplingError: one line naming the coupling module (or the model), the example
@@ -184,6 +186,13 @@ def probe_batch_independence(model: nn.Module, inputs, targets, norms_of) -> Non
             for d, s in zip(devices, cuda, strict=True):
                 torch.cuda.set_rng_state(s, d)
 
+        found: list[BatchCouplingError] = []
+
+        def refuse(err: BatchCouplingError) -> None:
+            if not whole:
+                raise err
+            found.append(err)
+
         for i in (0, b - 1):
             same = torch.full((b,), i, dtype=torch.long)
             xs, ys = take_rows(x, same, b), take_rows(y, same, b)
@@ -199,24 +208,26 @@ def probe_batch_independence(model: nn.Module, inputs, targets, norms_of) -> Non
                 passes.append((calls.calls, _rows(out, i, b)))
             (calls_a, out_a), (calls_b, out_b) = passes
             if not _same(out_a, out_b):
-                found = _culprit(calls_a, calls_b)
-                where = "the model" if found is None else f"module {found[0]!r} ({type(found[1]).__name__})"
-                raise BatchCouplingError(
+                at = _culprit(calls_a, calls_b)
+                where = "the model" if at is None else f"module {at[0]!r} ({type(at[1]).__name__})"
+                refuse(BatchCouplingError(
                     f"model is invalid: example {i}'s output changes when the other examples of its batch "
                     f"change (first at {where}), so one example moves the others' gradients and the clipped "
-                    f"sum's sensitivity exceeds ζ; {_fix(None if found is None else found[1])}"
-                )
+                    f"sum's sensitivity exceeds ζ; {_fix(None if at is None else at[1])}"
+                ))  # fmt: skip
             fresh()
             n_a = norms_of(x, y)
             fresh()
             n_b = norms_of(xs, ys)
             a, c = float(n_a[i]), float(n_b[i])
-            if abs(a - c) > _RTOL * max(abs(a), abs(c), 1e-30):
-                raise BatchCouplingError(
+            if abs(a - c) > _RTOL * max(abs(a), abs(c), 1e-30) and not found:
+                refuse(BatchCouplingError(
                     f"model is invalid: example {i}'s per-example gradient norm changes with the other "
                     f"examples of its batch ({a:.6g} → {c:.6g}) under this clipping method, so the clipped "
                     f"sum's sensitivity exceeds ζ; its output does not change, so either the backward "
                     "mixes the examples or this method's per-layer records do not follow them (e.g. a "
                     "layer's output shared by the batch and indexed rather than broadcast): "
                     f"{_fix(None)}, or use clipping='vmap' (each example's gradient alone)"
-                )
+                ))  # fmt: skip
+        if found:
+            raise found[0]

@@ -349,6 +349,7 @@ def clipped_sum(
     clipping: str = "auto",
     micro_batch_entries: int | None = None,
     walk: ModelWalk | None = None,
+    micro_batches: int | None = None,
 ) -> ClippedSum:
     """Σ_i clip_ζ(∇ℓ(θ; x_i)) over a logical batch, in micro-batches.
 
@@ -400,6 +401,10 @@ def clipped_sum(
             instantiated), take the whole batch. None: the whole batch for every method.
         walk: a ``dpmf.optim.model_guard.ModelWalk`` of ``model`` taken now, by a caller that
             walked the model for its own checks (``Privatizer``); None: a new one.
+        micro_batches: run exactly this many book-keeping micro-batch passes, those past the
+            batch on its first example and counting nothing (a fully_shard model, whose passes
+            are collectives every rank joins, in lock-step with ranks of more examples); at
+            least the batch's own count. None: as many as the batch needs.
 
     Returns:
         ``ClippedSum`` with one summed tensor per trainable parameter.
@@ -425,6 +430,9 @@ def clipped_sum(
         model, loss_fn, inputs, targets, clip_norm, named, plan, clipping, (micro_batch_size, vmap_micro),
         step, example_ids, walk, batch, device,
     )  # fmt: skip
+    if micro_batches is not None:
+        _pad_micro_batches(model, loss_fn, inputs, targets, clip_norm, named, plan, used, walk, batch,
+                           micro_batches - -(-batch // micro_batch_size))  # fmt: skip
     norms = torch.cat(all_norms) if all_norms else torch.zeros(0, dtype=torch.float64)
     zeros = (zeros_of(p) for _, p in named)
     return ClippedSum(
@@ -498,6 +506,28 @@ def _sum_micro_batches(model, loss_fn, inputs, targets, clip_norm, named, plan, 
             all_losses.append(losses)
         start = stop
     return sums, all_norms, used, all_losses
+
+
+def _pad_micro_batches(model, loss_fn, inputs, targets, clip_norm, named, plan, used, walk, batch, count):
+    """``count`` book-keeping passes on the batch's first example whose results count nothing
+    (``clipped_sum(micro_batches=)``: the collectives of a fully_shard model's passes).
+
+    Raises:
+        ValueError: ``count`` < 0 (fewer passes agreed than the batch needs), or passes to pad
+            with no example or under another method than book-keeping.
+    """
+    if count == 0:
+        return
+    if count < 0 or used == "vmap" or batch == 0:
+        raise ValueError(
+            f"micro_batches is invalid: {count} passes to pad past the batch's own under clipping "
+            f"{used!r} with {batch} examples (lock-step passes pad a non-empty batch "
+            "with its own book-keeping passes)"
+        )
+    x, y = _slice(inputs, 0, 1), _slice(targets, 0, 1)
+    names = [n for n, _ in named]
+    for _ in range(count):
+        _ghost_micro_batch(model, loss_fn, x, y, clip_norm, names, plan, used, False, walk)
 
 
 def _micro_batch_sizes(named: list, batch: int, micro_batch_size, micro_batch_entries) -> tuple[int, int]:

@@ -959,9 +959,12 @@ def _batch_tensor(inputs) -> torch.Tensor:
     return inputs
 
 
-def _probe(model, engine, inputs, plan) -> dict[str, str]:
-    """Module name → why its recorded tensors do not follow the batch (a one-example pass)."""
-    key = (_input_signature(inputs), tuple(sorted(engine.trainable)), model.training)
+def _probe(model, engine, inputs, plan, sharded: bool = False) -> dict[str, str]:
+    """Module name → why its recorded tensors do not follow the batch (a one-example pass),
+    remembered per input signature — or, for a fully_shard model (whose forward every rank
+    joins, with inputs of its own shapes), once per model."""
+    signature = "fully_shard" if sharded else _input_signature(inputs)
+    key = (signature, tuple(sorted(engine.trainable)), model.training)
     cache = _PROBED.setdefault(model, {})
     if key in cache:
         return cache[key]
@@ -1046,8 +1049,8 @@ def ghost_clipped_sum(
             return chain
     modules = None if walk is None else walk.unique_modules
     with torch.enable_grad(), _Engine(model, names, named, modules) as engine:
-        if b > 1:
-            bad = _probe(model, engine, inputs, plan)
+        if b > 1 or sharded:  # fully_shard: once per model, on every rank alike (a collective)
+            bad = _probe(model, engine, inputs, plan, sharded)
             for layer in engine.layers:
                 if layer.name in bad and layer.fallback is None:
                     layer.fallback = bad[layer.name]

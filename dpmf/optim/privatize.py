@@ -31,11 +31,17 @@ from torch import nn
 
 from dpmf._validation import check_choice, check_int, check_real
 from dpmf.optim.batch_probe import BatchCouplingError, batch_size_of, probe_batch_independence
-from dpmf.optim.batches import DrawnBatches
-from dpmf.optim.clipping import check_per_example_safe, clipped_sum, trainable_parameters
+from dpmf.optim.batches import BatchCheckError, DrawnBatches
+from dpmf.optim.clipping import (
+    NonFiniteGradientError,
+    check_per_example_safe,
+    clipped_sum,
+    trainable_parameters,
+)
 from dpmf.optim.fsdp import local_part
 from dpmf.optim.ghost import CLIPPING_MODES
 from dpmf.optim.model_guard import (
+    ModelChangedError,
     ModelStateChangedError,
     ModelStructure,
     ModelWalk,
@@ -45,9 +51,19 @@ from dpmf.optim.model_guard import (
 from dpmf.optim.noise import CorrelatedNoise, noise_for_factorization
 from dpmf.seeds import KeyHolder
 
-__all__ = ["AUTO_MICRO_BATCH_ENTRIES", "PrivateStep", "Privatizer", "StepStage"]
+__all__ = ["AUTO_MICRO_BATCH_ENTRIES", "STEP_CHECK_ERRORS", "PrivateStep", "Privatizer", "StepStage"]
 
 AUTO_MICRO_BATCH_ENTRIES = 1 << 24
+
+#: what the private step's checks of an honest user's mistakes raise before anything is
+#: released (a distributed step makes every rank raise the one a rank raised)
+STEP_CHECK_ERRORS = (
+    ModelChangedError,
+    BatchCheckError,
+    ModelStateChangedError,
+    BatchCouplingError,
+    NonFiniteGradientError,
+)
 
 
 @dataclass(frozen=True)
@@ -386,18 +402,14 @@ class Privatizer(KeyHolder):
         """
         t = self.noise.step
         walk = ModelWalk(self.model)  # one walk for the checks before the forward (read only)
-        self.structure.check("private step", walk)
         if self.plan.noise_segments is not None and t < self.plan.steps:  # σ of t's segment
             self.noise_multiplier = self.plan.noise_multiplier_at(t)
-        if self.drawn is not None:
-            if handed_out is None:
-                self.drawn.check(t, inputs, targets, example_ids)
-            else:
-                self.drawn.check(t, handed_out, None, example_ids)
+        self._before_forward(t, walk, inputs, targets, example_ids, handed_out)
         if self.stage is not None:
             inputs, targets, example_ids = self.stage.select(t, inputs, targets, example_ids)
         named = trainable_parameters(self.model, walk)
         summed = self._clipped_sum(inputs, targets, t, walk, example_ids, points)
+        batch_size, figures = self._batch_figures(summed)  # a distributed step agrees here
         # the parameters of the sums: those of the walk (the check above saw every parameter
         # still in place; a requires_grad changed meanwhile is refused by the optimizer's step)
         params = [p for _, p in named]
@@ -407,7 +419,6 @@ class Privatizer(KeyHolder):
         written = self._release(params, sums)
         if self.stage is not None:
             self.stage.after_release(t, params, written)
-        batch_size, figures = self._batch_figures(summed)
         scale = self.noise_std
         fresh = scale * abs(self.noise.innovation(t)) / self.expected_batch_size
         self._written = [(p, p.grad, _stamp(p.grad)) for p in written]
@@ -424,14 +435,46 @@ class Privatizer(KeyHolder):
         )
         return self.last_step
 
+    def _before_forward(self, t: int, walk, inputs, targets, example_ids, handed_out) -> None:
+        """The checks before the forward: the model is the one the step was built for and
+        (``draw_from``) the batch is the one drawn for step ``t`` (``handed_out``: as the loader
+        yielded it). Raises what they raise (``STEP_CHECK_ERRORS``)."""
+        self.structure.check("private step", walk)
+        if self.drawn is not None:
+            if handed_out is None:
+                self.drawn.check(t, inputs, targets, example_ids)
+            else:
+                self.drawn.check(t, handed_out, None, example_ids)
+
+    #: whether every rank must issue the same collectives in the forward and backward (a
+    #: fully_shard model's are collectives): the probe then runs whole and on an agreed step,
+    #: and the micro-batches are as many on every rank
+    _lockstep = False
+
+    def _probe_now(self, inputs) -> bool:
+        """Whether the batch-independence probe runs on this batch: the first of ≥ 2 examples."""
+        return not self._probed and batch_size_of(inputs) >= 2
+
+    def _micro_batches(self) -> int | None:
+        """The number of micro-batches every rank runs (lock-step), or None: as many as the
+        batch needs."""
+        return None
+
     def _clipped_sum(self, inputs, targets, t: int, walk, example_ids, points):
         """``clipped_sum`` of the batch under this step's settings (the batch-independence probe
         first, on the first batch of ≥ 2 examples), with the model's parameters and buffers
-        unchanged around it (``ModelStateChangedError`` otherwise)."""
+        unchanged around it (``ModelStateChangedError`` otherwise). In lock-step a coupling the
+        probe finds is raised after the clipped sum (every rank's passes are the same)."""
         before = state_versions(self.model, walk)
+        coupled = None
         try:
-            if not self._probed and batch_size_of(inputs) >= 2:  # once, on the first batch of ≥ 2
-                self._probe(inputs, targets, t, walk)
+            if self._probe_now(inputs):
+                try:
+                    self._probe(inputs, targets, t, walk)
+                except BatchCouplingError as err:
+                    if not self._lockstep:
+                        raise
+                    coupled = err
             summed = clipped_sum(
                 self.model,
                 self.loss_fn,
@@ -445,6 +488,7 @@ class Privatizer(KeyHolder):
                 points=points,
                 clipping=self.clipping,
                 walk=walk,
+                micro_batches=self._micro_batches(),
             )
         except BatchCouplingError:  # a forward that writes the model also changes its outputs
             check_state_unchanged(self.model, before, "the private forward/backward", t)
@@ -460,6 +504,8 @@ class Privatizer(KeyHolder):
                 ) from err
             raise
         check_state_unchanged(self.model, before, "the private forward/backward", t)
+        if coupled is not None:
+            raise coupled
         return summed
 
     def _probe(self, inputs, targets, t: int, walk) -> None:
@@ -478,7 +524,7 @@ class Privatizer(KeyHolder):
                 walk=walk,
             ).norms
 
-        probe_batch_independence(self.model, inputs, targets, norms_of)
+        probe_batch_independence(self.model, inputs, targets, norms_of, whole=self._lockstep)
         self._probed = True
 
     # -- the parts a distributed step replaces ------------------------------------------------
