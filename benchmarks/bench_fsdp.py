@@ -10,9 +10,10 @@ W and optimizer, the slowest rank's figures:
 - held/rank: the entries each rank keeps between steps — parameter shards, gradient shards,
   optimizer state and correlated-noise state — and that total against W = 1's (the ideal is
   1/W; the rows of a parameter that does not split evenly make it a little more);
-- the clipped sum's transient buffer: the whole-model clipped sums each rank holds during its
-  step before the reduce-scatter (the one whole-model tensor of the step, freed before the
-  optimizer runs);
+- the clipped sums' transient buffer: the most entries the step's reduce-scatter buckets held
+  at once on a rank (``DistributedPrivatizer.release_peak_entries``: the sums are sent bucket
+  by bucket, of at most ``--bucket-entries``, as the layers' are computed), against the model's
+  d (what a whole-model sum would hold);
 - sent/step: bytes each rank sends per step — the reduce-scatter of the clipped sums, counted
   by dpmf's collectives, plus, for DP-Muon, the all-gather of each orthogonalised matrix
   ((W−1)/W of it per rank, counted from the shapes) — and that against DP-SGD's;
@@ -22,6 +23,7 @@ W and optimizer, the slowest rank's figures:
 Usage:
     python benchmarks/bench_fsdp.py [--width 512] [--layers 6] [--batch-size 64]
         [--strategy blt:2] [--steps 10] [--device cpu|cuda] [--worlds 1,2,4]
+        [--bucket-entries 8388608]
 """
 
 from __future__ import annotations
@@ -55,32 +57,20 @@ def _model(args, device):
 
 def _held(model, opt, priv) -> dict:
     """Entries this rank keeps between steps, by kind."""
+    from dpmf.optim.trees import map_tensors
+
     params = [p for p in model.parameters() if p.requires_grad]
     local = [p.to_local() for p in params]
-    state = sum(
-        v.to_local().numel() if hasattr(v, "to_local") else v.numel()
-        for s in opt.state.values()
-        for v in _tensors(s)
-    )
+    state = []
+    map_tensors(lambda t: state.append(t.to_local().numel() if hasattr(t, "to_local") else t.numel()) or t,
+                list(opt.state.values()))  # fmt: skip
+    state = sum(state)
     return {
         "parameters": sum(t.numel() for t in local),
         "gradients": sum(t.numel() for t in local),  # p.grad: a DTensor of the local rows
         "optimizer": state,
         "noise": priv.noise_state_numel(),
     }
-
-
-def _tensors(tree):
-    import torch
-
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            yield from _tensors(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            yield from _tensors(v)
 
 
 def _gathered_bytes(model, world: int) -> int:
@@ -131,7 +121,7 @@ def _rank(args) -> None:
             opt = DPMuon(route_parameters(model), lr=0.05)
         priv = DistributedPrivatizer(
             model, F.cross_entropy, collectives=comm, plan=plan, clip_norm=1.0, seed=1, optimizer=opt,
-            check_every=0,
+            check_every=0, bucket_entries=args.bucket_entries,
         )  # fmt: skip
         opt.bind(priv)
         times, sent = [], []
@@ -153,7 +143,8 @@ def _rank(args) -> None:
             "median_s": statistics.median(times),
             "bytes_per_step": statistics.median(sent),
             "held": _held(model, opt, priv),
-            "transient": d,  # the whole-model clipped sums of the step
+            "transient": priv.release_peak_entries,  # the step's clipped sums held at once
+            "d": d,
             "entry_bytes": next(model.parameters()).element_size(),
         }
     gathered = comm.all_gather_object(rows)
@@ -169,7 +160,7 @@ def _launch(args, world: int) -> list:
         flags = ["--width", str(args.width), "--layers", str(args.layers)]
         flags += ["--batch-size", str(args.batch_size)]
         flags += ["--strategy", args.strategy, "--steps", str(args.steps), "--device", args.device]
-        flags += ["--threads", str(args.threads)]
+        flags += ["--threads", str(args.threads), "--bucket-entries", str(args.bucket_entries)]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
         cmd += [__file__, "--rank-mode", "--out", out, *flags]
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(args.threads))
@@ -184,6 +175,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--strategy", default="blt:2")
+    ap.add_argument("--bucket-entries", type=int, default=1 << 23, help="the release bucket size (entries)")
     add_rank_arguments(ap, steps=10, worlds="1,2,4")
     args = ap.parse_args()
     if args.rank_mode:
@@ -197,7 +189,7 @@ def main() -> None:
     )
     print(
         f"{'W':>2} {'optimizer':>9} {'held/rank (M entries)':>22} {'vs W=' + str(first):>7} "
-        f"{'param':>7} {'grad':>7} {'optim':>7} {'noise':>7} {'transient (M)':>14} "
+        f"{'param':>7} {'grad':>7} {'optim':>7} {'noise':>7} {'transient (M)':>14} {'vs d':>6} "
         f"{'sent/step (MB)':>15} {'vs DP-SGD':>10} {'step (ms)':>10} {'vs W=' + str(first):>7}"
     )
     for kind in ("dp-sgd", "dp-muon"):
@@ -211,12 +203,13 @@ def main() -> None:
             sent = max(r[kind]["bytes_per_step"] for r in rows)
             sgd_sent = max(r["dp-sgd"]["bytes_per_step"] for r in rows)
             step = max(r[kind]["median_s"] for r in rows)
+            transient = max(r[kind]["transient"] for r in rows)
             ratio = f"{sent / sgd_sent:>10.2f}" if sgd_sent else f"{'—':>10}"
             print(
                 f"{w:>2} {kind:>9} {total / 1e6:>22.3f} {total / base_held:>7.3f} "
                 f"{top['parameters'] / 1e6:>7.3f} {top['gradients'] / 1e6:>7.3f} "
                 f"{top['optimizer'] / 1e6:>7.3f} "
-                f"{top['noise'] / 1e6:>7.3f} {rows[0][kind]['transient'] / 1e6:>14.3f} "
+                f"{top['noise'] / 1e6:>7.3f} {transient / 1e6:>14.3f} {transient / rows[0][kind]['d']:>6.3f} "
                 f"{sent / 1e6:>15.3f} {ratio} {1000 * step:>10.1f} {step / base_time:>7.2f}"
             )
 

@@ -71,6 +71,7 @@ def _agree(out):
     import torch.distributed as dist
 
     from dpmf.distributed import DistributedPrivatizer, TorchCollectives
+    from dpmf.distributed.step import BUCKET_ENTRIES
 
     dist.init_process_group("gloo")
     comm = TorchCollectives()
@@ -82,6 +83,7 @@ def _agree(out):
         priv = DistributedPrivatizer(
             model, torch.nn.functional.cross_entropy, collectives=comm, plan=h.UNEVEN, clip_norm=1.0,
             seed=h.SEED, optimizer=opt, micro_batch_size=micro,
+            bucket_entries=16 if micro else BUCKET_ENTRIES,  # many buckets, several per pass
         )  # fmt: skip
         opt.bind(priv)
         for t in range(h.UNEVEN.steps):
@@ -99,6 +101,7 @@ def _agree(out):
         whole = [p.full_tensor().detach() for p in model.parameters()]
         if comm.rank == 0:
             torch.save(whole, os.path.join(out, f"uneven-{micro}.pt"))
+        refused[f"peak-{micro}"] = str(priv.release_peak_entries)
         if micro is None:  # an empty slice on one rank, without padding
             try:
                 priv.privatize(x[:0] if comm.rank == 1 else x[:2], y[:0] if comm.rank == 1 else y[:2])

@@ -285,6 +285,12 @@ def test_ranks_of_unequal_batches_keep_in_step_and_a_rank_that_fails_a_check_sto
     for case, start in expected.items():
         texts = [(tmp_path / f"{case}.rank{r}.txt").read_text() for r in range(2)]
         assert texts[0] == texts[1] and texts[0].startswith(start), texts
+    # the clipped sums went to the shards bucket by bucket: with buckets of 16 entries the most
+    # held at once is one layer's, the first Linear's weight (2 padded row blocks: 2·3·6) and the
+    # bucket its bias opens (2·(3 + 3)), not the model's d = 84 (one bucket of everything by
+    # default: 2·Σ⌈rows/2⌉·width = 98)
+    peaks = [int((tmp_path / f"peak-{m}.rank0.txt").read_text()) for m in ("None", "2")]
+    assert peaks == [98, 48]
 
 
 @pytest.mark.slow

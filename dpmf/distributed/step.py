@@ -21,13 +21,15 @@ Then, by ``mode``:
     each rank holds a Shard(0) of every parameter. Its layers' activations and output
     gradients are those of its own examples with the whole (gathered) weights, so the
     per-example norms and the book-keeping clipped sums are computed locally, with no
-    collective; one reduce-scatter brings each rank the summed rows of its shards; each rank
+    collective; as each layer's sums are computed they go into buckets of parameters, and each
+    complete bucket is reduce-scattered, in order, bringing each rank the summed rows of its
+    shards (``ShardSink``: no rank holds the whole model's clipped sum); each rank
     adds the noise of its shard's coordinates (``ChunkedKeys`` ranges), divides by B̄ and sets
     ``p.grad`` to a DTensor; the optimizer steps the shards (DP-Muon all-gathers each matrix,
     orthogonalises it and keeps its rows). A rank without an example of a non-empty batch runs
     its forward on padding (``RankSlices(pad=True)``), counted as nothing, since the forward and
     backward are collectives. Parameters, gradients, optimizer and noise state are ≈ 1/W per
-    rank; the step's whole-model clipped sums are held once, before the reduce-scatter.
+    rank; of the clipped sums a rank holds one layer's and the buckets not yet sent.
 
 A check of the step that fails on one rank (``STEP_CHECK_ERRORS``: a batch other than the drawn
 one, a NaN gradient, a forward that writes the model, a coupled model) is raised on every rank,
@@ -88,6 +90,8 @@ __all__ = [
     "Replicated",
     "Rank0",
     "FullyShard",
+    "ShardSink",
+    "BUCKET_ENTRIES",
     "DistributedPrivatizer",
     "DivergenceError",
     "newton_schulz_parameters",
@@ -270,10 +274,121 @@ def _set_gradients(params: list, flat: torch.Tensor) -> list:
     return params
 
 
+#: the most entries (W × its rows of each parameter) a fully_shard step's reduce-scatter sends at
+#: once: the clipped sums are sent in buckets of parameters as the layers' sums are computed
+BUCKET_ENTRIES = 1 << 23
+
+
+class ShardSink:
+    """Where a fully_shard step's book-keeping clipped sums go (``clipped_sum(sink=)``): each
+    parameter's sum, as its layer's is computed, is copied into its bucket — consecutive
+    parameters, at most ``bucket_entries`` entries of W padded row blocks each — and every
+    complete bucket, in order, is reduce-scattered to the ranks' rows and added to this rank's
+    shards. No whole-model sum is held: the largest buffer is one bucket (plus a layer's sums).
+
+    Every rank sends every bucket of every pass exactly once and in the same order (a pass's
+    missing sums — a rank whose norms were not finite, or padding — go as zeros at
+    ``end_pass``), so the reduce-scatters match whatever each rank's data.
+
+    Args:
+        collectives: the step's ``Collectives``.
+        named: the trainable (name, parameter) pairs, DTensor shards (parameter order).
+        bucket_entries: the most entries of one bucket (a larger parameter is a bucket alone).
+        counting: whether the sums given count (False: padding, the rank sends zeros).
+    """
+
+    def __init__(self, collectives, named: list, *, bucket_entries: int = BUCKET_ENTRIES, counting=True):
+        W = collectives.world_size
+        self.collectives, self.counting, self._W = collectives, counting, W
+        self._index = {n: j for j, (n, _) in enumerate(named)}
+        params = [p for _, p in named]
+        widths = [p.numel() // p.shape[0] if p.dim() else 1 for p in params]
+        rows = [p.shape[0] if p.dim() else 1 for p in params]
+        self._parts = [-(-r // W) * w for r, w in zip(rows, widths, strict=True)]
+        self._local = [local_part(p).numel() for p in params]
+        self._buckets: list[list[int]] = []
+        self._bucket_of, self._offset = [], []
+        size = 0
+        for j, part in enumerate(self._parts):
+            if not self._buckets or size + W * part > bucket_entries:
+                self._buckets.append([])
+                size = 0
+            self._bucket_of.append(len(self._buckets) - 1)
+            self._offset.append(sum(self._parts[i] for i in self._buckets[-1]))
+            self._buckets[-1].append(j)
+            size += W * part
+        self._mine = [local_part(p).new_zeros(part) for p, part in zip(params, self._parts, strict=True)]
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._filled: list[set] = [set() for _ in self._buckets]
+        self._next = 0  # the next bucket this pass sends
+        #: the most entries the buckets held at once: the step's transient clipped-sum memory
+        #: (beside the shards' rows and one layer's sums as its handler returns them)
+        self.peak_entries = 0
+
+    def _width(self, k: int) -> int:
+        return sum(self._parts[j] for j in self._buckets[k])
+
+    def __call__(self, sums: dict) -> None:
+        """Take name → Σ_i c_i·g_i (the parameter's global shape) and send what is complete."""
+        for name, g in sums.items():
+            j = self._index[name]
+            k = self._bucket_of[j]
+            if self.counting:
+                buf = self._buffers.get(k)
+                if buf is None:
+                    buf = self._buffers[k] = g.new_zeros((self._W, self._width(k)), dtype=self._mine[j].dtype)
+                    held = sum(b.numel() for b in self._buffers.values())
+                    self.peak_entries = max(self.peak_entries, held)
+                _copy_rows(buf, self._offset[j], self._parts[j], g.reshape(-1).to(buf.dtype))
+            self._filled[k].add(j)
+        K = len(self._buckets)
+        while self._next < K and len(self._filled[self._next]) == len(self._buckets[self._next]):
+            self._send(self._next)
+
+    def _send(self, k: int) -> None:
+        buf = self._buffers.pop(k, None)
+        dtype = self._mine[self._buckets[k][0]].dtype
+        if buf is None:  # nothing counted in it (padding, a failed pass): zeros
+            buf = self._mine[0].new_zeros((self._W, self._width(k)), dtype=dtype)
+        out = buf.new_empty(self._width(k))
+        self.collectives.reduce_scatter(out, buf.view(-1))
+        for j in self._buckets[k]:
+            at = self._offset[j]
+            self._mine[j].add_(out[at : at + self._parts[j]])
+        self._filled[k].clear()
+        self._next = k + 1
+
+    def end_pass(self) -> None:
+        """Send this pass's remaining buckets (their missing sums as zeros)."""
+        while self._next < len(self._buckets):
+            self._send(self._next)
+        self._next = 0
+        self._buffers.clear()
+
+    def shards(self) -> list[torch.Tensor]:
+        """This rank's rows of every parameter's clipped sum (flat, the local shard's length)."""
+        if self._next:
+            self.end_pass()
+        return [m[:n] for m, n in zip(self._mine, self._local, strict=True)]
+
+
+def _copy_rows(buf: torch.Tensor, at: int, part: int, flat: torch.Tensor) -> None:
+    """Write a parameter's flat sum into its columns [at, at + part) of a (W, width) bucket: rank
+    r's block holds entries [r·part, (r + 1)·part) (torch.chunk's rows; the tail padded)."""
+    W = buf.shape[0]
+    full = flat.numel() // part if part else 0
+    if full:
+        buf[:full, at : at + part].copy_(flat[: full * part].view(full, part))
+    rest = flat.numel() - full * part
+    if rest and full < W:
+        buf[full, at : at + rest].copy_(flat[full * part :])
+
+
 class FullyShard(DistributedMode):
     """A ``fully_shard`` (FSDP2) model: each rank holds a Shard(0) of every parameter. The
     clipped sums — whole-parameter tensors computed from the rank's own examples — are
-    reduce-scattered to the shards in one collective; each rank adds the noise of its shard's
+    reduce-scattered to the shards bucket by bucket as they are computed (``ShardSink``); each
+    rank adds the noise of its shard's
     coordinates (``ChunkedKeys`` ranges: the one-process noise there), divides by B̄ and sets
     ``p.grad`` to a DTensor of its rows; the optimizer steps the shards. Nothing follows the
     step: the shards are the model."""
@@ -285,31 +400,16 @@ class FullyShard(DistributedMode):
         return tuple(range(count))
 
     def release(self, step, params, sums):
-        comm, keys = step.collectives, step.noise.keys
+        """``sums``: this rank's rows of each clipped sum (``ShardSink.shards``, already summed
+        over the ranks); add the noise of those coordinates, divide by B̄, set ``p.grad``."""
+        keys = step.noise.keys
         scale, bbar = step.noise_std, step.expected_batch_size
-        W = comm.world_size
-        widths = [p.numel() // p.shape[0] if p.dim() else 1 for p in params]
-        parts = [-(-(p.shape[0] if p.dim() else 1) // W) * w for p, w in zip(params, widths, strict=True)]
-        total = sum(parts)
-        flat = sums[0].new_zeros((W, total))  # rank-major: every rank's rows of every parameter
-        at = 0
-        for s, part in zip(sums, parts, strict=True):
-            v = s.reshape(-1)
-            padded = v if v.numel() == W * part else torch.cat([v, v.new_zeros(W * part - v.numel())])
-            flat[:, at : at + part].copy_(padded.view(W, part))
-            at += part
-        mine = flat.new_empty(total)
-        comm.reduce_scatter(mine, flat.view(-1))
-        del flat
         z = step.noise.next()
-        at = 0
-        for j, (p, part) in enumerate(zip(params, parts, strict=True)):
-            a, b = keys.span(j)
-            start, stop = keys.offsets()[j]
-            local = mine[at : at + b - a]
+        offsets = keys.offsets()
+        for j, (p, local) in enumerate(zip(params, sums, strict=True)):
+            start, stop = offsets[j]
             local.add_(z[start:stop], alpha=scale).div_(bbar)
             p.grad = sharded_gradient(local.view(local_part(p).shape), p)
-            at += part
         return params
 
 
@@ -341,6 +441,9 @@ class DistributedPrivatizer(Privatizer):
             and per-parameter checksums across ranks (0: only when ``verify`` is called).
         chunk: entries per raw-noise chunk (``ChunkedKeys``).
         micro_batch_size, clipping: as ``Privatizer``.
+        bucket_entries: a fully_shard step's largest reduce-scatter of clipped sums, in entries
+            (``ShardSink``); its clipped sums are sent bucket by bucket as the layers' are
+            computed, so no rank holds the whole model's.
 
     Raises:
         ValueError: a bad mode or number; ranks that disagree on the seed, the plan, the mode
@@ -362,6 +465,7 @@ class DistributedPrivatizer(Privatizer):
         chunk: int = CHUNK_ENTRIES,
         micro_batch_size: int | None = None,
         clipping: str = "auto",
+        bucket_entries: int = BUCKET_ENTRIES,
     ):
         if not isinstance(collectives, Collectives):
             raise TypeError(f"collectives={collectives!r} is invalid: must be a dpmf Collectives")
@@ -390,6 +494,10 @@ class DistributedPrivatizer(Privatizer):
         keys = ChunkedKeys(sizes, noised, chunk, ranges=spans)
         self._noised = noised
         self._keys = keys
+        self.bucket_entries = check_int("bucket_entries", bucket_entries, minimum=1)
+        self._sink: ShardSink | None = None  # fully_shard: where the current step's sums go
+        #: fully_shard: the most clipped-sum entries the last step's buckets held at once
+        self.release_peak_entries = 0
         self._failure: BaseException | None = None  # this rank's failed check of the current step
         self._sizes: list[int] | None = None  # every rank's example count (fully_shard), agreed
         p0 = params[0]
@@ -524,6 +632,9 @@ class DistributedPrivatizer(Privatizer):
             return super()._probe_now(inputs)
         return not self._probed and min(self._sizes) >= 2  # on every rank at once
 
+    def _sum_sink(self):
+        return self._sink
+
     def _micro_batches(self) -> int | None:
         if not (self._lockstep and self._micro_batch_given):
             return None  # book-keeping takes each rank's batch in one pass
@@ -535,15 +646,22 @@ class DistributedPrivatizer(Privatizer):
         result is that of an empty batch: zero sums, no example, no loss."""
         if self._failure is not None:
             return None  # a failed check before the forward (not fully_shard: no collective)
+        if self._lockstep:  # the sums go to the shards layer by layer; padding sends zeros
+            named = trainable_parameters(self.model, walk)
+            self._sink = ShardSink(
+                self.collectives, named, bucket_entries=self.bucket_entries, counting=not self.padding()
+            )
         try:
             summed = super()._clipped_sum(inputs, targets, t, walk, example_ids, points)
-        except STEP_CHECK_ERRORS as err:
+        except STEP_CHECK_ERRORS as err:  # a pass's buckets were sent (zeros) at its end
             self._failure = err
             return None
+        finally:
+            if self._sink is not None:
+                self.release_peak_entries = self._sink.peak_entries
+            self._sink = None
         if not self.padding():
             return summed
-        for g in summed.grads:
-            g.zero_()
         loss = None if summed.loss_sum is None else torch.zeros_like(summed.loss_sum)
         return dataclasses.replace(summed, norms=summed.norms[:0], batch_size=0, loss_sum=loss)
 

@@ -350,6 +350,7 @@ def clipped_sum(
     micro_batch_entries: int | None = None,
     walk: ModelWalk | None = None,
     micro_batches: int | None = None,
+    sink=None,
 ) -> ClippedSum:
     """Σ_i clip_ζ(∇ℓ(θ; x_i)) over a logical batch, in micro-batches.
 
@@ -405,6 +406,12 @@ def clipped_sum(
             batch on its first example and counting nothing (a fully_shard model, whose passes
             are collectives every rank joins, in lock-step with ranks of more examples); at
             least the batch's own count. None: as many as the batch needs.
+        sink: where the book-keeping sums go as each layer's is computed, in parameter order
+            (a fully_shard step reduce-scatters them to the shards, so no whole-model sum is
+            held): ``sink(dict)`` takes name → sum, ``sink.end_pass()`` closes a micro-batch's
+            pass, ``sink.counting`` (False on padding passes) says whether the values count,
+            ``sink.shards()`` gives the result, one tensor per trainable parameter, which the
+            returned ``ClippedSum.grads`` then holds. None: the sums are returned whole.
 
     Returns:
         ``ClippedSum`` with one summed tensor per trainable parameter.
@@ -426,17 +433,22 @@ def clipped_sum(
     clipping = _sharded_clipping(named, clipping)
     plan = _check_points(points, named)
     micro_batch_size, vmap_micro = _micro_batch_sizes(named, batch, micro_batch_size, micro_batch_entries)
+    if sink is not None and clipping != "bk":
+        raise ValueError(f"sink is invalid with clipping={clipping!r}: it takes book-keeping sums ('bk')")
     sums, all_norms, used, all_losses = _sum_micro_batches(
         model, loss_fn, inputs, targets, clip_norm, named, plan, clipping, (micro_batch_size, vmap_micro),
-        step, example_ids, walk, batch, device,
+        step, example_ids, walk, batch, device, sink,
     )  # fmt: skip
     if micro_batches is not None:
         _pad_micro_batches(model, loss_fn, inputs, targets, clip_norm, named, plan, used, walk, batch,
-                           micro_batches - -(-batch // micro_batch_size))  # fmt: skip
+                           micro_batches - -(-batch // micro_batch_size), sink)  # fmt: skip
     norms = torch.cat(all_norms) if all_norms else torch.zeros(0, dtype=torch.float64)
-    zeros = (zeros_of(p) for _, p in named)
+    if sink is not None:
+        grads = sink.shards()
+    else:
+        grads = [zeros_of(p) if t is None else t for t, (_, p) in zip(sums, named, strict=True)]
     return ClippedSum(
-        [z if t is None else t for t, z in zip(sums, zeros, strict=True)],
+        grads,
         norms,
         batch,
         clip_norm,
@@ -474,7 +486,7 @@ def _loss_sum(all_losses: list, batch: int, device) -> torch.Tensor | None:
 
 
 def _sum_micro_batches(model, loss_fn, inputs, targets, clip_norm, named, plan, clipping, sizes, step,
-                       example_ids, walk, batch, device):  # fmt: skip
+                       example_ids, walk, batch, device, sink=None):  # fmt: skip
     """``clipped_sum``'s micro-batches: (the summed tensors, None for parameters no micro-batch
     summed, the per-example norms of each micro-batch, the method used, the per-example losses
     of each micro-batch — None entries where a method gave none)."""
@@ -491,8 +503,10 @@ def _sum_micro_batches(model, loss_fn, inputs, targets, clip_norm, named, plan, 
         x, y = _slice(inputs, start, stop), _slice(targets, start, stop)
         if used != "vmap":
             got = _ghost_micro_batch(
-                model, loss_fn, x, y, clip_norm, names, plan, used, clipping == "auto", walk
+                model, loss_fn, x, y, clip_norm, names, plan, used, clipping == "auto", walk, sink
             )
+            if sink is not None:
+                sink.end_pass()
             if got is None:  # auto: a parameter needs the whole-model path; use it for all
                 _AUTO_VMAP.setdefault(model, {})[_signature(inputs, names, model)] = True
                 used = "vmap"
@@ -508,7 +522,8 @@ def _sum_micro_batches(model, loss_fn, inputs, targets, clip_norm, named, plan, 
     return sums, all_norms, used, all_losses
 
 
-def _pad_micro_batches(model, loss_fn, inputs, targets, clip_norm, named, plan, used, walk, batch, count):
+def _pad_micro_batches(model, loss_fn, inputs, targets, clip_norm, named, plan, used, walk, batch, count,
+                       sink=None):  # fmt: skip
     """``count`` book-keeping passes on the batch's first example whose results count nothing
     (``clipped_sum(micro_batches=)``: the collectives of a fully_shard model's passes).
 
@@ -526,8 +541,17 @@ def _pad_micro_batches(model, loss_fn, inputs, targets, clip_norm, named, plan, 
         )
     x, y = _slice(inputs, 0, 1), _slice(targets, 0, 1)
     names = [n for n, _ in named]
-    for _ in range(count):
-        _ghost_micro_batch(model, loss_fn, x, y, clip_norm, names, plan, used, False, walk)
+    counting = None if sink is None else sink.counting
+    if sink is not None:
+        sink.counting = False
+    try:
+        for _ in range(count):
+            _ghost_micro_batch(model, loss_fn, x, y, clip_norm, names, plan, used, False, walk, sink)
+            if sink is not None:
+                sink.end_pass()
+    finally:
+        if sink is not None:
+            sink.counting = counting
 
 
 def _micro_batch_sizes(named: list, batch: int, micro_batch_size, micro_batch_entries) -> tuple[int, int]:
@@ -585,6 +609,8 @@ def _add_ghost_sums(sums: list, named: list, got, start: int, step, example_ids,
         _raise_non_finite(bad, norms[0], start, step, example_ids)
     for k, n in enumerate(names):
         p, g = named[k][1], grads[n]
+        if g is None:  # sent to a sink
+            continue
         if g.dtype != p.dtype or g.shape != p.shape:
             g = g.to(p.dtype).reshape(p.shape)
         if sums[k] is None:
@@ -700,7 +726,7 @@ def _signature(inputs, names, model):
     return (tuple(inputs.shape[1:]), inputs.dtype, tuple(names), model.training)
 
 
-def _ghost_micro_batch(model, loss_fn, x, y, clip_norm, names, plan, method, auto, walk=None):
+def _ghost_micro_batch(model, loss_fn, x, y, clip_norm, names, plan, method, auto, walk=None, sink=None):
     """((norms, parameter name → per-example squared norms), grads, the (b,) per-example losses
     or None) by ghost norms, or None (auto fallback)."""
 
@@ -719,6 +745,7 @@ def _ghost_micro_batch(model, loss_fn, x, y, clip_norm, names, plan, method, aut
         subset_gradients=subset,
         allow_fallback=not auto,
         walk=walk,
+        sink=sink,
     )
     if res is None:
         return None

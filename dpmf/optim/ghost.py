@@ -641,33 +641,33 @@ def _subnormal_flag(factors: torch.Tensor) -> torch.Tensor | None:
     return factors.min() < torch.finfo(torch.float32).tiny
 
 
-def _handler_sums(handlers: list, factors: torch.Tensor) -> dict[str, torch.Tensor]:
+def _handler_sums(handlers: list, factors: torch.Tensor, sink=None) -> dict[str, torch.Tensor]:
     """Σ_i c_i·g_i of every handler's parameters (book-keeping), c = ``factors``.
 
-    First in each layer's dtype; then, after one host synchronisation that reads every layer's
-    flags together, again for the layers whose sum could move an example beyond ζ: all of them
-    with a factor that is subnormal in float32 (``_subnormal_flag``: a layer whose state is
-    known is widened to float64, any other takes the factors rounded towards 0), and those whose
-    handler reports products below its dtype's normal range (``sum_needs_float64``: widened).
-    The usual step (no flag) computes each sum once and synchronises once for all layers."""
+    The flags first, read in one host synchronisation for all layers: a factor that is
+    subnormal in float32 (``_subnormal_flag``: a layer whose state is known is widened to
+    float64, any other takes the factors rounded towards 0) and a handler's products below its
+    dtype's normal range (``sum_needs_float64``: widened); either could move an example beyond
+    ζ. Then each sum once, at the precision its flags ask for (the usual step: none, every sum
+    in its layer's dtype). With ``sink``, each layer's sums go to ``sink(dict)`` as they are
+    computed, in the handlers' order, and are not kept (the result is then empty)."""
     out: dict = {}
     if not handlers:
         return out
-    cast: dict = {}  # the factors in each handler's dtype, converted once
-    for h in handlers:
-        out.update(h.summed(_factors_for(h, factors, cast, False)))
     tiny = _subnormal_flag(factors)
     per_layer = [h.sum_needs_float64(factors) for h in handlers]
     checks = [f for f in (tiny, *per_layer) if f is not None]
-    if not checks or not bool(torch.stack(checks).any()):  # the one read of every flag
-        return out
-    tiny = bool(tiny)  # the rare path: each flag read on its own
+    raised = bool(checks) and bool(torch.stack(checks).any())  # the one read of every flag
+    tiny = raised and tiny is not None and bool(tiny)  # the rare path: each flag read on its own
+    cast: dict = {}  # the factors in each handler's dtype, converted once
     for h, flag in zip(handlers, per_layer, strict=True):
-        low = flag is not None and bool(flag)
-        if tiny or low:
-            if low:
-                h.widen()
-            out.update(h.summed(_factors_for(h, factors, cast, tiny)))
+        if raised and flag is not None and bool(flag):
+            h.widen()
+        got = h.summed(_factors_for(h, factors, cast, tiny))
+        if sink is None:
+            out.update(got)
+        else:
+            sink(got)
     return out
 
 
@@ -1003,6 +1003,7 @@ def ghost_clipped_sum(
     subset_gradients: Callable,
     allow_fallback: bool = True,
     walk=None,
+    sink=None,
 ) -> GhostResult | None:
     """Σ_i clip_ζ(g_i) for one micro-batch by ghost norms and ``method`` ("ghost" or "bk").
 
@@ -1018,6 +1019,9 @@ def ghost_clipped_sum(
             path (the caller then uses that path for every parameter).
         walk: a ``dpmf.optim.model_guard.ModelWalk`` of ``model`` taken now (its modules and
             parameters; None: ``named_modules()`` and ``named_parameters()``).
+        sink: ``sink(dict)`` takes the sums (name → tensor) as they are computed, in the order
+            of ``names`` (book-keeping only; a fully_shard step sends them to the shards layer
+            by layer); ``grads`` then maps every name to None.
 
     Returns:
         ``GhostResult``, or None (only with ``allow_fallback=False``). When a norm is not
@@ -1084,7 +1088,7 @@ def ghost_clipped_sum(
             factors = norms.new_tensor(clip_norm) / torch.clamp(norms, min=clip_norm)
             parts = (handlers, per_example, tied_per, paired, unused)
             result_grads = _clipped_sums(
-                method, parts, factors, named, names, points, losses, leaves, autocast_on
+                method, parts, factors, named, names, points, losses, leaves, autocast_on, sink
             )
     if sharded:
         reshard(model)
@@ -1270,11 +1274,17 @@ def _layer_norms(engine, names: list, named: dict, b: int, dtype, device, subset
     return handlers, sq, fallback, tied_per, unused, paired, per_example
 
 
-def _clipped_sums(method: str, parts, factors, named: dict, names: list, points, losses, leaves, autocast_on):
+def _clipped_sums(method: str, parts, factors, named: dict, names: list, points, losses, leaves, autocast_on,
+                  sink=None):  # fmt: skip
     """Σ_i c_i·g_i of every trainable parameter, c = ``factors`` (shape (b,)): from the kept
     per-example gradients, the handlers' book-keeping sums, and (``method="ghost"``) a second
-    backward of Σ_i c_i·ℓ_i for the rest."""
+    backward of Σ_i c_i·ℓ_i for the rest. With ``sink`` ("bk"): the handlers' sums, in the
+    order of ``names``, go to ``sink`` as they are computed, after every other sum; the
+    result maps their names to None."""
     handlers, per_example, tied_per, paired, unused = parts
+    if sink is not None:
+        rank = {n: k for k, n in enumerate(names)}
+        handlers.sort(key=lambda h: min((rank.get(q, len(rank)) for q in h.names.values()), default=-1))
     result_grads = {}
     for n, g in per_example.items():
         result_grads[n] = torch.tensordot(_factors_down(factors, g.dtype), g, dims=1)
@@ -1292,11 +1302,21 @@ def _clipped_sums(method: str, parts, factors, named: dict, names: list, points,
     booked = [
         h for h in handlers if method == "bk" or not h.sum_by_backward or autocast_on or _hooked(h, named)
     ]
+    for q in unused:  # a zero sum (the noise is added to it), in both methods
+        result_grads[q] = zeros_of(named[q])
+    if sink is not None:
+        if method != "bk" or len(booked) != len(handlers):
+            raise ValueError("a sink takes book-keeping sums only (clipping='bk')")
+        sink(result_grads)
+        result_grads = {q: None for q in result_grads}
+        with torch.no_grad():
+            _handler_sums(booked, factors, sink)
+        result_grads.update({q: None for h in booked for q in h.names.values()})
+        handlers.clear()
+        return result_grads
     with torch.no_grad():
         result_grads.update(_handler_sums(booked, factors))
     handlers.clear()
-    for q in unused:  # a zero sum (the noise is added to it), in both methods
-        result_grads[q] = zeros_of(named[q])
     if method == "ghost":
         wanted = [n for n in names if n not in result_grads]
         if wanted:

@@ -455,6 +455,11 @@ class Privatizer(KeyHolder):
         """Whether the batch-independence probe runs on this batch: the first of ≥ 2 examples."""
         return not self._probed and batch_size_of(inputs) >= 2
 
+    def _sum_sink(self):
+        """Where the clipped sums go as they are computed (``clipped_sum(sink=)``), or None:
+        returned whole."""
+        return None
+
     def _micro_batches(self) -> int | None:
         """The number of micro-batches every rank runs (lock-step), or None: as many as the
         batch needs."""
@@ -489,6 +494,7 @@ class Privatizer(KeyHolder):
                 clipping=self.clipping,
                 walk=walk,
                 micro_batches=self._micro_batches(),
+                sink=self._sum_sink(),
             )
         except BatchCouplingError:  # a forward that writes the model also changes its outputs
             check_state_unchanged(self.model, before, "the private forward/backward", t)
