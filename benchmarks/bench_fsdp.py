@@ -14,9 +14,10 @@ W and optimizer, the slowest rank's figures:
   at once on a rank (``DistributedPrivatizer.release_peak_entries``: the sums are sent bucket
   by bucket, of at most ``--bucket-entries``, as the layers' are computed), against the model's
   d (what a whole-model sum would hold);
-- sent/step: bytes each rank sends per step — the reduce-scatter of the clipped sums, counted
-  by dpmf's collectives, plus, for DP-Muon, the all-gather of each orthogonalised matrix
-  ((W−1)/W of it per rank, counted from the shapes) — and that against DP-SGD's;
+- sent/step: bytes each rank sends per step — the reduce-scatters of the clipped sums, counted
+  by dpmf's collectives, plus, for DP-Muon, the orthogonalisation by owners (each matrix
+  gathered to its owner and its rows scattered back, counted from the shapes and the owners)
+  — and that against DP-SGD's;
 - the median step time and its ratio to W = 1 (on a machine with fewer cores than W·threads the
   ranks share cores: the ratio then measures the protocol's overhead, not a speed-up).
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -73,17 +75,26 @@ def _held(model, opt, priv) -> dict:
     }
 
 
-def _gathered_bytes(model, world: int) -> int:
-    """Bytes a rank sends per step in DP-Muon's all-gathers: (W−1)/W of each matrix it
-    orthogonalises (every weight matrix: ``route_parameters``' "matrix" group)."""
+def _gathered_bytes(model, world: int, rank: int) -> int:
+    """Bytes this rank sends per step in DP-Muon's orthogonalisation by owners
+    (``dpmf.optim.fsdp.orthogonalized_by_owners``, every weight matrix of ``route_parameters``'
+    "matrix" group): its padded row block of each matrix another rank owns (the gather), and
+    W − 1 blocks of each matrix it owns (the scatter)."""
     from dpmf.optim import route_parameters
+    from dpmf.optim.fsdp import owners_by_cost
 
+    shapes = [
+        (tuple(p.shape), p.element_size())
+        for group in route_parameters(model)
+        if group.get("rule") == "matrix"
+        for _, p in group["params"]
+    ]
+    owners = owners_by_cost([shape for shape, _ in shapes], world)
     total = 0
-    for group in route_parameters(model):
-        if group.get("rule") == "matrix":
-            for _, p in group["params"]:
-                total += p.numel() * p.element_size()
-    return int(total * (world - 1) / world)
+    for (shape, size), owner in zip(shapes, owners, strict=True):
+        block = -(-shape[0] // world) * (math.prod(shape) // shape[0]) * size
+        total += (world - 1) * block if owner == rank else block
+    return total if world > 1 else 0
 
 
 def _rank(args) -> None:
@@ -109,7 +120,7 @@ def _rank(args) -> None:
     rows = {}
     for kind in ("dp-sgd", "dp-muon"):
         whole = _model(args, device)
-        gathered = _gathered_bytes(whole, comm.world_size) if kind == "dp-muon" else 0
+        gathered = _gathered_bytes(whole, comm.world_size, comm.rank) if kind == "dp-muon" else 0
         model = whole
         for m in model:
             if isinstance(m, torch.nn.Linear):

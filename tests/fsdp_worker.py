@@ -17,12 +17,22 @@ def _steps(out):
     import fsdp_helpers as h
     import torch.distributed as dist
 
+    import dpmf.optim.optimizers as optimizers
     from dpmf.distributed import DistributedPrivatizer, TorchCollectives, rank_slice
 
+    owned = []  # the matrices each step orthogonalised by owners (a record of the calls)
+    by_owners = optimizers.orthogonalized_by_owners
+
+    def recorded(updates, fn):
+        owned.append(len(updates))
+        return by_owners(updates, fn)
+
+    optimizers.orthogonalized_by_owners = recorded
     dist.init_process_group("gloo")
     comm = TorchCollectives()
     x, y = h.data()
     for name, kind, plan in h.cases():
+        owned.clear()
         model = h.shard(h.build())
         opt = h.optimizer(kind, model)
         priv = DistributedPrivatizer(
@@ -48,7 +58,7 @@ def _steps(out):
         if comm.rank == 0:
             torch.save({"weights": whole}, os.path.join(out, f"{name}.pt"))
         with open(os.path.join(out, f"{name}.rank{comm.rank}.txt"), "w") as f:
-            f.write(f"{local} {state}")
+            f.write(f"{local} {state} {sum(owned)}")
     run = h.make_private_run(h.shard(h.build(torch.float64)), process_group=dist.group.WORLD)
     h.take_steps(run, 5)
     whole = [p.full_tensor().detach() for p in run.model.parameters()]

@@ -230,6 +230,9 @@ def test_fully_shard_over_processes_equals_one_process(tmp_path, world):
         for a, b in zip(got, h.one_process(plan, kind), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         held = [tuple(map(int, (tmp_path / f"{name}.rank{r}.txt").read_text().split())) for r in range(world)]
+        # DP-Muon's 3 matrices of each of the 5 steps were orthogonalised by their owners
+        assert [n for *_, n in held] == [15 if kind == "dp-muon" else 0] * world
+        held = [(local, state) for local, state, _ in held]
         rows = [5, 5, 4, 4, 3, 3]  # the shapes' rows: weight and bias of each Linear
         own = [sum(-(-r // world) * (p.numel() // r) for r, p in zip(rows, _linear_params(), strict=True))]
         assert max(local for local, _ in held) <= own[0] + 2 * 5  # + the LayerNorm's shard
@@ -260,6 +263,16 @@ def _state_numel(plan):
     d = sum(p.numel() for p in h.build().parameters())
     keys = ChunkedKeys(tuple(p.numel() for p in h.build().parameters()))
     return noise_stream(plan, d, h.SEED, keys=keys).state_numel()
+
+
+def test_matrices_go_to_the_least_loaded_owner_largest_first():
+    from dpmf.optim.fsdp import owners_by_cost
+
+    # costs m·n·min(m, n): 8·8·8 = 512, 4·8·4 = 128, 8·4·4 = 128, 2·2·2 = 8, 4·4·4 = 64
+    shapes = [(8, 8), (4, 8), (8, 2, 2), (2, 2), (4, 4)]
+    assert owners_by_cost(shapes, 2) == [0, 1, 1, 1, 1]  # 512 | 128 + 128 + 64 + 8
+    assert owners_by_cost(shapes, 3) == [0, 1, 2, 2, 1]  # 512 | 128 + 64 | 128 + 8 (ties: lowest)
+    assert owners_by_cost(shapes, 1) == [0] * 5
 
 
 @pytest.mark.slow

@@ -34,12 +34,14 @@ import torch
 from torch.optim.optimizer import required
 
 from dpmf._validation import check_choice, check_int, check_real
+from dpmf.optim.fsdp import is_sharded, orthogonalized_by_owners
 from dpmf.optim.matrix import check_matrix_parameter
 from dpmf.optim.model_guard import OptimizerGroups
 from dpmf.optim.orthogonalization import QUINTIC_COEFFICIENTS
 from dpmf.optim.registry import get_optimizer, matrix_rule_names, rule_names, spec_of_rule
 from dpmf.optim.transforms import (
     AddDecayedWeights,
+    Chain,
     EmaMomentum,
     HeavyBall,
     Orthogonalize,
@@ -548,6 +550,10 @@ class DPOptimizer(torch.optim.Optimizer):
         noise_std = self.noise_std
         for group, transform, items in work:
             lr = group["lr"]
+            k = _owned_stage(transform, items)
+            if k is not None:
+                self._step_by_owners(transform, k, items, lr, noise_std)
+                continue
             for name, p in items:
                 state = self.state[p]
                 if "transform" not in state:
@@ -558,6 +564,32 @@ class DPOptimizer(torch.optim.Optimizer):
         if self._source is not None:
             self._source.consume()
         return loss
+
+    def _step_by_owners(self, transform: Chain, k: int, items: list, lr: float, noise_std) -> None:
+        """One group's update of fully_shard matrices whose chain orthogonalises (stage ``k``):
+        the stages before it on every matrix, then the orthogonalisation of all of them by
+        owners (``orthogonalized_by_owners``: each matrix gathered to one rank, the gathers
+        overlapping the owners' Newton–Schulz), then the stages after it — the same update as
+        the chain's, matrix by matrix."""
+        pending = []
+        for name, p in items:
+            state = self.state[p]
+            if "transform" not in state:
+                state["transform"] = transform.init(p)
+            check_matrix_parameter(name, p.shape)
+            ctx = StepContext(name=name, noise_std=noise_std, generator=self._generator(p.device))
+            new: dict = {}
+            u = transform.update_stages(p.grad, state["transform"], p, ctx, new, 0, k)
+            pending.append((p, ctx, new, u))
+        stage = transform.stages[k]
+        done = orthogonalized_by_owners([u for *_, u in pending], stage.whole)
+        for (p, ctx, new, _), u in zip(pending, done, strict=True):
+            old = self.state[p]["transform"]
+            new[str(k)] = old[str(k)]  # the orthogonalisation keeps no state
+            transform.note_stage(k, new[str(k)], ctx)
+            u = transform.update_stages(u, old, p, ctx, new, k + 1, len(transform.stages))
+            self.state[p]["transform"] = new
+            p.add_(u.to(p.dtype), alpha=-lr)
 
     def _chain(self, index: int, group: dict) -> Transform:
         """The group's stage chain, built once and rebuilt only when a hyperparameter other
@@ -590,6 +622,14 @@ class DPOptimizer(torch.optim.Optimizer):
                         f"the privatized gradient of parameter {name!r} has NaN or infinite "
                         "entries; no parameter was updated (check the clipping and the noise)"
                     )
+
+
+def _owned_stage(transform: Transform, items: list) -> int | None:
+    """The index of the orthogonalisation stage of a chain stepping fully_shard matrices (then
+    orthogonalised by owners, all the group's at once), or None: the step goes matrix by matrix."""
+    if not isinstance(transform, Chain) or not items or not all(is_sharded(p) for _, p in items):
+        return None
+    return next((i for i, s in enumerate(transform.stages) if type(s) is Orthogonalize), None)
 
 
 class DPSGD(DPOptimizer):

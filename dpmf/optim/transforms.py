@@ -128,12 +128,24 @@ class Chain(Transform):
 
     def update(self, update, state, param, ctx):
         new_state = {}
-        for i, s in enumerate(self.stages):
-            update, new_state[str(i)] = s.update(update, state[str(i)], param, ctx)
-            gain = s.fresh_gain(new_state[str(i)])
-            unknown = gain is None or ctx.noise_std is None
-            ctx.noise_std = None if unknown else ctx.noise_std * gain
+        update = self.update_stages(update, state, param, ctx, new_state, 0, len(self.stages))
         return update, new_state
+
+    def update_stages(self, update, state, param, ctx, new_state: dict, start: int, stop: int):
+        """Stages ``start`` … ``stop − 1`` of ``update`` on ``update`` (the output of the stages
+        before), their states written into ``new_state``; returns that stage's output. A step
+        that runs one stage itself for many parameters at once (``DPOptimizer``: owner-based
+        orthogonalisation of fully_shard matrices) runs the stages around it with this."""
+        for i in range(start, stop):
+            update, new_state[str(i)] = self.stages[i].update(update, state[str(i)], param, ctx)
+            self.note_stage(i, new_state[str(i)], ctx)
+        return update
+
+    def note_stage(self, i: int, stage_state, ctx) -> None:
+        """Carry ``ctx.noise_std`` through stage ``i`` (its ``fresh_gain``)."""
+        gain = self.stages[i].fresh_gain(stage_state)
+        unknown = gain is None or ctx.noise_std is None
+        ctx.noise_std = None if unknown else ctx.noise_std * gain
 
     def fresh_gain(self, state):
         total = 1.0
@@ -354,11 +366,15 @@ class Orthogonalize(Transform):
 
     def update(self, update, state, param, ctx):
         _matrix_dims(param, ctx)
-        # a fully_shard parameter's update: the whole matrix gathered (one all-gather), each
-        # rank keeping its rows of the result
-        whole = gathered(update)
-        X = newton_schulz(matrix_view(whole), self.steps, self.coefficients, self.eps)
-        return scattered(X.reshape(whole.shape), update), state
+        # a fully_shard parameter's update alone: the whole matrix gathered (one all-gather),
+        # each rank keeping its rows of the result (a DP optimizer's step orthogonalises a
+        # group's fully_shard matrices by owners instead: ``orthogonalized_by_owners``)
+        return scattered(self.whole(gathered(update)), update), state
+
+    def whole(self, update: torch.Tensor) -> torch.Tensor:
+        """The orthogonalised update of one whole (unsharded) tensor, of its shape."""
+        X = newton_schulz(matrix_view(update), self.steps, self.coefficients, self.eps)
+        return X.reshape(update.shape)
 
 
 @dataclass(frozen=True)
