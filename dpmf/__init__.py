@@ -11,6 +11,10 @@ __version__ = "0.1.0"
 
 _PLAN_NAMES = ("PrivatePlan", "account", "calibrate", "max_steps", "max_batch_size", "account_segments")
 
+#: subpackages reachable as attributes of a plain ``import dpmf`` (imported on first use)
+_SUBPACKAGES = ("accountants", "audit", "distributed", "federated", "mechanisms", "optim")
+_SUBPACKAGES += ("plan", "step", "train", "workloads")
+
 __all__ = [
     *_PLAN_NAMES,
     "make_private",
@@ -35,4 +39,8 @@ def __getattr__(name):
         from dpmf.optim import clipping_layers
 
         return getattr(clipping_layers, name)
+    if name in _SUBPACKAGES:  # ``dpmf.optim.DPMuon`` after a plain ``import dpmf``
+        import importlib
+
+        return importlib.import_module(f"dpmf.{name}")
     raise AttributeError(f"module 'dpmf' has no attribute {name!r}")

@@ -117,6 +117,24 @@ def _agree(out):
                 priv.privatize(x[:0] if comm.rank == 1 else x[:2], y[:0] if comm.rank == 1 else y[:2])
             except ValueError as err:
                 refused["empty"] = f"{type(err).__name__} {err}"
+    # a NaN on rank 1 at the first step, inside the batch-independence probe's passes
+    model = h.shard(h.build(torch.float64))
+    opt = h.optimizer("dp-sgd", model)
+    priv = DistributedPrivatizer(
+        model, torch.nn.functional.cross_entropy, collectives=comm, plan=h.UNEVEN, clip_norm=1.0,
+        seed=h.SEED, optimizer=opt,
+    )  # fmt: skip
+    opt.bind(priv)
+    mine = slice(2 * comm.rank, 2 * comm.rank + 2)
+    bad = x[mine].clone()
+    bad[0, 0] = float("nan") if comm.rank == 1 else bad[0, 0]
+    try:
+        priv.privatize(bad, y[mine])
+    except FloatingPointError as err:
+        refused["nan-probe"] = f"{type(err).__name__} {priv.noise.step} {err}"
+    priv.privatize(x[mine], y[mine])  # every rank probes again, together, and goes on
+    opt.step()
+    refused["nan-probe"] += f" | probed {priv._probed} step {priv.noise.step}"
     run = h.make_private_run(h.shard(h.build(torch.float64)), process_group=dist.group.WORLD)
     xb, yb = next(iter(run.data_loader))
     try:

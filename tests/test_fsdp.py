@@ -280,9 +280,9 @@ def test_ranks_of_unequal_batches_keep_in_step_and_a_rank_that_fails_a_check_sto
     """The forward and backward of a fully_shard model are collectives: with 3 examples on one
     rank and 1 on the other (the first step's batch-independence and layer probes then differ
     per rank; micro-batches of 2 make the ranks' pass counts differ) every rank still issues the
-    same collectives and the weights equal one process's. A NaN, a batch other than the drawn
-    one or an empty slice on rank 1 only makes both ranks raise the same error before any
-    release, and the run then goes on."""
+    same collectives and the weights equal one process's. A NaN (also inside the first step's
+    batch-independence probe), a batch other than the drawn one or an empty slice on rank 1
+    only makes both ranks raise the same error before any release, and the run then goes on."""
     _torchrun([str(HERE / "fsdp_worker.py"), "agree", str(tmp_path)], tmp_path, 2)
     for micro in (None, 2):
         got = torch.load(tmp_path / f"uneven-{micro}.pt", weights_only=True)
@@ -294,10 +294,13 @@ def test_ranks_of_unequal_batches_keep_in_step_and_a_rank_that_fails_a_check_sto
         "batch": "BatchCheckError rank 1 of 2 refused step 0, so every rank stops before the release: "
         "backward refused at step 0: the batch is not the one the plan's sampler drew",
         "empty": "ValueError step 3's batch is invalid for a fully_shard model: rank 1 has no example",
+        "nan-probe": "NonFiniteGradientError 0 rank 1 of 2 refused step 0, so every rank stops before the "
+        "release: non-finite per-example gradient at step 0",
     }
     for case, start in expected.items():
         texts = [(tmp_path / f"{case}.rank{r}.txt").read_text() for r in range(2)]
         assert texts[0] == texts[1] and texts[0].startswith(start), texts
+    assert texts[0].endswith(" | probed True step 1")  # the NaN inside the first step's probe
     # the clipped sums went to the shards bucket by bucket: with buckets of 16 entries the most
     # held at once is one layer's, the first Linear's weight (2 padded row blocks: 2·3·6) and the
     # bucket its bias opens (2·(3 + 3)), not the model's d = 84 (one bucket of everything by

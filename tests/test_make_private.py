@@ -553,3 +553,19 @@ def test_backward_returns_the_private_forwards_mean_loss_without_a_second_forwar
         private.optimizer.zero_grad()
         if k == 3:
             break
+
+
+def test_subpackages_are_attributes_of_a_plain_import_and_are_imported_on_first_use():
+    """``import dpmf`` then ``dpmf.optim.DPMuon`` (the README's line) works, and the import
+    alone loads no subpackage; an unknown name is refused."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, dpmf; assert 'dpmf.optim' not in sys.modules; "
+        "print(dpmf.optim.DPMuon.__name__, dpmf.distributed.DistributedPrivatizer.__name__); "
+        "getattr(dpmf, 'nothing', None) is None or sys.exit(3)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["DPMuon", "DistributedPrivatizer"]

@@ -83,7 +83,9 @@ class CanaryAudit:
         pv, plan = self.private.privatizer.stage, self.private.plan
         if len(pv.projections) != plan.steps:
             raise RuntimeError(
-                f"the audit needs the whole run: {len(pv.projections)} of {plan.steps} steps taken"
+                f"the audit needs the whole run: {len(pv.projections)} of {plan.steps} steps taken "
+                "(run.data_loader yields one epoch per loop: loop over every epoch of the plan, "
+                "for epoch in range(epochs): for x, y in run.data_loader: …)"
             )
         participation = np.zeros((plan.steps, self.real_size + self.canaries), dtype=bool)
         for t, slots in pv.canary_steps.items():

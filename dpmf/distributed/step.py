@@ -499,6 +499,7 @@ class DistributedPrivatizer(Privatizer):
         #: fully_shard: the most clipped-sum entries the last step's buckets held at once
         self.release_peak_entries = 0
         self._failure: BaseException | None = None  # this rank's failed check of the current step
+        self._probe_ran = False  # lock-step: the batch-independence probe ran in this step
         self._sizes: list[int] | None = None  # every rank's example count (fully_shard), agreed
         p0 = params[0]
         noise = noise_for_factorization(
@@ -593,6 +594,7 @@ class DistributedPrivatizer(Privatizer):
         step agrees here, before its forward (a collective): on the failures and on every rank's
         example count (one all-reduce of W + 1 numbers)."""
         self._failure = None
+        self._probe_ran = False
         try:
             super()._before_forward(t, walk, inputs, targets, example_ids, handed_out)
         except STEP_CHECK_ERRORS as err:
@@ -626,6 +628,19 @@ class DistributedPrivatizer(Privatizer):
         W = self.collectives.world_size
         text = f"rank {r} of {W} refused step {t}, so every rank stops before the release: {message}"
         raise cls(text) from failure
+
+    def _probe(self, inputs, targets, t, walk) -> None:
+        """As ``Privatizer._probe``; in lock-step the probe counts as done only once every rank
+        agrees the step (``_batch_figures``), so that the ranks probe again together after a
+        refused step."""
+        if not self._lockstep:
+            super()._probe(inputs, targets, t, walk)
+            return
+        self._probe_ran = True
+        try:
+            super()._probe(inputs, targets, t, walk)
+        finally:
+            self._probed = False
 
     def _probe_now(self, inputs) -> bool:
         if not self._lockstep:
@@ -675,8 +690,10 @@ class DistributedPrivatizer(Privatizer):
         t = torch.tensor([n, float(clipped), float(norms), failed], dtype=torch.float64, device=p0.device)
         self.collectives.all_reduce(t)
         n, clipped, norms, failed = (float(v) for v in t.cpu())
+        probed, self._probe_ran = self._probe_ran, False
         if failed:
             self._raise_agreed(self.noise.step)
+        self._probed = self._probed or probed
         return int(round(n)), (clipped, norms)
 
     def after_step(self) -> None:

@@ -163,8 +163,9 @@ def probe_batch_independence(model: nn.Module, inputs, targets, norms_of, *, who
         inputs, targets: the first batch (B ≥ 2), as the private step receives them.
         norms_of: ``norms_of(inputs, targets)`` → per-example gradient norms, shape (b,), under
             the run's clipping method.
-        whole: run every pass before raising the first coupling found (the passes of a
-            fully_shard model are collectives every rank joins); False: stop at the first.
+        whole: run every pass before raising the first coupling found or error raised by
+            ``norms_of`` (the passes of a fully_shard model are collectives every rank joins);
+            False: stop at the first.
 
     Raises:
         BatchCouplingError: one line naming the coupling module (or the model), the example
@@ -186,12 +187,21 @@ def probe_batch_independence(model: nn.Module, inputs, targets, norms_of, *, who
             for d, s in zip(devices, cuda, strict=True):
                 torch.cuda.set_rng_state(s, d)
 
-        found: list[BatchCouplingError] = []
+        found: list[Exception] = []
 
-        def refuse(err: BatchCouplingError) -> None:
+        def refuse(err: Exception) -> None:
             if not whole:
                 raise err
             found.append(err)
+
+        def norms(xb, yb):
+            try:
+                return norms_of(xb, yb)
+            except Exception as err:  # a gradient check (NaN): the passes go on, the first raised
+                if not whole:
+                    raise
+                found.append(err)
+                return None
 
         for i in (0, b - 1):
             same = torch.full((b,), i, dtype=torch.long)
@@ -216,9 +226,11 @@ def probe_batch_independence(model: nn.Module, inputs, targets, norms_of, *, who
                     f"sum's sensitivity exceeds ζ; {_fix(None if at is None else at[1])}"
                 ))  # fmt: skip
             fresh()
-            n_a = norms_of(x, y)
+            n_a = norms(x, y)
             fresh()
-            n_b = norms_of(xs, ys)
+            n_b = norms(xs, ys)
+            if n_a is None or n_b is None:  # whole: a pass failed (its error kept)
+                continue
             a, c = float(n_a[i]), float(n_b[i])
             if abs(a - c) > _RTOL * max(abs(a), abs(c), 1e-30) and not found:
                 refuse(BatchCouplingError(

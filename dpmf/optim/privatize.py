@@ -468,15 +468,15 @@ class Privatizer(KeyHolder):
     def _clipped_sum(self, inputs, targets, t: int, walk, example_ids, points):
         """``clipped_sum`` of the batch under this step's settings (the batch-independence probe
         first, on the first batch of ≥ 2 examples), with the model's parameters and buffers
-        unchanged around it (``ModelStateChangedError`` otherwise). In lock-step a coupling the
-        probe finds is raised after the clipped sum (every rank's passes are the same)."""
+        unchanged around it (``ModelStateChangedError`` otherwise). In lock-step what the probe
+        raises is raised after the clipped sum (every rank's passes are the same)."""
         before = state_versions(self.model, walk)
         coupled = None
         try:
             if self._probe_now(inputs):
                 try:
                     self._probe(inputs, targets, t, walk)
-                except BatchCouplingError as err:
+                except STEP_CHECK_ERRORS as err:  # a coupling, or a NaN gradient of the probe's
                     if not self._lockstep:
                         raise
                     coupled = err

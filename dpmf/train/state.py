@@ -489,7 +489,9 @@ def _check_sharding(state: dict, privatizer, where: str) -> bool:
         raise ValueError(
             f"{where} holds a {have}-parameter run and this run's parameters are {want}: resume a "
             "fully_shard checkpoint into the model sharded with fully_shard (at any number of "
-            "processes), and a whole-model checkpoint into the model before fully_shard"
+            "processes: dpmf train --distributed --fsdp under torchrun, or make_private(process_group=…) "
+            "on the fully_shard model), and a whole-model checkpoint into the model before fully_shard "
+            "(dpmf train without --fsdp)"
         )
     return saved
 
