@@ -193,6 +193,26 @@ def _gpt2(out):
     lora = {n: p.full_tensor().detach() for n, p in model.named_parameters() if p.requires_grad}
     if dist.get_rank() == 0:
         torch.save({"lora": lora, "losses": losses, "steps": run.steps_taken}, os.path.join(out, "gpt2.pt"))
+    # the checkpoint keeps a digest of the frozen base weights: another base is refused
+    from dpmf.distributed import TorchCollectives
+    from dpmf.train.dcp import frozen_rows_digest
+
+    run.save(os.path.join(out, "gpt2-checkpoint.pt"))
+    digest = frozen_rows_digest(model, TorchCollectives())
+    other = g.gpt2()
+    with torch.no_grad():
+        other.base_model.model.transformer.wte.weight[3, 1] += 1e-3  # another base model
+    for block in other.base_model.model.transformer.h:
+        fully_shard(block)
+    fully_shard(other)
+    rerun = g.private_run(other, process_group=dist.group.WORLD, noise_multiplier=0.5)
+    try:
+        rerun.resume(os.path.join(out, "gpt2-checkpoint.pt"))
+        refused = "resumed"
+    except ValueError as err:
+        refused = str(err)
+    with open(os.path.join(out, f"gpt2-frozen.rank{dist.get_rank()}.txt"), "w") as f:
+        f.write(f"{digest}\n{refused}")
     dist.barrier()
     dist.destroy_process_group()
 

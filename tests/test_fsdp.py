@@ -349,7 +349,8 @@ def test_a_whole_model_checkpoint_is_refused_by_a_fully_shard_run(world_of_one, 
 @pytest.mark.slow
 def test_gpt2_with_lora_fully_shard_at_two_processes_equals_one_process(tmp_path):
     """A GPT-2 configuration with LoRA adapters, its blocks and root fully_shard-ed, through
-    make_private at W = 2 on gloo: the adapters after 4 Poisson steps equal one process's."""
+    make_private at W = 2 on gloo: the adapters after 4 Poisson steps equal one process's; its
+    checkpoint refuses another frozen base."""
     import gpt2_helpers as g
 
     _torchrun([str(HERE / "fsdp_worker.py"), "gpt2", str(tmp_path)], tmp_path, 2)
@@ -364,6 +365,14 @@ def test_gpt2_with_lora_fully_shard_at_two_processes_equals_one_process(tmp_path
     assert got["steps"] == run.steps_taken == 4 and sorted(got["lora"]) == sorted(lora) and len(lora) == 2
     for n, p in lora.items():
         torch.testing.assert_close(got["lora"][n], p, rtol=1e-5, atol=1e-5)
+    # the frozen base's digest does not depend on the split: W = 2's is one whole model's
+    from dpmf.train.dcp import frozen_rows_digest
+
+    (whole,) = simulate(1, lambda comm: frozen_rows_digest(g.gpt2(), comm))
+    for r in range(2):
+        digest, refused = (tmp_path / f"gpt2-frozen.rank{r}.txt").read_text().split("\n", 1)
+        assert digest == whole and len(whole) == 32
+        assert "its frozen weights differ from the saved run's" in refused
 
 
 @pytest.mark.slow

@@ -10,7 +10,10 @@ manifest is in place does rank 0 remove the older folders, so a stop at any mome
 manifest whose folder is complete. DCP reshards on load and the noise state is kept by
 coordinate ranges, so a run resumes at any number of processes over a ``fully_shard`` model.
 
-Frozen weights (a LoRA's base) are not saved: resume into the model built the same way.
+Frozen weights (a LoRA's base) are not saved: resume into the model built the same way. The
+manifest keeps a digest of them that does not depend on the split (``frozen_rows_digest``: a
+sum of per-row SHA-256 values, each rank hashing the rows it holds), so a resume into another
+base model is refused at any number of processes.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import shutil
 
 import torch
 
-__all__ = ["FOLDER", "save_dcp", "load_dcp", "remove_old_folders"]
+__all__ = ["FOLDER", "check_frozen_rows", "frozen_rows_digest", "save_dcp", "load_dcp", "remove_old_folders"]
 
 FOLDER = "{name}.dcp.step{step}.{token}"
 
@@ -35,6 +38,56 @@ def _trainable(model) -> dict:
     params = {id(p) for p in model.parameters() if p.requires_grad}
     named = dict(model.named_parameters())
     return {k: v for k, v in model.state_dict().items() if k in named and id(named[k]) in params}
+
+
+def frozen_rows_digest(model, collectives) -> str | None:
+    """A digest of the model's frozen parameters that is the same at any split over ranks: each
+    row (dim 0) of each frozen parameter is hashed with the parameter's name, global shape and
+    dtype and the row's global index (SHA-256), and the values are summed modulo 2¹²⁸ over the
+    rows and the ranks (a DTensor's rows by the rank that holds them, a whole tensor's by rank
+    0); None when nothing is frozen. Every rank calls it (one all-gather of one number).
+
+    Detects a resume into another base model (an honest mistake); a sum of hashes is not meant
+    to resist rows chosen to collide."""
+    import hashlib
+
+    from dpmf.optim.fsdp import is_sharded, local_part, shard_span
+
+    total, frozen = 0, False
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            continue
+        frozen = True
+        if not is_sharded(p) and collectives.rank != 0:
+            continue
+        local = local_part(p).detach().cpu().contiguous()
+        rows = local.reshape(local.shape[0], -1) if local.dim() else local.reshape(1, -1)
+        width = max(1, p.numel() // (int(p.shape[0]) if p.dim() else 1))
+        first = shard_span(p)[0] // width if is_sharded(p) else 0
+        tag = f"{name}:{tuple(p.shape)}:{p.dtype}:"
+        for i, row in enumerate(rows):
+            h = hashlib.sha256(f"{tag}{first + i};".encode())
+            h.update(row.view(torch.uint8).numpy().tobytes() if row.numel() else b"")
+            total += int.from_bytes(h.digest()[:16], "big")
+    if not frozen:
+        return None
+    return format(sum(collectives.all_gather_object(total % (1 << 128))) % (1 << 128), "032x")
+
+
+def check_frozen_rows(state: dict, model, collectives, where: str) -> None:
+    """Refuse, before anything is loaded, a ``save_dcp`` state saved from other frozen weights
+    (every rank calls it).
+
+    Raises:
+        ValueError: the frozen weights' ``frozen_rows_digest`` differs from the saved one.
+    """
+    saved = (state.get("model") or {}).get("frozen_rows_sha256")
+    if saved != frozen_rows_digest(model, collectives):
+        raise ValueError(
+            f"{where} is invalid for this model: its frozen weights differ from the saved run's "
+            "(another base model, or another set of trainable parameters); resume into the model it "
+            "was saved from, sharded with fully_shard"
+        )
 
 
 def save_dcp(path: str, state: dict, model, collectives) -> dict:
@@ -60,7 +113,9 @@ def save_dcp(path: str, state: dict, model, collectives) -> dict:
     if collectives.rank == 0:
         for f in os.listdir(folder):
             os.chmod(os.path.join(folder, f), 0o600)
-    out = dict(state, model={}, fsdp={"folder": os.path.basename(folder)})
+    digest = frozen_rows_digest(model, collectives)
+    frozen = {} if digest is None else {"frozen_rows_sha256": digest}
+    out = dict(state, model=frozen, fsdp={"folder": os.path.basename(folder)})
     out["optimizer"] = dict(state["optimizer"], state=skeleton)
     return out
 
@@ -113,6 +168,7 @@ def load_dcp(state: dict, model, optimizer, collectives) -> None:
 
     folder = state["fsdp"]["folder"]  # made absolute by dpmf.train.shards.merge_shards
     path = state["fsdp"].get("manifest", folder)
+
     if not os.path.isdir(folder):
         raise ValueError(
             f"checkpoint {str(path)!r} is incomplete: its folder {os.path.basename(folder)!r} is missing "

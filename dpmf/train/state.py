@@ -50,7 +50,7 @@ import torch
 
 from dpmf import seeds
 from dpmf.train.checkpoint import as_numpy, load_checkpoint, save_checkpoint
-from dpmf.train.dcp import load_dcp, remove_old_folders, save_dcp
+from dpmf.train.dcp import check_frozen_rows, load_dcp, remove_old_folders, save_dcp
 from dpmf.train.hf import check_model_state, load_model_state, model_state
 from dpmf.train.private_loader import TransformedDataset
 from dpmf.train.shards import merge_shards, save_sharded
@@ -460,8 +460,10 @@ def restore_run_state(state: dict, *, model, optimizer, sampler, privatizer, whe
             noise stream at different steps.
     """
     sharded = _check_sharding(state, privatizer, where)
-    if not sharded:
-        check_model_state(model, state["model"], where)  # other frozen weights: before any loading
+    if sharded:  # other frozen weights: refused before any loading
+        check_frozen_rows(state, model, privatizer.collectives, where)
+    else:
+        check_model_state(model, state["model"], where)
     load_noise_state(privatizer.noise, state["noise"], where)
     if sharded:  # the shards through DCP, resharded to this run's processes
         load_dcp(state, model, optimizer, privatizer.collectives)
