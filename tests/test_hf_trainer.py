@@ -159,7 +159,10 @@ class _StopAt(transformers.TrainerCallback):
         ({"max_grad_norm": 1.0}, "max_grad_norm=1.0 is invalid"),
         ({"max_steps": 9}, "max_steps=9 is invalid: the private plan has 4 steps"),
         ({"lr_scheduler_type": "cosine"}, "lr_scheduler_type='cosine'"),
-        ({"warmup_steps": 2}, "warm-up 2"),
+        ({"warmup_steps": 2}, "warmup_steps=2 is invalid: the learning-rate schedule, warm-up included"),
+        # the optimizer is make_private's (SGD, lr 0.5): the Trainer's would be ignored
+        ({"learning_rate": 1e-3}, r"learning_rate=0.001 is invalid: .* own learning rate \(0.5\)"),
+        ({"weight_decay": 0.01}, "weight_decay=0.01 is invalid"),
         ({"include_num_input_tokens_seen": "all"}, "include_num_input_tokens_seen='all' is invalid"),
     ],
 )
@@ -170,6 +173,10 @@ def test_arguments_that_would_change_the_private_step_are_refused(tmp_path, kw, 
     with pytest.raises(TypeError, match="train_dataset is invalid for PrivateTrainer"):
         PrivateTrainer(private, args(tmp_path), train_dataset=Dicts(N))
     assert private.steps_taken == 0
+
+
+def test_the_optimizers_own_learning_rate_given_to_the_trainer_is_accepted(tmp_path):
+    PrivateTrainer(private_run(), args(tmp_path, learning_rate=0.5))
 
 
 def test_a_checkpoint_without_the_private_state_is_refused(tmp_path):

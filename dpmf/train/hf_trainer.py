@@ -30,7 +30,9 @@ What the Trainer does and what dpmf does:
   the sizes of the sampled batches is off: ``include_num_input_tokens_seen`` is refused and
   ``total_flos`` is 0.
 - **Not used**: ``num_train_epochs`` and ``per_device_train_batch_size`` (the plan's steps and
-  batches are make_private's ``epochs``/``steps`` and ``batch_size``).
+  batches are make_private's ``epochs``/``steps`` and ``batch_size``). The optimizer is
+  make_private's: a ``learning_rate`` other than the Trainer's default and the optimizer's own,
+  or a ``weight_decay``, is refused rather than ignored.
 - **Checkpoints**: each of the Trainer's checkpoints holds ``dpmf_state.pt``, the run's secret
   state (noise key and buffers, sampler position; file mode 0600). ``train(resume_from_checkpoint=…)``
   resumes it (the model's trainable weights included) with the Trainer's own state, optimizer
@@ -67,10 +69,11 @@ _OWN = (  # the private run's: not the Trainer's to set
 _CONSTANT = ("linear", "constant")
 
 
-def _trainer_args(args, steps: int):
+def _trainer_args(args, steps: int, optimizer=None):
     """The Trainer's arguments for a private run of ``steps`` steps (see the module)."""
     if not isinstance(args, transformers.TrainingArguments):
         raise TypeError(f"args={type(args).__name__} is invalid: must be a transformers.TrainingArguments")
+    _check_optimizer_settings(args, optimizer)
     if args.gradient_accumulation_steps != 1:
         raise ValueError(
             f"gradient_accumulation_steps={args.gradient_accumulation_steps} is invalid: must be 1, a "
@@ -88,13 +91,19 @@ def _trainer_args(args, steps: int):
             "-1 (it is set to the plan's) or change make_private's steps/epochs"
         )
     kind = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
-    warmup = args.warmup_steps or getattr(args, "warmup_ratio", 0)
-    if kind not in _CONSTANT or warmup:
+    if kind not in _CONSTANT:
         raise ValueError(
-            f"lr_scheduler_type={kind!r} (warm-up {warmup}) is invalid: the learning-rate schedule is the "
-            "plan's, make_private(schedule=…); leave the Trainer's at its default, or pass lr_scheduler= "
-            "to PrivateTrainer"
+            f"lr_scheduler_type={kind!r} is invalid: the learning-rate schedule is the plan's, "
+            "make_private(schedule=…); leave the Trainer's at its default, or pass lr_scheduler= to "
+            "PrivateTrainer"
         )
+    for name in ("warmup_steps", "warmup_ratio"):
+        if getattr(args, name, 0):
+            raise ValueError(
+                f"{name}={getattr(args, name)} is invalid: the learning-rate schedule, warm-up included, is "
+                "the plan's, make_private(schedule=…) (a warm-up is part of the workload the strategy "
+                "is optimised for); leave it at 0, or pass lr_scheduler= to PrivateTrainer"
+            )
     tokens = args.include_num_input_tokens_seen
     if tokens not in (False, None, "no"):
         raise ValueError(
@@ -108,6 +117,26 @@ def _trainer_args(args, steps: int):
             "process per GPU with torchrun and make_private(process_group=…), or set CUDA_VISIBLE_DEVICES"
         )
     return dataclasses.replace(args, max_steps=steps, ignore_data_skip=True)
+
+
+def _check_optimizer_settings(args, optimizer) -> None:
+    """Refuse the Trainer's optimizer settings that make_private's optimizer would silently
+    override: a ``learning_rate`` other than both the Trainer's default and the optimizer's
+    learning rate, and any ``weight_decay`` (the optimizer's own is what steps)."""
+    default = transformers.TrainingArguments.__dataclass_fields__["learning_rate"].default
+    lrs = sorted({g["lr"] for g in getattr(optimizer, "param_groups", ())})
+    if args.learning_rate != default and args.learning_rate not in lrs:
+        raise ValueError(
+            f"learning_rate={args.learning_rate} is invalid: the optimizer is make_private's and steps "
+            f"with its own learning rate ({', '.join(map(str, lrs)) or 'unknown'}); set lr on the optimizer "
+            "given to make_private, and leave learning_rate at its default"
+        )
+    if args.weight_decay:
+        raise ValueError(
+            f"weight_decay={args.weight_decay} is invalid: the optimizer is make_private's and its own "
+            "weight decay is what steps; give it to that optimizer (e.g. DPAdam(…, weight_decay=…)) and "
+            "leave weight_decay at 0"
+        )
 
 
 class PrivateTrainer(transformers.Trainer):
@@ -137,7 +166,7 @@ class PrivateTrainer(transformers.Trainer):
                 f"{given[0]} is invalid for PrivateTrainer: make_private's run sets it (model, data, "
                 "loss and optimizer come from the private run)"
             )
-        args = _trainer_args(args, private.plan.steps)
+        args = _trainer_args(args, private.plan.steps, private.optimizer)
         if lr_scheduler is None:
             lr_scheduler = torch.optim.lr_scheduler.LambdaLR(private.optimizer, lambda step: 1.0)
         self.private = private
