@@ -606,7 +606,7 @@ class DistributedPrivatizer(Privatizer):
         v = torch.zeros(W + 1, dtype=torch.float64, device=p0.device)
         v[rank], v[W] = batch_size_of(inputs), float(self._failure is not None)
         self.collectives.all_reduce(v)
-        agreed = [int(round(float(x))) for x in v.cpu()]
+        agreed = [int(round(x)) for x in v.cpu().tolist()]  # one read of every rank's figures
         if agreed[W]:
             self._raise_agreed(t)
         self._sizes = agreed[:W]
@@ -684,12 +684,14 @@ class DistributedPrivatizer(Privatizer):
         """The global batch's figures, summed over the ranks with each rank's failed-check flag
         in the same all-reduce: if any rank failed, every rank raises its error here, before
         the release."""
-        n, (clipped, norms) = (0, (0.0, 0.0)) if summed is None else super()._batch_figures(summed)
+        n, figures = (0, (0.0, 0.0)) if summed is None else super()._batch_figures(summed)
         p0 = trainable_parameters(self.model)[0][1]
-        failed = float(self._failure is not None)
-        t = torch.tensor([n, float(clipped), float(norms), failed], dtype=torch.float64, device=p0.device)
+        head = torch.tensor([n, float(self._failure is not None)], dtype=torch.float64, device=p0.device)
+        if not isinstance(figures, torch.Tensor):
+            figures = torch.tensor(figures)
+        t = torch.cat([head, figures.to(torch.float64).to(p0.device)])  # not read before the all-reduce
         self.collectives.all_reduce(t)
-        n, clipped, norms, failed = (float(v) for v in t.cpu())
+        n, failed, clipped, norms = t.cpu().tolist()  # the step's one read of the figures
         probed, self._probe_ran = self._probe_ran, False
         if failed:
             self._raise_agreed(self.noise.step)
