@@ -161,6 +161,16 @@ def test_what_the_sharded_step_cannot_take_is_refused_in_one_line(world_of_one):
     fully_shard(cast, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="mp_policy=.* casts the parameters"):
         _privatizer(cast)
+    from dpmf.audit.private_audit import audit_make_private
+
+    model = h.shard(h.build(torch.float64))
+    x, y = h.data(torch.float64)
+    with pytest.raises(ValueError, match="the white-box audit is invalid for a fully_shard model"):
+        audit_make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), torch.utils.data.TensorDataset(x, y),
+            canaries=10, loss_fn=nn.functional.cross_entropy, batch_size=8, epochs=1, noise_multiplier=1.0,
+            target_delta=1e-5, factorization="identity", process_group=world_of_one,
+        )  # fmt: skip
 
 
 class _Scaled(nn.Module):

@@ -629,6 +629,21 @@ class DistributedPrivatizer(Privatizer):
         text = f"rank {r} of {W} refused step {t}, so every rank stops before the release: {message}"
         raise cls(text) from failure
 
+    def set_stage(self, stage) -> None:
+        """As ``Privatizer.set_stage``; refused for a fully_shard model.
+
+        Raises:
+            ValueError: a fully_shard model (the audit's canaries and projections are whole-model
+                vectors, which no rank of a sharded step holds).
+        """
+        if self._lockstep:
+            raise ValueError(
+                "the white-box audit is invalid for a fully_shard model: its canaries and projections "
+                "are whole-model vectors, which no rank of the sharded step holds; audit the same "
+                "configuration without fully_shard (one process, or torchrun with the whole model)"
+            )
+        super().set_stage(stage)
+
     def _probe(self, inputs, targets, t, walk) -> None:
         """As ``Privatizer._probe``; in lock-step the probe counts as done only once every rank
         agrees the step (``_batch_figures``), so that the ranks probe again together after a
