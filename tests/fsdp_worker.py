@@ -87,24 +87,32 @@ def _agree(out):
     comm = TorchCollectives()
     x, y = h.data(torch.float64)
     refused = {}
-    for micro in (None, 2):
+
+    def sharded_run(**kw):
         model = h.shard(h.build(torch.float64))
         opt = h.optimizer("dp-sgd", model)
         priv = DistributedPrivatizer(
             model, torch.nn.functional.cross_entropy, collectives=comm, plan=h.UNEVEN, clip_norm=1.0,
-            seed=h.SEED, optimizer=opt, micro_batch_size=micro,
-            bucket_entries=16 if micro else BUCKET_ENTRIES,  # many buckets, several per pass
+            seed=h.SEED, optimizer=opt, **kw,
         )  # fmt: skip
         opt.bind(priv)
+        return model, opt, priv
+
+    def with_nan_on_rank_1(priv, case, mine):
+        bad = x[mine].clone()
+        bad[0, 0] = float("nan") if comm.rank == 1 else bad[0, 0]
+        try:
+            priv.privatize(bad, y[mine])
+        except FloatingPointError as err:
+            refused[case] = f"{type(err).__name__} {priv.noise.step} {err}"
+
+    for micro in (None, 2):
+        # micro-batches of 2: many buckets, several per pass
+        model, opt, priv = sharded_run(micro_batch_size=micro, bucket_entries=16 if micro else BUCKET_ENTRIES)
         for t in range(h.UNEVEN.steps):
             mine = h.uneven_slice(t, comm.rank)
             if t == 1 and micro is None:
-                bad = x[mine].clone()
-                bad[0, 0] = float("nan") if comm.rank == 1 else bad[0, 0]
-                try:
-                    priv.privatize(bad, y[mine])
-                except FloatingPointError as err:
-                    refused["nan"] = f"{type(err).__name__} {priv.noise.step} {err}"
+                with_nan_on_rank_1(priv, "nan", mine)
             priv.privatize(x[mine], y[mine])
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -118,20 +126,9 @@ def _agree(out):
             except ValueError as err:
                 refused["empty"] = f"{type(err).__name__} {err}"
     # a NaN on rank 1 at the first step, inside the batch-independence probe's passes
-    model = h.shard(h.build(torch.float64))
-    opt = h.optimizer("dp-sgd", model)
-    priv = DistributedPrivatizer(
-        model, torch.nn.functional.cross_entropy, collectives=comm, plan=h.UNEVEN, clip_norm=1.0,
-        seed=h.SEED, optimizer=opt,
-    )  # fmt: skip
-    opt.bind(priv)
+    model, opt, priv = sharded_run()
     mine = slice(2 * comm.rank, 2 * comm.rank + 2)
-    bad = x[mine].clone()
-    bad[0, 0] = float("nan") if comm.rank == 1 else bad[0, 0]
-    try:
-        priv.privatize(bad, y[mine])
-    except FloatingPointError as err:
-        refused["nan-probe"] = f"{type(err).__name__} {priv.noise.step} {err}"
+    with_nan_on_rank_1(priv, "nan-probe", mine)
     priv.privatize(x[mine], y[mine])  # every rank probes again, together, and goes on
     opt.step()
     refused["nan-probe"] += f" | probed {priv._probed} step {priv.noise.step}"

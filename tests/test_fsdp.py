@@ -466,38 +466,13 @@ def test_the_sharded_steps_host_synchronisations_do_not_grow_with_the_model(worl
     """A fully_shard step (make_private, W = 1) hands tensor values to Python in ≤ 3 counted ops
     (the dispatch mode of tests/test_host_syncs.py), at every model size; its two agreements
     read their all-reduced figures in one copy each."""
-    import warnings
-
-    import torch.nn.functional as F
-    from test_host_syncs import _mlp, _Syncs
+    from test_host_syncs import _mlp, _syncs_of_a_step
     from torch.distributed.fsdp import fully_shard
-    from torch.utils.data import TensorDataset
-
-    import dpmf
 
     model = _mlp(tensors)
     for m in model:
         if isinstance(m, nn.Linear):
             fully_shard(m)
     fully_shard(model)
-    g = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(320, 16, generator=g), torch.randint(0, 10, (320,), generator=g))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        private = dpmf.make_private(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=F.cross_entropy,
-            batch_size=32, epochs=1, noise_multiplier=1.0, clip_norm=1.0, factorization="identity",
-            scheme="poisson", target_delta=1e-5, seed=3, process_group=world_of_one,
-        )  # fmt: skip
-    batches = iter(private.data_loader)
-    for _ in range(2):  # the first step also probes the batch's independence
-        x, y = next(batches)
-        private.backward(x, target=y)
-        private.optimizer.step()
-        private.optimizer.zero_grad()
-    x, y = next(batches)
-    with _Syncs() as syncs:
-        private.backward(x, target=y)
-        private.optimizer.step()
-    assert len([p for p in model.parameters()]) == tensors
-    assert syncs.count <= 3
+    assert len(list(model.parameters())) == tensors
+    assert _syncs_of_a_step(model, (16,), "auto", process_group=world_of_one) <= 3

@@ -40,7 +40,8 @@ def _mlp(tensors: int) -> nn.Module:
     return nn.Sequential(*mods, nn.Linear(16, 10))
 
 
-def _syncs_of_a_step(model, shape, clipping) -> int:
+def _syncs_of_a_step(model, shape, clipping, **kw) -> int:
+    """Counted ops in the third step of make_private's loop (``kw``: more of its arguments)."""
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(320, *shape, generator=g), torch.randint(0, 10, (320,), generator=g))
     with warnings.catch_warnings():
@@ -48,7 +49,7 @@ def _syncs_of_a_step(model, shape, clipping) -> int:
         private = dpmf.make_private(
             model, torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=F.cross_entropy,
             batch_size=32, epochs=1, noise_multiplier=1.0, clip_norm=1.0, factorization="identity",
-            scheme="poisson", clipping=clipping, target_delta=1e-5, seed=3,
+            scheme="poisson", clipping=clipping, target_delta=1e-5, seed=3, **kw,
         )  # fmt: skip
     batches = iter(private.data_loader)
     for _ in range(2):  # the first step also probes the batch's independence
