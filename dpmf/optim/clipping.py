@@ -402,16 +402,11 @@ def clipped_sum(
             instantiated), take the whole batch. None: the whole batch for every method.
         walk: a ``dpmf.optim.model_guard.ModelWalk`` of ``model`` taken now, by a caller that
             walked the model for its own checks (``Privatizer``); None: a new one.
-        micro_batches: run exactly this many book-keeping micro-batch passes, those past the
-            batch on its first example and counting nothing (a fully_shard model, whose passes
-            are collectives every rank joins, in lock-step with ranks of more examples); at
-            least the batch's own count. None: as many as the batch needs.
-        sink: where the book-keeping sums go as each layer's is computed, in parameter order
-            (a fully_shard step reduce-scatters them to the shards, so no whole-model sum is
-            held): ``sink(dict)`` takes name → sum, ``sink.end_pass()`` closes a micro-batch's
-            pass, ``sink.counting`` (False on padding passes) says whether the values count,
-            ``sink.shards()`` gives the result, one tensor per trainable parameter, which the
-            returned ``ClippedSum.grads`` then holds. None: the sums are returned whole.
+        micro_batches, sink: a fully_shard step in lock-step (``dpmf.distributed.step``): run
+            exactly ``micro_batches`` book-keeping passes (those past the batch on its first
+            example, counting nothing), and send each layer's sums to ``sink(dict)`` as they are
+            computed (``sink.end_pass()`` after each pass; ``sink.counting`` False on padding;
+            ``ClippedSum.grads`` is then ``sink.shards()``). None: neither.
 
     Returns:
         ``ClippedSum`` with one summed tensor per trainable parameter.
@@ -421,17 +416,9 @@ def clipped_sum(
         NonFiniteGradientError: a per-example gradient has NaN/inf entries (naming the step
             and the parameters; the examples only as attributes); nothing is returned.
     """
-    clip_norm = check_real("clip_norm", clip_norm, low=0.0, low_inclusive=False)
-    clipping = check_choice("clipping", clipping, CLIPPING_MODES)
-    batch, device, clipping = _batch_of(inputs, clipping)
-    target_batch = int(_leaves(targets)[0].shape[0])
-    walk = ModelWalk(model) if walk is None else walk
-    check_per_example_safe(model, walk, sharded=True)
-    if batch != target_batch:
-        raise ValueError(f"inputs and targets are invalid: batch sizes differ ({batch} vs {target_batch})")
-    named = trainable_parameters(model, walk)
-    clipping = _sharded_clipping(named, clipping)
-    plan = _check_points(points, named)
+    clip_norm, clipping, batch, device, walk, named, plan = _checked_call(
+        model, inputs, targets, clip_norm, clipping, walk, points
+    )
     micro_batch_size, vmap_micro = _micro_batch_sizes(named, batch, micro_batch_size, micro_batch_entries)
     if sink is not None and clipping != "bk":
         raise ValueError(f"sink is invalid with clipping={clipping!r}: it takes book-keeping sums ('bk')")
@@ -443,18 +430,31 @@ def clipped_sum(
         _pad_micro_batches(model, loss_fn, inputs, targets, clip_norm, named, plan, used, walk, batch,
                            micro_batches - -(-batch // micro_batch_size), sink)  # fmt: skip
     norms = torch.cat(all_norms) if all_norms else torch.zeros(0, dtype=torch.float64)
-    if sink is not None:
-        grads = sink.shards()
-    else:
-        grads = [zeros_of(p) if t is None else t for t, (_, p) in zip(sums, named, strict=True)]
-    return ClippedSum(
-        grads,
-        norms,
-        batch,
-        clip_norm,
-        used,
-        _loss_sum(all_losses, batch, device),
-    )
+    whole = [zeros_of(p) if t is None else t for t, (_, p) in zip(sums, named, strict=True)]
+    grads = sink.shards() if sink is not None else whole
+    return ClippedSum(grads, norms, batch, clip_norm, used, _loss_sum(all_losses, batch, device))
+
+
+def _checked_call(model, inputs, targets, clip_norm, clipping, walk, points) -> tuple:
+    """``clipped_sum``'s arguments checked: (ζ, the method, B, the device, the walk, the
+    trainable (name, parameter) pairs, the evaluation plan).
+
+    Raises:
+        ValueError: ζ ≤ 0, an unknown method (or one a fully_shard model cannot take), inputs
+            and targets of different batch sizes, a bad plan; what ``check_per_example_safe``
+            raises.
+    """
+    clip_norm = check_real("clip_norm", clip_norm, low=0.0, low_inclusive=False)
+    clipping = check_choice("clipping", clipping, CLIPPING_MODES)
+    batch, device, clipping = _batch_of(inputs, clipping)
+    target_batch = int(_leaves(targets)[0].shape[0])
+    walk = ModelWalk(model) if walk is None else walk
+    check_per_example_safe(model, walk, sharded=True)
+    if batch != target_batch:
+        raise ValueError(f"inputs and targets are invalid: batch sizes differ ({batch} vs {target_batch})")
+    named = trainable_parameters(model, walk)
+    clipping = _sharded_clipping(named, clipping)
+    return clip_norm, clipping, batch, device, walk, named, _check_points(points, named)
 
 
 def _sharded_clipping(named: list, clipping: str) -> str:

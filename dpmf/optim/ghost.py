@@ -959,6 +959,13 @@ def _batch_tensor(inputs) -> torch.Tensor:
     return inputs
 
 
+def _mark_probed(engine, bad: dict) -> None:
+    """Send the layers whose records the probe found not to follow the batch to the fallback."""
+    for layer in engine.layers:
+        if layer.name in bad and layer.fallback is None:
+            layer.fallback = bad[layer.name]
+
+
 def _probe(model, engine, inputs, plan, sharded: bool = False) -> dict[str, str]:
     """Module name → why its recorded tensors do not follow the batch (a one-example pass),
     remembered per input signature — or, for a fully_shard model (whose forward every rank
@@ -1019,9 +1026,8 @@ def ghost_clipped_sum(
             path (the caller then uses that path for every parameter).
         walk: a ``dpmf.optim.model_guard.ModelWalk`` of ``model`` taken now (its modules and
             parameters; None: ``named_modules()`` and ``named_parameters()``).
-        sink: ``sink(dict)`` takes the sums (name → tensor) as they are computed, in the order
-            of ``names`` (book-keeping only; a fully_shard step sends them to the shards layer
-            by layer); ``grads`` then maps every name to None.
+        sink: takes each layer's sums (``sink(dict)``) as they are computed, in ``names``'
+            order ("bk"; a fully_shard step's reduce-scatters); ``grads`` then maps to None.
 
     Returns:
         ``GhostResult``, or None (only with ``allow_fallback=False``). When a norm is not
@@ -1054,10 +1060,7 @@ def ghost_clipped_sum(
     modules = None if walk is None else walk.unique_modules
     with torch.enable_grad(), _Engine(model, names, named, modules) as engine:
         if b > 1 or sharded:  # fully_shard: once per model, on every rank alike (a collective)
-            bad = _probe(model, engine, inputs, plan, sharded)
-            for layer in engine.layers:
-                if layer.name in bad and layer.fallback is None:
-                    layer.fallback = bad[layer.name]
+            _mark_probed(engine, _probe(model, engine, inputs, plan, sharded))
         if not allow_fallback and any(layer.fallback for layer in engine.layers):
             return None
         engine.anchor = torch.zeros((), device=device, requires_grad=True)
