@@ -56,3 +56,18 @@ def add_rank_arguments(ap, *, steps: int, worlds: str) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--rank-mode", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+
+
+def end_rank() -> None:
+    """Destroy the process group and leave without the interpreter's teardown: gloo's worker
+    threads can abort it (``terminate called without an active exception``, SIGABRT) after
+    every result is written, and torchrun then reports the run as failed."""
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

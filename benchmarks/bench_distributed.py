@@ -32,12 +32,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _harness import add_rank_arguments, init_rank  # noqa: E402
+from _harness import add_rank_arguments, end_rank, init_rank  # noqa: E402
 
 
 def _rank(args) -> None:
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
 
     from dpmf.distributed import DistributedPrivatizer, TorchCollectives, rank_slice
@@ -96,7 +95,7 @@ def _rank(args) -> None:
     if comm.rank == 0:
         with open(args.out, "w") as f:
             json.dump(rows, f)
-    dist.destroy_process_group()
+    end_rank()  # every result is written
 
 
 def main() -> None:

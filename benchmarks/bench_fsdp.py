@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _harness import add_rank_arguments, init_rank  # noqa: E402
+from _harness import add_rank_arguments, end_rank, init_rank  # noqa: E402
 
 
 def _model(args, device):
@@ -99,7 +99,6 @@ def _gathered_bytes(model, world: int, rank: int) -> int:
 
 def _rank(args) -> None:
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
 
     from dpmf.distributed import DistributedPrivatizer, TorchCollectives, rank_slice
@@ -162,7 +161,7 @@ def _rank(args) -> None:
     if comm.rank == 0:
         with open(args.out, "w") as f:
             json.dump(gathered, f)
-    dist.destroy_process_group()
+    end_rank()  # every result is written
 
 
 def _launch(args, world: int) -> list:

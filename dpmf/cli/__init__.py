@@ -83,12 +83,14 @@ def _configure_logging() -> None:
 def run() -> None:
     """The ``dpmf`` command: ``main()``, then exit with its status.
 
-    After a stop by SIGINT/SIGTERM (130/143) ``results.json`` and the checkpoint are already on
-    disk (atomic writes), so the process leaves without the interpreter's teardown, where a C++
-    worker thread interrupted mid-operation can abort it (SIGABRT) and hide the exit status.
+    After a stop by SIGINT/SIGTERM (130/143), and after any run started by torchrun (its gloo
+    or NCCL worker threads), ``results.json`` and the checkpoint are already on disk (atomic
+    writes), so the process leaves without the interpreter's teardown, where a C++ worker thread
+    can abort it (SIGABRT: "terminate called without an active exception") and hide the exit
+    status from torchrun.
     """
     code = main()
-    if code in (130, 143):
+    if code in (130, 143) or "TORCHELASTIC_RUN_ID" in os.environ:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
