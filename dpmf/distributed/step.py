@@ -307,16 +307,16 @@ class ShardSink:
         self._parts = [-(-r // W) * w for r, w in zip(rows, widths, strict=True)]
         self._local = [local_part(p).numel() for p in params]
         self._buckets: list[list[int]] = []
+        self._widths: list[int] = []  # each bucket's columns: Σ of its parameters' parts
         self._bucket_of, self._offset = [], []
-        size = 0
         for j, part in enumerate(self._parts):
-            if not self._buckets or size + W * part > bucket_entries:
+            if not self._buckets or W * (self._widths[-1] + part) > bucket_entries:
                 self._buckets.append([])
-                size = 0
+                self._widths.append(0)
             self._bucket_of.append(len(self._buckets) - 1)
-            self._offset.append(sum(self._parts[i] for i in self._buckets[-1]))
+            self._offset.append(self._widths[-1])
             self._buckets[-1].append(j)
-            size += W * part
+            self._widths[-1] += part
         self._mine = [local_part(p).new_zeros(part) for p, part in zip(params, self._parts, strict=True)]
         self._buffers: dict[int, torch.Tensor] = {}
         self._filled: list[set] = [set() for _ in self._buckets]
@@ -324,9 +324,6 @@ class ShardSink:
         #: the most entries the buckets held at once: the step's transient clipped-sum memory
         #: (beside the shards' rows and one layer's sums as its handler returns them)
         self.peak_entries = 0
-
-    def _width(self, k: int) -> int:
-        return sum(self._parts[j] for j in self._buckets[k])
 
     def __call__(self, sums: dict) -> None:
         """Take name → Σ_i c_i·g_i (the parameter's global shape) and send what is complete."""
@@ -336,7 +333,8 @@ class ShardSink:
             if self.counting:
                 buf = self._buffers.get(k)
                 if buf is None:
-                    buf = self._buffers[k] = g.new_zeros((self._W, self._width(k)), dtype=self._mine[j].dtype)
+                    shape = (self._W, self._widths[k])
+                    buf = self._buffers[k] = g.new_zeros(shape, dtype=self._mine[j].dtype)
                     held = sum(b.numel() for b in self._buffers.values())
                     self.peak_entries = max(self.peak_entries, held)
                 _copy_rows(buf, self._offset[j], self._parts[j], g.reshape(-1).to(buf.dtype))
@@ -349,8 +347,8 @@ class ShardSink:
         buf = self._buffers.pop(k, None)
         dtype = self._mine[self._buckets[k][0]].dtype
         if buf is None:  # nothing counted in it (padding, a failed pass): zeros
-            buf = self._mine[0].new_zeros((self._W, self._width(k)), dtype=dtype)
-        out = buf.new_empty(self._width(k))
+            buf = self._mine[0].new_zeros((self._W, self._widths[k]), dtype=dtype)
+        out = buf.new_empty(self._widths[k])
         self.collectives.reduce_scatter(out, buf.view(-1))
         for j in self._buckets[k]:
             at = self._offset[j]
